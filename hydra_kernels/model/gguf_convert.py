@@ -1,0 +1,165 @@
+"""GGUF (llama.cpp) -> HF-format directory, dequantised once and cached.
+
+The cached directory (config.json, model.safetensors in fp32, tokenizer files) is then loaded like any
+HF checkpoint, so a second load costs a safetensors read instead of a dequantisation.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import LlamaConfig
+
+_FORMAT_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def cache_root() -> Path:
+    env = os.environ.get("HYDRA_KERNELS_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra_kernels"
+
+
+def hf_name(gguf_name: str) -> str:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":  # blk.{i}.{what}.{weight|bias}
+        i, what, kind = parts[1], parts[2], parts[3]
+        if what not in _LAYER_NAMES:
+            raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a Llama model")
+        return f"model.layers.{i}.{_LAYER_NAMES[what]}.{kind}"
+    if parts[0] not in _TOP_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r} for a Llama model")
+    return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order. Per head HF keeps the rotate-half layout (the D/2 first
+    components, then the D/2 second ones); llama.cpp interleaves them pairwise: rows
+    [n_heads, 2, D/2] were stored as [n_heads, D/2, 2]."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> LlamaConfig:
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"not a Llama-family GGUF: general.architecture={arch!r} (hydra_kernels reads 'llama')")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise NotImplementedError(
+            "this GGUF carries llama3 rope frequency factors (rope_freqs.weight), which the GGUF reader does "
+            "not convert yet; load the model's HF safetensors directory instead"
+        )
+    heads = _field(reader, "llama.attention.head_count")
+    kv_heads = _field(reader, "llama.attention.head_count_kv", heads)
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        raise NotImplementedError("GGUF with per-layer head counts is not supported")
+    hidden = _field(reader, "llama.embedding_length")
+    scaling = None
+    if _field(reader, "llama.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(_field(reader, "llama.rope.scaling.factor"))}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _field(reader, "llama.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    return LlamaConfig(
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_layers=int(_field(reader, "llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(_field(reader, "llama.attention.key_length", hidden // heads)),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, "llama.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(_field(reader, "llama.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        extra={"gguf_has_tokenizer": tokens is not None},
+    )
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Config and HF-named fp32 state dict of a Llama GGUF file (any gguf-supported quantisation)."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    sd = {}
+    for t in reader.tensors:
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w = np.asarray(t.data, dtype=np.float32)
+        else:
+            w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = w.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims innermost first
+        name = hf_name(t.name)
+        if name.endswith("q_proj.weight"):
+            w = unpermute_rope_rows(w, cfg.num_heads)
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_rope_rows(w, cfg.num_kv_heads)
+        sd[name] = torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy
+    return cfg, sd
+
+
+def convert_gguf_cached(path: str | os.PathLike) -> Path:
+    """Convert a GGUF file to an HF directory under cache_root() once; return that directory."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    st = path.stat()
+    out = cache_root() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{_FORMAT_VERSION}"
+    if (out / "config.json").exists():
+        return out
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        with tqdm(total=2, desc=f"converting {path.name} (once)", leave=False) as bar:
+            cfg, sd = read_gguf(path)
+            (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
+            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            bar.update()
+            if cfg.extra.get("gguf_has_tokenizer"):
+                _save_gguf_tokenizer(path, tmp)
+            bar.update()
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _save_gguf_tokenizer(path: Path, out: Path) -> None:
+    """transformers rebuilds the tokenizer (and chat template) from the GGUF metadata; save it as files."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))

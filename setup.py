@@ -1,0 +1,48 @@
+"""Builds the optional compiled extension hydra_kernels._C from csrc/ (C++ ops always, CUDA ops when
+torch has CUDA and nvcc is found). With no sources in csrc/ this is a pure-Python package.
+
+Environment: HYDRA_KERNELS_SKIP_CUDA_BUILD=1 / HYDRA_KERNELS_FORCE_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST
+(default "8.0;9.0"), MAX_JOBS (default: from cores and RAM). Build against the installed torch:
+pip install --no-build-isolation .
+"""
+import glob
+import os
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _max_jobs() -> str:
+    cores = os.cpu_count() or 1
+    try:  # nvcc / cc1plus on torch headers take ~2 GB each
+        ram_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        ram_gb = 8
+    return str(max(1, min(cores, int(ram_gb // 2))))
+
+
+def extensions():
+    cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
+    cu = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
+    if not cpp and not cu:
+        return [], {}
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    import torch
+
+    os.environ.setdefault("MAX_JOBS", _max_jobs())
+    skip = os.environ.get("HYDRA_KERNELS_SKIP_CUDA_BUILD") == "1"
+    force = os.environ.get("HYDRA_KERNELS_FORCE_CUDA_BUILD") == "1"
+    with_cuda = bool(cu) and not skip and (force or (torch.version.cuda is not None and CUDA_HOME is not None))
+    cxx = ["-O3", "-std=c++17"]
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        ext = CUDAExtension("hydra_kernels._C", cpp + cu, define_macros=[("HYDRA_KERNELS_WITH_CUDA", None)],
+                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]})
+    else:
+        ext = CppExtension("hydra_kernels._C", cpp, extra_compile_args={"cxx": cxx})
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = extensions()
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,104 @@
+"""GGUF reading: a synthetic llama.cpp-style file (Q/K rows permuted, Q8_0 blocks) round-trips."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+import hydra_kernels as hk
+from helpers import assert_close_rel
+from test_llama_vs_transformers import make_hf
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF q/k rows (written independently of the package)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def parts_of(name):
+    return name.split(".")
+
+
+def write_gguf(hf, path, arch="llama", quantise=False):
+    cfg = hf.config
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    used = {}  # HF name -> the values the file holds, in HF row order
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name == "model.embed_tokens.weight":
+            g = "token_embd.weight"
+        elif name == "model.norm.weight":
+            g = "output_norm.weight"
+        elif name == "lm_head.weight":
+            g = "output.weight"
+        else:
+            parts = name.split(".")
+            g = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        stored = a
+        if parts_of(name)[-2:-1] == ["q_proj"]:
+            stored = llama_cpp_permute(a, cfg.num_attention_heads)
+        elif parts_of(name)[-2:-1] == ["k_proj"]:
+            stored = llama_cpp_permute(a, cfg.num_key_value_heads)
+        if quantise and a.ndim == 2 and a.shape[1] % 32 == 0:  # Q8_0 blocks of 32 within a row
+            q = quantize(stored, GGMLQuantizationType.Q8_0)
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+            # rows are quantised independently, so the permutation commutes with the rounding
+            a = dequantize(quantize(a, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(g, stored)
+        used[name] = torch.from_numpy(np.array(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return used
+
+
+@pytest.mark.parametrize("quantise", [False, True])
+def test_synthetic_gguf_matches_transformers(tmp_path, monkeypatch, quantise):
+    monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
+    # GQA 2 and widths that are multiples of 32, so that Q8_0 (blocks of 32 in a row) applies
+    hf = make_hf("mha-untied", seed=11, hidden_size=64, num_key_value_heads=2, intermediate_size=96)
+    dequantised = write_gguf(hf, tmp_path / "tiny.gguf", quantise=quantise)
+    from gguf import GGUFReader
+
+    kinds = {t.tensor_type for t in GGUFReader(str(tmp_path / "tiny.gguf")).tensors}
+    assert (GGMLQuantizationType.Q8_0 in kinds) == quantise
+    with torch.no_grad():  # the reference holds exactly the values the file stores
+        for n, p in hf.named_parameters():
+            p.copy_(dequantised[n])
+    model, tok = hk.load_model(tmp_path / "tiny.gguf", device="cpu")
+    assert tok is None  # no tokenizer metadata in this file
+    ids = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(0))
+    assert_close_rel(model(ids), hf(ids).logits, 1e-4, "synthetic GGUF")
+    cached = list((tmp_path / "cache").iterdir())
+    assert len(cached) == 1 and (cached[0] / "model.safetensors").exists()
+    hk.load_model(tmp_path / "tiny.gguf", device="cpu")  # second load reuses the cache
+    assert list((tmp_path / "cache").iterdir()) == cached
+
+
+def test_non_llama_gguf_is_rejected(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
+    w = GGUFWriter(str(tmp_path / "gpt2.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="not a Llama-family GGUF"):
+        hk.load_model(tmp_path / "gpt2.gguf", device="cpu")
+    assert not any((tmp_path / "cache").glob("*")), "a failed conversion must leave no cache entry"

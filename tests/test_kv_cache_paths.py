@@ -1,0 +1,76 @@
+"""The cached entry points (prefill, step with T = 1, chains and trees) equal the full forward."""
+import pytest
+import torch
+
+import hydra_kernels as hk
+from helpers import assert_close_rel, random_parents, tree_from_parents
+from test_llama_vs_transformers import make_hf
+
+
+@pytest.fixture(scope="module", params=["gqa3-tied", "mha-untied", "gqa4-llama3-rope"])
+def model(request):
+    return hk.Llama.from_hf(make_hf(request.param, seed=7))
+
+
+def ids(B, L, seed):
+    return torch.randint(0, 101, (B, L), generator=torch.Generator().manual_seed(seed))
+
+
+def test_prefill_then_single_token_steps_equal_full_forward(model):
+    x = ids(2, 30, 0)
+    full = model(x)
+    P = 11
+    cache = model.new_kv_cache(2, 40)
+    h = model.prefill(x[:, :P], torch.tensor([P, P], dtype=torch.int32), cache, all_hidden=True)
+    assert_close_rel(model.output(h), full[:, :P], 1e-4, "prefill")
+    for t in range(P, 30):
+        h = model.step(x[:, t : t + 1], cache)
+        cache.advance(1)
+        assert_close_rel(model.output(h)[:, 0], full[:, t], 1e-4, f"step at position {t}")
+    assert cache.seqlens.tolist() == [30, 30]
+
+
+def test_chain_step_equals_full_forward(model):
+    """T tokens in one step with the default causal tree mask (a chain) = the full forward."""
+    x = ids(1, 25, 1)
+    full = model(x)
+    cache = model.new_kv_cache(1, 32)
+    model.prefill(x[:, :9], torch.tensor([9], dtype=torch.int32), cache)
+    h = model.step(x[:, 9:], cache, kv_len=25)
+    assert_close_rel(model.output(h), full[:, 9:], 1e-4, "chain step")
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 16])
+def test_tree_step_node_equals_full_forward_on_its_path(model, T):
+    """Node i of a random tree sees prefix + its ancestors: its logits equal a full forward over
+    prefix + the path to i (tokens at positions L + depth)."""
+    gen = torch.Generator().manual_seed(T)
+    parents = random_parents(T, gen)
+    mask, depths = tree_from_parents(parents)
+    B, lens = 3, [5, 12, 8]
+    prompts = [ids(1, n, 10 + b)[0] for b, n in enumerate(lens)]
+    tree_tokens = ids(B, T, 20 + T)
+    cache = model.new_kv_cache(B, max(lens) + T + 2)
+    padded = torch.zeros(B, max(lens), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+    model.prefill(padded, torch.tensor(lens, dtype=torch.int32), cache)
+    logits = model.output(model.step(tree_tokens, cache, mask, depths))
+    for b in range(B):
+        for i in range(T):
+            path = [j for j in range(T) if mask[i, j]]  # ancestors in BFS order = root .. i
+            seq = torch.cat([prompts[b], tree_tokens[b, path]])[None]
+            assert_close_rel(logits[b, i], model(seq)[0, -1], 1e-4, f"seq {b} node {i}")
+
+
+def test_ragged_prefill_equals_each_sequence_alone(model):
+    lens = [3, 17, 9]
+    prompts = [ids(1, n, 30 + b)[0] for b, n in enumerate(lens)]
+    padded = torch.full((3, 17), 55, dtype=torch.long)  # non-zero padding: it must not matter
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+    cache = model.new_kv_cache(3, 24)
+    last = model.output(model.prefill(padded, torch.tensor(lens, dtype=torch.int32), cache))
+    for b, p in enumerate(prompts):
+        assert_close_rel(last[b], model(p[None])[0, -1], 1e-4, f"sequence {b}")
+    assert cache.seqlens.tolist() == lens
