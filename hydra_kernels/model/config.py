@@ -107,9 +107,10 @@ class LlamaConfig:
             extra={k: v for k, v in d.items() if k not in hf_names and k not in known},
         )
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """An HF ``config.json`` dict (4.x spelling, which transformers 5 also reads)."""
-        d = dict(self.extra)
+    def to_hf_dict(self, include_extra: bool = True) -> dict[str, Any]:
+        """An HF ``config.json`` dict (4.x spelling, which transformers 5 also reads); include_extra
+        keeps the unknown keys read from the original file."""
+        d = dict(self.extra) if include_extra else {}
         d.update(
             architectures=["LlamaForCausalLM"],
             model_type="llama",

@@ -64,3 +64,13 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
+
+
+def run_blocks(blocks, x, cos, sin, attend):
+    """x [B, T, H] through each TransformerBlock; attend(i, q, k, v) -> [B, T, Hq, D] does block i's
+    attention (and any KV-cache writes). Returns the residual stream (not normed)."""
+    for i, block in enumerate(blocks):
+        q, k, v = block.attention.qkv(block.attention_norm(x), cos, sin)
+        x = x + block.attention.wo(attend(i, q, k, v).flatten(2))
+        x = x + block.feed_forward(block.ffn_norm(x))
+    return x

@@ -8,8 +8,6 @@
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,8 +15,8 @@ from torch import nn
 from .. import ops
 from .config import LlamaConfig
 from .kv_cache import KVCache
-from .layers import RMSNorm, TransformerBlock
-from .rope import rope_inv_freq, rope_table
+from .layers import RMSNorm, TransformerBlock, run_blocks
+from .rope import RopeCache
 
 try:  # optional: flash-attn's causal kernel for prefill on CUDA (torch SDPA otherwise)
     from flash_attn import flash_attn_func
@@ -46,7 +44,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self._rope_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 cos, sin [P, D]
+        self._rope = RopeCache(config)
 
     # ---- construction helpers -------------------------------------------------------------------
     def tie_weights(self) -> None:
@@ -91,35 +89,22 @@ class Llama(nn.Module):
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_seq_len, dtype=self.dtype, device=self.device)
 
-    # ---- rope -----------------------------------------------------------------------------------
-    def _rope(self, positions: torch.Tensor, n_positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [B, T, D] in `dtype` for integer positions [B, T] < n_positions (fp32 table, cached)."""
-        cache = self._rope_cache
-        if cache is None or cache[0].shape[0] < n_positions or cache[0].device != positions.device:
-            inv_freq = rope_inv_freq(self.config).to(positions.device)
-            size = max(n_positions, 256 if cache is None else 2 * cache[0].shape[0])
-            cache = self._rope_cache = rope_table(inv_freq, size)
-        cos, sin = cache
-        return cos[positions].to(dtype), sin[positions].to(dtype)
-
-    # ---- the shared layer loop ------------------------------------------------------------------
-    def _layers(self, x, cos, sin, attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]):
-        """x [B, T, H] through every block; attend(layer, q, k, v) -> [B, T, Hq, D]. Returns norm(x)."""
-        for i, layer in enumerate(self.layers):
-            q, k, v = layer.attention.qkv(layer.attention_norm(x), cos, sin)
-            x = x + layer.attention.wo(attend(i, q, k, v).flatten(2))
-            x = x + layer.feed_forward(layer.ffn_norm(x))
-        return self.norm(x)
+    def _layers(self, x, cos, sin, attend):
+        """x [B, T, H] through every block (see layers.run_blocks); returns the final-normed hidden."""
+        return self.norm(run_blocks(self.layers, x, cos, sin, attend))
 
     # ---- entry points ---------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full causal forward, no cache: input_ids [B, L] -> logits [B, L, V]."""
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward, no cache: input_ids [B, L] -> final-normed hidden states [B, L, H]."""
         B, L = input_ids.shape
         x = self.tok_embeddings(input_ids)
         pos = torch.arange(L, device=input_ids.device).expand(B, L)
         cos, sin = self._rope(pos, L, x.dtype)
-        h = self._layers(x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v))
-        return self.output(h)
+        return self._layers(x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward, no cache: input_ids [B, L] -> logits [B, L, V]."""
+        return self.output(self.hidden_states(input_ids))
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False):
         """Prefill an empty cache with a right-padded ragged batch.

@@ -43,11 +43,12 @@ def _key_map(cfg: LlamaConfig) -> dict[str, list[str]]:
     return keys
 
 
-def hf_to_ours(cfg: LlamaConfig, hf_sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def hf_to_ours(cfg: LlamaConfig, hf_sd: dict[str, torch.Tensor], allow_missing=()) -> dict[str, torch.Tensor]:
     out, used = {}, set()
     expected = Llama.expected_keys(cfg)
     for ours, names in _key_map(cfg).items():
-        if ours not in expected:
+        if ours not in expected or ours in allow_missing:
+            used.update(n for n in names if n in hf_sd)
             continue
         missing = [n for n in names if n not in hf_sd]
         if missing:

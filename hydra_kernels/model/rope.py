@@ -44,3 +44,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+class RopeCache:
+    """fp32 cos/sin table grown on demand, on the device of the positions asked for."""
+
+    def __init__(self, cfg: LlamaConfig):
+        self.cfg = cfg
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, positions: torch.Tensor, n_positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [B, T, D] in `dtype` for integer positions [B, T], all < n_positions."""
+        table = self._table
+        if table is None or table[0].shape[0] < n_positions or table[0].device != positions.device:
+            inv_freq = rope_inv_freq(self.cfg).to(positions.device)
+            size = max(n_positions, 256 if table is None else 2 * table[0].shape[0])
+            table = self._table = rope_table(inv_freq, size)
+        cos, sin = table
+        return cos[positions].to(dtype), sin[positions].to(dtype)

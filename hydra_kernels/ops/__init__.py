@@ -1,14 +1,29 @@
 """Public ops. Each checks its inputs, then dispatches to a backend (see ops/backend.py)."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import reference
 from .backend import BACKENDS, native_available, register, resolve, triton_available
 
-__all__ = ["tree_attention", "BACKENDS", "native_available", "triton_available", "reference"]
+__all__ = ["tree_attention", "greedy_verify", "typical_verify", "commit_kv", "Verification", "BACKENDS",
+           "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
+register("greedy_verify", "reference", reference.greedy_verify)
+register("typical_verify", "reference", reference.typical_verify)
+register("commit_kv", "reference", reference.commit_kv)
+
+
+class Verification(NamedTuple):
+    """Result of verifying one step's tree, per sequence (all on the device)."""
+
+    accept_lengths: torch.Tensor  # int64 [B]: root + accepted drafted nodes (>= 1)
+    accept_indices: torch.Tensor  # int64 [B, D+1]: accepted node indices along the path; -1 after
+    next_root: torch.Tensor  # int64 [B]: the base model's token after the last accepted node
+    last_node: torch.Tensor  # int64 [B]: last accepted node (its hidden state feeds the drafter)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -53,3 +68,67 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
     _check(len(devs) == 1, f"all inputs must be on one device, got {sorted(map(str, devs))}")
     fn = resolve("tree_attention", backend, q.device)
     return fn(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=sm_scale)
+
+
+def _check_tree_inputs(tree_tokens, paths):
+    _check(tree_tokens.dim() == 2 and not tree_tokens.dtype.is_floating_point,
+           f"tree_tokens must be integer [B, T], got {tree_tokens.dtype} {tuple(tree_tokens.shape)}")
+    _check(paths.dim() == 2 and paths.dtype == torch.long and paths.shape[1] >= 1,
+           f"paths must be int64 [P, D+1] leaf paths (Tree.paths), got {paths.dtype} {tuple(paths.shape)}")
+    _check(int(paths.max()) < tree_tokens.shape[1] if paths.device.type == "cpu" else True,
+           f"paths index node {int(paths.max())} but the tree has {tree_tokens.shape[1]} nodes")
+    _check(paths.device == tree_tokens.device, f"paths on {paths.device}, tree_tokens on {tree_tokens.device}")
+
+
+def greedy_verify(target_tokens, tree_tokens, paths, *, backend="auto") -> Verification:
+    """Greedy acceptance of one step's tree.
+
+    target_tokens [B, T]: the base model's argmax after each tree node; tree_tokens [B, T]: the drafted
+    tokens (node 0 = root); paths [P, D+1]: the tree's leaf paths (Tree.paths, -1 padded).
+    Node j is accepted when tree_tokens[j] == target_tokens[parent(j)] and its parent is accepted; the
+    longest accepted path wins (first in `paths` on a tie) and next_root = target_tokens[last node].
+    """
+    _check_tree_inputs(tree_tokens, paths)
+    _check(target_tokens.shape == tree_tokens.shape,
+           f"target_tokens {tuple(target_tokens.shape)} must match tree_tokens {tuple(tree_tokens.shape)}")
+    fn = resolve("greedy_verify", backend, tree_tokens.device)
+    return Verification(*fn(target_tokens, tree_tokens, paths))
+
+
+def typical_verify(logits, tree_tokens, paths, *, temperature, posterior_threshold=0.09, posterior_alpha=0.3,
+                   generator=None, backend="auto") -> Verification:
+    """Typical acceptance (Medusa's criterion) of one step's tree; see reference.typical_verify.
+
+    logits [B, T, V]: base logits after each node; temperature > 0; the next root is sampled with
+    `generator` from the distribution after the last accepted node.
+    """
+    _check_tree_inputs(tree_tokens, paths)
+    _check(logits.dim() == 3 and logits.shape[:2] == tree_tokens.shape,
+           f"logits must be [B, T, V] with [B, T] = {tuple(tree_tokens.shape)}, got {tuple(logits.shape)}")
+    _check(temperature > 0, f"typical acceptance needs temperature > 0, got {temperature}")
+    fn = resolve("typical_verify", backend, tree_tokens.device)
+    return Verification(*fn(logits, tree_tokens, paths, temperature, posterior_threshold, posterior_alpha, generator))
+
+
+def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths, *, backend="auto") -> None:
+    """Move each sequence's accepted tree rows down to follow its committed prefix, in place.
+
+    kv_cache [n_layers, 2, B, S_max, Hkv, D]; cache_seqlens int [B]; accept_indices int [B, K+1];
+    accept_lengths int [B]. For every layer, K and V: row seqlens[b] + accept_indices[b, i] ->
+    row seqlens[b] + i for i < accept_lengths[b] (sources are read before anything is written).
+    Does not change cache_seqlens. Requires seqlens[b] + K + 1 <= S_max.
+    """
+    _check(kv_cache.dim() == 6 and kv_cache.shape[1] == 2,
+           f"kv_cache must be [n_layers, 2, B, S_max, Hkv, D], got {tuple(kv_cache.shape)}")
+    B = kv_cache.shape[2]
+    _check(accept_indices.dim() == 2 and accept_indices.shape[0] == B,
+           f"accept_indices must be [B={B}, K+1], got {tuple(accept_indices.shape)}")
+    _check(tuple(accept_lengths.shape) == (B,) and tuple(cache_seqlens.shape) == (B,),
+           f"accept_lengths and cache_seqlens must be [B={B}], got {tuple(accept_lengths.shape)} and "
+           f"{tuple(cache_seqlens.shape)}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("accept_indices", accept_indices),
+                    ("accept_lengths", accept_lengths)):
+        _check(t.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {t.dtype}")
+        _check(t.device == kv_cache.device, f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
+    fn = resolve("commit_kv", backend, kv_cache.device)
+    fn(kv_cache, cache_seqlens, accept_indices, accept_lengths)

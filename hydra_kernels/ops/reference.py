@@ -42,3 +42,83 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None)
     scores = scores.masked_fill(~allowed, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ vf  # [B, Hkv, G, T, D]
     return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D).to(q.dtype)
+
+
+# ---- verification -------------------------------------------------------------------------------
+def _select_path(paths, accepted, score, next_tokens_fn):
+    """Shared tail of the verifiers.
+
+    paths [P, D+1] node indices (-1 padding); accepted [B, P] accepted drafted nodes along each path;
+    score [B, P] tie-break among the longest (higher wins; first path on equal scores).
+    Returns (accept_lengths [B], accept_indices [B, D+1] (-1 after the length), next_root [B], last_node [B]).
+    """
+    longest = accepted == accepted.max(dim=1, keepdim=True).values
+    best = torch.where(longest, score, torch.full_like(score, float("-inf"))).argmax(dim=1)  # first max
+    accept_len = accepted.gather(1, best[:, None])[:, 0] + 1  # + the root
+    idx = paths[best]  # [B, D+1]
+    pos = torch.arange(idx.shape[1], device=idx.device)
+    idx = torch.where(pos[None, :] < accept_len[:, None], idx, torch.full_like(idx, -1))
+    last = idx.gather(1, (accept_len - 1)[:, None])[:, 0]
+    return accept_len, idx, next_tokens_fn(last), last
+
+
+def _path_tokens(tree_tokens, paths):
+    """[B, P, D+1] token of each path element (padding reads node 0; masked by `valid`)."""
+    return tree_tokens[:, paths.clamp(min=0)]
+
+
+def greedy_verify(target_tokens, tree_tokens, paths):
+    """Greedy acceptance. Node j is accepted when its token equals the base argmax after its parent and
+    its parent is accepted; the longest accepted root path wins; next root = base argmax after its last
+    node. target_tokens [B, T] (base argmax after each node), tree_tokens [B, T], paths [P, D+1]."""
+    valid = (paths >= 0)[None, :, 1:]
+    tok = _path_tokens(tree_tokens, paths)
+    tgt = target_tokens[:, paths.clamp(min=0)]
+    match = (tok[:, :, 1:] == tgt[:, :, :-1]) & valid  # [B, P, D]
+    accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [B, P]
+    score = torch.zeros_like(accepted, dtype=torch.float32)
+    return _select_path(paths, accepted, score, lambda last: target_tokens.gather(1, last[:, None])[:, 0])
+
+
+def typical_verify(logits, tree_tokens, paths, temperature, posterior_threshold=0.09, posterior_alpha=0.3,
+                   generator=None):
+    """Typical acceptance (Medusa). With p = softmax(logits / temperature) after the parent, node j is
+    accepted when p(token_j) > min(posterior_threshold, posterior_alpha * exp(-entropy(p))) and its
+    parent is accepted. Among the longest accepted paths, the highest summed log p wins; the next root
+    is sampled from p after the last accepted node. logits [B, T, V] (base logits after each node)."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
+    probs = logp.exp()
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [B, T]; 0 log 0 = 0
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # [B, T]
+    B = logits.shape[0]
+    parent = paths[:, :-1].clamp(min=0)  # [P, D]
+    child_tok = _path_tokens(tree_tokens, paths)[:, :, 1:]  # [B, P, D]
+    bidx = torch.arange(B, device=logits.device)[:, None, None]
+    lp = logp[bidx, parent[None], child_tok]  # [B, P, D] log p(child | parent)
+    valid = (paths >= 0)[None, :, 1:]
+    ok = (lp.exp() > threshold[:, parent]) & valid
+    accepted_mask = ok.long().cumprod(dim=-1)
+    accepted = accepted_mask.sum(dim=-1)
+    score = (lp * accepted_mask).sum(dim=-1)
+
+    def sample(last):
+        return torch.multinomial(probs[torch.arange(B, device=logits.device), last], 1, generator=generator)[:, 0]
+
+    return _select_path(paths, accepted, score, sample)
+
+
+# ---- KV commit ----------------------------------------------------------------------------------
+def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths):
+    """In place, every layer, K and V: row seqlens[b] + accept_indices[b, i] -> row seqlens[b] + i for
+    i < accept_lengths[b]. kv_cache [n_layers, 2, B, S_max, Hkv, D]. Sources and destinations overlap
+    (accept_indices[b, i] >= i), so every source row is gathered before any row is written."""
+    B, K1 = accept_indices.shape
+    dev = kv_cache.device
+    start = cache_seqlens.long()[:, None]
+    i = torch.arange(K1, device=dev)[None, :]
+    valid = i < accept_lengths.long()[:, None]
+    dst = start + i
+    src = torch.where(valid, start + accept_indices.long().clamp(min=0), dst)  # invalid: row onto itself
+    b = torch.arange(B, device=dev)[:, None]
+    rows = kv_cache[:, :, b, src]  # advanced indexing copies: the gather completes before the write
+    kv_cache[:, :, b, dst] = rows

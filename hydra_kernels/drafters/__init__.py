@@ -1,0 +1,39 @@
+"""Draft heads: Medusa, Hydra, Hydra++ behind one Drafter interface."""
+from __future__ import annotations
+
+from .config import KINDS, DrafterConfig
+from .formats import load_drafter_dir, save_drafter
+from .heads import Drafter, DraftHead, ResBlock
+
+
+def new_drafter(model, kind: str = "hydra", num_heads: int = 4, num_layers: int = 1, *, lm_head: str = "tied",
+                lm_head_bias: bool = False) -> Drafter:
+    """An untrained drafter for `model` (same device and dtype). kind: "medusa", "hydra" or "hydra++".
+    lm_head "tied" reuses the base model's LM head (small checkpoints, cheap training)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    mc = model.config
+    cfg = DrafterConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=mc.hidden_size,
+                        vocab_size=mc.vocab_size, grounded=kind != "medusa", prefix_layer=kind == "hydra++",
+                        lm_head=lm_head, lm_head_bias=lm_head_bias,
+                        base_config=mc.to_hf_dict(include_extra=False) if kind == "hydra++" else None)
+    drafter = Drafter(cfg).to(model.device, model.dtype).eval()
+    if drafter.prefix is not None:  # start the prefix layer from the base model's last layer
+        drafter.prefix.block.load_state_dict(model.layers[-1].state_dict())
+        drafter.prefix.norm.load_state_dict(model.norm.state_dict())
+    return drafter
+
+
+def load_drafter(path=None, model=None) -> Drafter:
+    """Load a drafter: our format, an original Hydra checkpoint dir or original Medusa heads.
+    model (optional): moves the drafter to its device/dtype and supplies the base config a Hydra++
+    checkpoint may lack. path=None: the heads shipped for the embedded default model."""
+    if path is None:
+        raise FileNotFoundError("no drafter heads are shipped with this version yet; train one "
+                                "(hk.new_drafter + training) or pass a checkpoint directory")
+    return load_drafter_dir(path, model)
+
+
+Drafter.save = save_drafter
+
+__all__ = ["Drafter", "DrafterConfig", "DraftHead", "ResBlock", "new_drafter", "load_drafter", "save_drafter", "KINDS"]

@@ -1,0 +1,163 @@
+"""Draft heads (Medusa, Hydra, Hydra++) and tree drafting.
+
+Head d (0-based) proposes the tokens at depth d+1 of the tree. A Medusa head sees only h, the
+drafter's hidden state for the last committed position; a Hydra head sees cat(h, E(root), E(x1),
+..., E(x_d)) -- h first, then the input embeddings of the path to the node it extends.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.llama import Llama
+from ..tree import Tree
+from .config import DrafterConfig
+from .prefix import PrefixLayer
+
+
+class ResBlock(nn.Module):
+    """y = R x + SiLU(W x + b); R is the identity when widths match, else a learned projection
+    (Hydra's first block maps (d+2)H -> H). W starts at zero so a fresh block is R x + SiLU(b)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.res_connection = nn.Linear(in_features, out_features) if in_features != out_features else None
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x):
+        res = x if self.res_connection is None else self.res_connection(x)
+        return res + F.silu(self.linear(x))
+
+
+class DraftHead(nn.Module):
+    """ResBlocks applied in `schedule` order (a repeated index = one shared module), then its LM head."""
+
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        H, L = cfg.hidden_size, cfg.num_layers
+        in_features = H * (index + 2) if cfg.grounded else H
+        if not cfg.shared_resblocks:
+            self.blocks = nn.ModuleList([ResBlock(in_features, H)] + [ResBlock(H, H) for _ in range(L - 1)])
+            self.schedule = list(range(L))
+        elif in_features != H:  # Hydra original: a first block, then one block repeated L-1 times
+            self.blocks = nn.ModuleList([ResBlock(in_features, H)] + ([ResBlock(H, H)] if L > 1 else []))
+            self.schedule = [0] + [1] * (L - 1)
+        else:  # Medusa original: one block repeated L times
+            self.blocks = nn.ModuleList([ResBlock(H, H)])
+            self.schedule = [0] * L
+        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=cfg.lm_head_bias) if cfg.lm_head == "per_head" else None
+
+    def hidden(self, x):
+        for i in self.schedule:
+            x = self.blocks[i](x)
+        return x
+
+
+class Drafter(nn.Module):
+    """All heads of one drafter, plus the Hydra++ prefix layer when configured.
+
+    Decoding protocol (generate() drives it; everything stays on the device):
+      state = drafter.start(model, B, S_max)
+      h = drafter.after_prefill(state, all_hidden [B, L, H], lengths [B])
+      loop: tokens = drafter.draft(model, h, root, tree)          # [B, T], tokens[:, 0] = root
+            ... verify, commit ...
+            h = drafter.after_step(state, accepted_hidden [B, K+1, H], accept_lengths [B])
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.heads = nn.ModuleList(DraftHead(cfg, i) for i in range(cfg.num_heads))
+        self.shared_lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
+                               if cfg.lm_head == "shared" else None)
+        self.prefix = PrefixLayer(cfg.base_config) if cfg.prefix_layer else None
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def check_model(self, model: Llama) -> None:
+        """Clear errors when this drafter cannot serve `model` (before any work)."""
+        mc = model.config
+        if self.vocab_size != mc.vocab_size:
+            raise ValueError(f"drafter vocab ({self.vocab_size}) does not match the model's ({mc.vocab_size}): "
+                             "these heads were trained for another model")
+        if self.hidden_size != mc.hidden_size:
+            raise ValueError(f"drafter hidden size ({self.hidden_size}) does not match the model's "
+                             f"({mc.hidden_size}): these heads were trained for another model")
+        if self.prefix is not None:
+            self.prefix.check_model(model)
+        p = next(self.parameters(), None)
+        if p is not None and (p.device != model.device or p.dtype != model.dtype):
+            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
+                             "call drafter.to(model.device, model.dtype)")
+
+    def logits(self, model: Llama, head: int, x: torch.Tensor) -> torch.Tensor:
+        """Head `head` on inputs x [..., in_features] -> logits [..., V]."""
+        hidden = self.heads[head].hidden(x)
+        lm = self.heads[head].lm_head or self.shared_lm_head or model.output
+        return lm(hidden)
+
+    def head_input(self, model: Llama, h: torch.Tensor, tokens: torch.Tensor, tree: Tree, depth: int,
+                   nodes: torch.Tensor) -> torch.Tensor:
+        """Input of head `depth` for the given tree nodes at that depth: [B, n, (depth+2)H] for Hydra
+        (h, then the embeddings of the node's path from the root, root first), [B, n, H] for Medusa."""
+        B, n = tokens.shape[0], nodes.shape[0]
+        if not self.config.grounded:
+            return h[:, None, :].expand(B, n, h.shape[-1])
+        path = tree.ancestors[nodes, : depth + 1]  # [n, depth+1] node ids, root first
+        emb = model.tok_embeddings(tokens[:, path])  # [B, n, depth+1, H]
+        return torch.cat([h[:, None, None, :].expand(B, n, 1, h.shape[-1]), emb], dim=2).flatten(2)
+
+    def draft(self, model: Llama, h: torch.Tensor, root: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root). One head call per depth for every
+        node that has children, top-k over the vocabulary, children take their rank's token."""
+        B = h.shape[0]
+        tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
+        tokens[:, 0] = root
+        for d, plan in enumerate(tree.plans):
+            if self.config.grounded:
+                logits = self.logits(model, d, self.head_input(model, h, tokens, tree, d, plan.parents))
+                top = logits.topk(plan.topk, dim=-1).indices  # [B, n_parents, k]
+                tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
+            else:  # Medusa: one distribution per depth, the same for every parent
+                top = self.logits(model, d, h).topk(plan.topk, dim=-1).indices  # [B, k]
+                tokens[:, plan.children] = top[:, plan.child_rank]
+        return tokens
+
+    # ---- the hidden state h the heads start from ------------------------------------------------
+    def start(self, model: Llama, batch_size: int, max_seq_len: int):
+        return self.prefix.new_cache(batch_size, max_seq_len, model) if self.prefix is not None else None
+
+    def after_prefill(self, state, all_hidden: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """all_hidden [B, L, H] (right-padded prompt hidden states), lengths [B] -> h [B, H]."""
+        out = all_hidden if self.prefix is None else self.prefix(all_hidden, state)
+        if state is not None:
+            state.seqlens.copy_(lengths)
+        return _at(out, lengths.long() - 1)
+
+    def after_step(self, state, accepted_hidden: torch.Tensor, accept_lengths: torch.Tensor) -> torch.Tensor:
+        """accepted_hidden [B, K+1, H] (valid up to accept_lengths[b]) -> h [B, H]."""
+        out = accepted_hidden if self.prefix is None else self.prefix(accepted_hidden, state)
+        if state is not None:
+            state.advance(accept_lengths.to(state.seqlens.dtype))
+        return _at(out, (accept_lengths.long() - 1).clamp(min=0))
+
+
+def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, L, H], index [B] -> x[b, index[b]] [B, H]."""
+    return x[torch.arange(x.shape[0], device=x.device), index]

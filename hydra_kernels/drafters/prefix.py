@@ -1,0 +1,62 @@
+"""Hydra++'s prefix layer: one Llama decoder layer (+ final norm) run over the base model's committed
+hidden states, with its own static KV buffer; its output at the last position is the heads' h."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..model.config import LlamaConfig
+from ..model.kv_cache import KVCache
+from ..model.layers import RMSNorm, TransformerBlock, run_blocks
+from ..model.rope import RopeCache
+
+
+class PrefixLayer(nn.Module):
+    def __init__(self, base_config: dict):
+        super().__init__()
+        cfg = LlamaConfig.from_hf_dict(base_config)
+        self.config = dataclasses.replace(cfg, num_layers=1)
+        self.block = TransformerBlock(self.config)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._rope = RopeCache(self.config)
+
+    def check_model(self, model) -> None:
+        a, b = self.config, model.config
+        shape = lambda c: (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
+        if shape(a) != shape(b):
+            raise ValueError(f"the prefix layer's shape {shape(a)} (hidden, heads, kv heads, head_dim, "
+                             f"intermediate) does not match the model's {shape(b)}")
+
+    def new_cache(self, batch_size: int, max_seq_len: int, model) -> KVCache:
+        return KVCache(self.config, batch_size, max_seq_len, dtype=model.dtype, device=model.device)
+
+    def forward_full(self, x: torch.Tensor) -> torch.Tensor:
+        """No cache (training): x [B, L, H] base hidden states of positions 0..L-1 -> normed outputs."""
+        from ..model.llama import causal_attention
+
+        B, L, _ = x.shape
+        pos = torch.arange(L, device=x.device).expand(B, L)
+        cos, sin = self._rope(pos, L, x.dtype)
+        return self.norm(run_blocks([self.block], x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v)))
+
+    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """x [B, T, H] base hidden states appended after cache.seqlens (causal among themselves) ->
+        normed outputs [B, T, H]. Writes K/V rows [seqlens, seqlens + T); the caller moves seqlens by
+        the number of valid rows (the rest is overwritten next time)."""
+        B, T, _ = x.shape
+        dev = x.device
+        start = cache.seqlens.long()[:, None]
+        rows = start + torch.arange(T, device=dev)  # [B, T] cache rows = positions
+        cos, sin = self._rope(rows, cache.max_seq_len, x.dtype)
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril_()
+        bidx = torch.arange(B, device=dev)[:, None]
+        kv = cache.kv
+
+        def attend(i, q, k, v):
+            kv[0][:, bidx, rows] = torch.stack((k, v))
+            return ops.tree_attention(q, kv[0, 0], kv[0, 1], cache.seqlens, causal)
+
+        return self.norm(run_blocks([self.block], x, cos, sin, attend))

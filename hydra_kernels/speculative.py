@@ -1,0 +1,54 @@
+"""One speculative decoding step, all on the device, and the loop around it.
+
+draft (heads on the nodes of each depth, top-k children) -> verify forward (tree attention) ->
+acceptance (path, accept length, next root, last node) -> commit_kv -> seqlens += accept length.
+The host reads each step's accepted tokens once, to stream them and to stop on EOS / max_new_tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+from .emit import Emitter
+
+
+def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
+                     temperature, acceptance, posterior_threshold, posterior_alpha, generator, backend,
+                     host_seqlens: list[int], stats) -> None:
+    """Decode until every sequence is done. prefill_hidden [B, L, H] (right-padded), root [B] (already
+    emitted). `stats.num_steps` counts verify forwards."""
+    B = root.shape[0]
+    dev = root.device
+    bidx = torch.arange(B, device=dev)[:, None]
+    state = drafter.start(model, B, cache.max_seq_len)
+    h = drafter.after_prefill(state, prefill_hidden, lengths)
+    active = torch.ones(B, dtype=torch.long, device=dev)
+    T = tree.num_nodes
+    greedy = acceptance == "greedy" or temperature == 0.0
+    while not emitter.all_done:
+        tokens = drafter.draft(model, h, root, tree)  # [B, T]
+        kv_len = max(host_seqlens) + T
+        hidden = model.step(tokens, cache, tree.mask, tree.depths, kv_len=kv_len, backend=backend)  # [B, T, H]
+        logits = model.output(hidden)  # [B, T, V]
+        if greedy:
+            v = ops.greedy_verify(logits.argmax(dim=-1), tokens, tree.paths, backend=backend)
+        else:
+            v = ops.typical_verify(logits, tokens, tree.paths, temperature=temperature,
+                                   posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+                                   generator=generator, backend=backend)
+        n = v.accept_lengths * active  # finished sequences commit nothing (their rows stay in the buffer)
+        ops.commit_kv(cache.kv, cache.seqlens, v.accept_indices, n, backend=backend)
+        idx = v.accept_indices.clamp(min=0)  # [B, D+1]
+        h = drafter.after_step(state, hidden[bidx, idx], n)
+        cache.advance(n.to(cache.seqlens.dtype))
+        root = v.next_root
+        stats.num_steps += 1
+        # the one host read of the step: accepted tokens (root first, already emitted) and the next root
+        accepted = torch.cat([tokens.gather(1, idx), root[:, None], n[:, None]], dim=1).tolist()
+        for b, row in enumerate(accepted):
+            k = row[-1]
+            host_seqlens[b] += k
+            if k:
+                emitter.emit(b, row[1:k] + [row[-2]], in_step=True)
+            if emitter.done[b]:
+                active[b] = 0

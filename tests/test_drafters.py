@@ -1,0 +1,173 @@
+"""Drafters: drafting semantics, our format, the original Hydra and Medusa formats, bad input."""
+import json
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaModel
+
+import hydra_kernels as hk
+from hydra_kernels.generate import generate
+from helpers import assert_close_rel
+from test_llama_vs_transformers import make_hf
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+
+
+def randomise(module, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 and "norm" in str(p.shape) else 0))
+    return module
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_draft_equals_node_by_node_brute_force(model, kind):
+    d = randomise(hk.new_drafter(model, kind=kind, num_heads=3, num_layers=2), 1)
+    tree = hk.tree.default_tree(15, depth=3)
+    B = 2
+    h = torch.randn(B, 72, generator=torch.Generator().manual_seed(2))
+    root = torch.tensor([5, 17])
+    tokens = d.draft(model, h, root, tree)
+    nodes = [()] + tree.choices
+    expect = {(): root}
+    for c in tree.choices:  # BFS order: a node's path tokens are known before it
+        depth = len(c) - 1  # head index
+        if kind == "medusa":
+            x = h
+        else:
+            path = [expect[c[:j]] for j in range(len(c))]  # root .. parent
+            x = torch.cat([h] + [model.tok_embeddings(t) for t in path], dim=-1)
+        logits = d.logits(model, depth, x)
+        expect[c] = logits.topk(c[-1] + 1, dim=-1).indices[:, c[-1]]
+    for i, c in enumerate(nodes):
+        assert torch.equal(tokens[:, i], expect[c]), f"node {c}"
+
+
+@pytest.mark.parametrize("kind,lm_head", [("medusa", "per_head"), ("hydra", "tied"), ("hydra++", "shared")])
+def test_our_format_round_trip(model, tmp_path, kind, lm_head):
+    d = randomise(hk.new_drafter(model, kind=kind, num_heads=2, num_layers=3, lm_head=lm_head, lm_head_bias=True), 3)
+    d.save(tmp_path)
+    back = hk.load_drafter(tmp_path, model=model)
+    assert back.config == d.config
+    for (k, a), (k2, b) in zip(d.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+    if lm_head == "tied":  # a tied drafter stores no vocabulary-sized matrix
+        from safetensors.torch import load_file
+
+        assert all(101 not in t.shape for t in load_file(str(tmp_path / "model.safetensors")).values())
+
+
+# ---- original Hydra / Medusa checkpoints, written by replicas of their modules -----------------
+class OrigResBlock(nn.Module):
+    def __init__(self, H, num_condition=0):
+        super().__init__()
+        self.linear = nn.Linear(H * (num_condition + 1), H)
+        self.res_connection = nn.Linear(H * (num_condition + 1), H) if num_condition > 0 else nn.Identity()
+
+    def forward(self, x):
+        return self.res_connection(x) + nn.functional.silu(self.linear(x))
+
+
+class OrigHydra(nn.Module):
+    """The original module layout: one ResBlock object repeated, Dropouts shifting indices in prefix-mlp."""
+
+    def __init__(self, H, V, n, L, prefix, base_cfg=None, grounded=True):
+        super().__init__()
+        drop = (lambda: [nn.Dropout(0.0)]) if prefix else (lambda: [])
+        heads = []
+        for i in range(n):
+            if grounded:
+                rest = OrigResBlock(H)
+                heads.append(nn.Sequential(*drop(), OrigResBlock(H, i + 1), *((drop() + [rest]) * (L - 1))))
+            else:
+                one = OrigResBlock(H)
+                heads.append(nn.Sequential(*((drop() + [one]) * L)))
+        self.hydra_mlp = nn.ModuleList(heads)
+        self.hydra_lm_head = nn.ModuleList(nn.Sequential(*drop(), nn.Linear(H, V)) if prefix else nn.Linear(H, V)
+                                           for _ in range(n))
+        if prefix:
+            self.prefix_embeding_layer = LlamaModel(base_cfg)
+
+
+@pytest.mark.parametrize("arch,grounded", [("mlp", True), ("prefix-mlp", True), ("mlp", False)])
+def test_original_hydra_checkpoint(model, tmp_path, arch, grounded):
+    n, L, H, V = 3, 3, 72, 101
+    base_cfg = make_hf("gqa3-tied", seed=5).config
+    base_cfg.num_hidden_layers = 1
+    orig = randomise(OrigHydra(H, V, n, L, arch == "prefix-mlp", base_cfg, grounded), 4).eval()
+    sd = orig.state_dict()
+    rep = [k for k in sd if ".linear.weight" in k and k.startswith("hydra_mlp.0.")]
+    assert len(rep) == L and len({sd[k].data_ptr() for k in rep}) == (2 if grounded else 1)  # shared tensors
+    torch.save(sd, tmp_path / "hydra_lm_head.pt")
+    (tmp_path / "config.json").write_text(json.dumps({"hydra_num_heads": n, "hydra_num_layers": L,
+                                                      "hydra_head_arch": arch, "grounded_heads": grounded}))
+    d = hk.load_drafter(tmp_path, model=model)
+    assert d.kind == ("hydra++" if arch == "prefix-mlp" else "hydra") if grounded else d.kind == "medusa"
+    g = torch.Generator().manual_seed(9)
+    for i in range(n):
+        x = torch.randn(5, H * (i + 2) if grounded else H, generator=g)
+        assert_close_rel(d.logits(model, i, x), orig.hydra_lm_head[i](orig.hydra_mlp[i](x)), 1e-5, f"head {i}")
+    if arch == "prefix-mlp":
+        x = torch.randn(2, 7, H, generator=g)
+        ref = orig.prefix_embeding_layer(inputs_embeds=x).last_hidden_state
+        assert_close_rel(d.prefix.forward_full(x), ref, 1e-5, "prefix layer")
+        cache = d.start(model, 2, 16)  # the cached path gives the same, in two chunks
+        a = d.prefix(x[:, :4], cache)
+        cache.advance(4)
+        assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache)], 1), ref, 1e-5, "prefix layer, cached")
+
+
+def test_original_medusa_checkpoint(model, tmp_path):
+    n, L, H, V = 4, 2, 72, 101
+
+    class ResBlockM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(H, H)
+
+        def forward(self, x):
+            return x + nn.functional.silu(self.linear(x))
+
+    orig = randomise(nn.ModuleList(nn.Sequential(*([ResBlockM()] * L), nn.Linear(H, V, bias=False))
+                                   for _ in range(n)), 5).eval()
+    torch.save(orig.state_dict(), tmp_path / "medusa_lm_head.pt")
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": n, "medusa_num_layers": L}))
+    d = hk.load_drafter(tmp_path, model=model)
+    assert d.kind == "medusa" and d.config.shared_resblocks
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
+    for i in range(n):
+        assert_close_rel(d.logits(model, i, x), orig[i](x), 1e-5, f"medusa head {i}")
+
+
+def test_unknown_checkpoint_and_missing_shipped_heads(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="neither"):
+        hk.load_drafter(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no drafter heads are shipped"):
+        hk.load_drafter()
+
+
+# ---- bad input to generate with a drafter -------------------------------------------------------
+def test_drafter_bad_input_is_caught_before_work(model, monkeypatch):
+    d = hk.new_drafter(model, kind="hydra", num_heads=2)
+    monkeypatch.setattr(model, "prefill", lambda *a, **k: pytest.fail("work started"))
+    p = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="3 deep but the drafter has 2 heads"):
+        generate(model, p, drafter=d, tree="chain-3", max_new_tokens=4)
+    with pytest.raises(ValueError, match="KV buffer too small.*tree"):
+        generate(model, p, drafter=d, tree="chain-2", max_new_tokens=4, max_seq_len=9)
+    with pytest.raises(ValueError, match="greedy acceptance is for temperature 0"):
+        generate(model, p, drafter=d, temperature=0.7, max_new_tokens=4)
+    other = hk.Llama.from_hf(make_hf("mha-untied"))  # hidden 48 vs 72
+    with pytest.raises(ValueError, match="hidden size"):
+        generate(other, p, drafter=d, max_new_tokens=4)
+    wide = hk.new_drafter(hk.Llama.from_hf(make_hf("gqa3-tied", vocab_size=120)), kind="medusa", num_heads=2)
+    with pytest.raises(ValueError, match="vocab"):
+        generate(model, p, drafter=wide, max_new_tokens=4)
+    with pytest.raises(ValueError, match="call drafter.to"):
+        generate(model, p, drafter=hk.new_drafter(model, kind="medusa").double(), max_new_tokens=4)

@@ -1,0 +1,81 @@
+"""Lossless: greedy speculative decoding emits exactly the plain greedy tokens, with the real SmolLM2
+(fp32), on 10 MT-Bench first-turn prompts x 128 new tokens, for every drafter kind, untrained and
+briefly trained.
+
+The "briefly trained" heads are fitted on the plain greedy continuations of these same prompts, on
+purpose: this is a correctness test, and heads that know the answer accept long paths (checked
+below), which exercises multi-token commits, EOS inside accepted paths and the exact length budget.
+Held-out acceptance is measured by the training recipes, not here.
+"""
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.chat import chat_prompt_ids
+from hydra_kernels.generate import generate
+from hydra_kernels.training import mtbench_questions, train_drafter
+
+N_NEW = 128
+KINDS = ["medusa", "hydra", "hydra++"]
+SMALL_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]  # 8 nodes, depth 4
+TINY_TREE = [[0], [1], [0, 0]]  # untrained heads are rarely accepted: keep their (costly) runs small
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2):
+    _, tok = smollm2
+    return [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:10]]
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, prompts):
+    """The definition: plain greedy decoding, one prompt at a time."""
+    model, _ = smollm2
+    return [generate(model, [p], max_new_tokens=N_NEW).sequences[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def trained(smollm2, prompts, plain):
+    model, _ = smollm2
+    out = {}
+    for kind in KINDS:
+        torch.manual_seed(0)
+        d = hk.new_drafter(model, kind=kind, num_heads=4, num_layers=1)
+        train_drafter(model, d, [p + s for p, s in zip(prompts, plain)], steps=60, lr=1e-2, progress=False)
+        out[kind] = d
+    return out
+
+
+def first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_untrained_drafter_is_lossless(smollm2, prompts, plain, kind):
+    model, _ = smollm2
+    torch.manual_seed(1)
+    d = hk.new_drafter(model, kind=kind, num_heads=4, num_layers=1)
+    out = generate(model, prompts, drafter=d, tree=TINY_TREE, max_new_tokens=N_NEW)  # ragged batch of 10
+    for b, (got, ref) in enumerate(zip(out.sequences, plain)):
+        assert got == ref, f"prompt {b}: first difference at token {first_diff(got, ref)}"
+    assert out.mean_accepted_tokens >= 1.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trained_drafter_is_lossless_and_accepts(smollm2, prompts, plain, trained, kind):
+    model, _ = smollm2
+    out = generate(model, prompts, drafter=trained[kind], tree=SMALL_TREE, max_new_tokens=N_NEW)
+    for b, (got, ref) in enumerate(zip(out.sequences, plain)):
+        assert got == ref, f"prompt {b}: first difference at token {first_diff(got, ref)}"
+    assert out.mean_accepted_tokens > 1.5, "trained heads should accept multi-token paths here"
+    assert max(max(a) for a in out.accept_lengths) == 5  # a full depth-4 path + the next root
+
+
+def test_ragged_batch_of_three_with_default_tree(smollm2, prompts, plain, trained):
+    model, _ = smollm2
+    idx = [0, 3, 7]
+    assert len({len(prompts[i]) for i in idx}) == 3
+    out = generate(model, [prompts[i] for i in idx], drafter=trained["hydra"], max_new_tokens=N_NEW)
+    for b, i in enumerate(idx):
+        assert out.sequences[b] == plain[i]
+        assert sum(out.accept_lengths[b]) + 1 == len(plain[i])  # the prefill emits the first token
