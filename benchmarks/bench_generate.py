@@ -9,13 +9,12 @@ transformers' generate is timed) and our decode-only tokens/s. Writes CSV and a 
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import platform
 import time
-from pathlib import Path
 
 import torch
+from report import write_results
 
 PROMPTS = [
     "Explain how a CPU cache works.",
@@ -82,31 +81,16 @@ def main() -> None:
     print(f"{'all':>6} {'':>6} | {summary['ours']:>14.1f} {'':>11} | {summary['hf']:>18.1f} | "
           f"{summary['ours'] / summary['hf']:>5.2f}")
 
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "bench_generate.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        import matplotlib
+    def plot(ax):
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["hydra_kernels_tok_s"] for r in rows], 0.4, label="hydra_kernels")
+        ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], 0.4, label="transformers generate")
+        ax.set_xlabel("prompt")
+        ax.set_ylabel("tokens/s (end to end)")
+        ax.set_title(f"SmolLM2-135M fp32 greedy, CPU, {n} new tokens")
+        ax.legend()
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"wrote {out_dir / 'bench_generate.csv'} (matplotlib not installed: no plot)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["hydra_kernels_tok_s"] for r in rows], 0.4, label="hydra_kernels")
-    ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], 0.4, label="transformers generate")
-    ax.set_xlabel("prompt")
-    ax.set_ylabel("tokens/s (end to end)")
-    ax.set_title(f"SmolLM2-135M fp32 greedy, CPU, {n} new tokens")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "bench_generate.png", dpi=120)
-    print(f"wrote {out_dir / 'bench_generate.csv'} and {out_dir / 'bench_generate.png'}")
+    write_results(rows, args.out, "bench_generate", plot)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ Writes CSV and a plot (tokens/s vs tree size).
 from __future__ import annotations
 
 import argparse
-import csv
-import time
 from pathlib import Path
 
 import torch
+from report import write_results
 
 
 def main() -> None:
@@ -71,32 +70,20 @@ def main() -> None:
     for r in rows:
         print(f"{r['drafter']:<22} {r['tree']:<10} {r['tree_nodes']:>5} {r['tokens_per_step']:>11.2f} "
               f"{r['tokens_per_s']:>9.1f} {r['speedup']:>7.2f} {str(r['lossless']):>8}")
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "bench_speculative.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        import matplotlib
+    def plot(ax):
+        for name in dict.fromkeys(r["drafter"] for r in rows[1:]):
+            pts = sorted((r["tree_nodes"], r["tokens_per_s"]) for r in rows if r["drafter"] == name)
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.axhline(plain_tps, color="k", ls="--", label="plain")
+        ax.set_xlabel("tree nodes")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_xscale("log")
+        sizes = sorted({r["tree_nodes"] for r in rows[1:]})
+        ax.minorticks_off()
+        ax.set_xticks(sizes, [str(x) for x in sizes])
+        ax.legend(fontsize=7)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"wrote {out_dir / 'bench_speculative.csv'} (no matplotlib: no plot)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name in dict.fromkeys(r["drafter"] for r in rows[1:]):
-        pts = sorted((r["tree_nodes"], r["tokens_per_s"]) for r in rows if r["drafter"] == name)
-        ax.plot(*zip(*pts), marker="o", label=name)
-    ax.axhline(plain_tps, color="k", ls="--", label="plain")
-    ax.set_xlabel("tree nodes")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_xscale("log")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "bench_speculative.png", dpi=120)
-    print(f"wrote {out_dir / 'bench_speculative.csv'} and {out_dir / 'bench_speculative.png'}")
+    write_results(rows, args.out, "bench_speculative", plot)
     if not all(r["lossless"] for r in rows):
         raise SystemExit("a speculative run differed from plain greedy decoding")
 
