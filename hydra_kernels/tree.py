@@ -74,11 +74,18 @@ class Tree:
                 child_rank=torch.tensor([nodes[i][-1] for i in children], dtype=torch.long),
             ))
 
+        # flat_source[t]: index of node t's token in the per-depth top-k lists concatenated (Medusa drafts
+        # every depth from h alone, so node t is simply candidate offset[depth] + rank; node 0 unused)
+        offsets = [0]
+        for plan in self.plans:
+            offsets.append(offsets[-1] + plan.topk)
+        self.flat_source = torch.tensor([0] + [offsets[len(c) - 1] + c[-1] for c in self.choices], dtype=torch.long)
+
     def to(self, device) -> "Tree":
         """A copy whose tensors live on `device` (the buffers are built once per generate call)."""
         t = object.__new__(Tree)
         t.__dict__.update(self.__dict__)
-        for name in ("parents", "depths", "ranks", "ancestors", "mask", "paths"):
+        for name in ("parents", "depths", "ranks", "ancestors", "mask", "paths", "flat_source"):
             setattr(t, name, getattr(self, name).to(device))
         t.plans = [DepthPlan(p.parents.to(device), p.topk, p.children.to(device), p.child_slot.to(device),
                              p.child_rank.to(device)) for p in self.plans]

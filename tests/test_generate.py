@@ -132,12 +132,23 @@ def test_failure_mid_generation_keeps_produced_tokens(model, monkeypatch):
     (dict(input_ids=[[1, 2]], acceptance="fancy"), ValueError, "acceptance"),
     (dict(input_ids=[[1, 2]], tree=[[0]]), ValueError, "tree is only used with a drafter"),
     (dict(input_ids=[[1, 2]], drafter=object()), TypeError, "Drafter"),
-    (dict(input_ids=[[1, 2]], backend="native"), ValueError, "native"),
+    (dict(input_ids=[[1, 2]], backend="triton"), ValueError, "TRITON_INTERPRET=1"),
+    (dict(input_ids=[[1, 2]], backend="cuda"), ValueError, "backend must be one of"),
 ])
 def test_bad_input_raises_before_work(model, monkeypatch, kwargs, exc, msg):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(model, "prefill", lambda *a, **k: pytest.fail("work started"))
     with pytest.raises(exc, match=msg):
         generate(model, **{"max_new_tokens": 5, **kwargs})
+
+
+def test_missing_extension_is_clear_for_native_and_silent_for_auto(model, monkeypatch):
+    import hydra_kernels.ops.backend as backend
+
+    monkeypatch.setattr(backend, "native_available", lambda: False)
+    with pytest.raises(ValueError, match="hydra_kernels._C is not built"):
+        generate(model, [[1, 2]], max_new_tokens=3, backend="native")
+    assert len(generate(model, [[1, 2]], max_new_tokens=3, backend="auto").sequences[0]) == 3
 
 
 def test_hf_model_object_is_rejected_with_a_hint():

@@ -139,6 +139,14 @@ class Drafter(nn.Module):
                 tokens[:, plan.children] = top[:, plan.child_rank]
         return tokens
 
+    def medusa_candidates(self, model: Llama, h: torch.Tensor, tree: Tree) -> torch.Tensor:
+        """Medusa only: every depth's top-k from h, concatenated -> [B, sum of k] (node t's token is
+        column tree.flat_source[t]; ops.tree_inputs builds the tree tokens from it on the device)."""
+        if self.config.grounded:
+            raise ValueError("medusa_candidates is for path-independent (Medusa) heads; Hydra heads use draft()")
+        return torch.cat([self.logits(model, d, h).topk(plan.topk, dim=-1).indices for d, plan in enumerate(tree.plans)],
+                         dim=1)
+
     # ---- the hidden state h the heads start from ------------------------------------------------
     def start(self, model: Llama, batch_size: int, max_seq_len: int):
         return self.prefix.new_cache(batch_size, max_seq_len, model) if self.prefix is not None else None

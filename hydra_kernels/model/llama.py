@@ -134,13 +134,15 @@ class Llama(nn.Module):
         return h[torch.arange(B, device=h.device), last]
 
     def step(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
-             depths: torch.Tensor | None = None, *, kv_len: int | None = None, backend: str = "auto"):
+             depths: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, kv_len: int | None = None,
+             backend: str = "auto"):
         """Append T tokens per sequence after the committed prefix and run them through the model.
 
         tokens [B, T] (tree nodes in BFS order, node 0 the root); tree_mask bool [T, T] ancestor-or-self
         (default: causal chain); depths int [T] (default arange(T)): node i sits at position
         seqlens[b] + depths[i] and is written to cache row seqlens[b] + i. Does not move seqlens:
         committing is the caller's (KVCache.advance for plain decoding, commit_kv for trees).
+        positions [B, T]: seqlens[b] + depths[i] precomputed on the device (ops.tree_inputs); optional.
         kv_len: a host-known bound on seqlens + T (attention reads only rows [0, kv_len)).
         Returns final-normed hidden states [B, T, H].
         """
@@ -155,7 +157,9 @@ class Llama(nn.Module):
         rows = start + torch.arange(T, device=dev)  # [B, T] cache rows
         bidx = torch.arange(B, device=dev)[:, None]
         x = self.tok_embeddings(tokens)
-        cos, sin = self._rope(start + depths.long(), cache.max_seq_len, x.dtype)
+        if positions is None:
+            positions = start + depths.long()
+        cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)
         kv, seqlens = cache.kv, cache.seqlens
 
         def attend(i, q, k, v):

@@ -6,15 +6,17 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from .backend import BACKENDS, native_available, register, resolve, triton_available
+from .backend import BACKENDS, native_available, op_backend, register, resolve, triton_available
 
-__all__ = ["tree_attention", "greedy_verify", "typical_verify", "commit_kv", "Verification", "BACKENDS",
+__all__ = ["tree_attention", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
            "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
 register("greedy_verify", "reference", reference.greedy_verify)
 register("typical_verify", "reference", reference.typical_verify)
 register("commit_kv", "reference", reference.commit_kv)
+register("tree_inputs", "reference", reference.tree_inputs)
+from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
 
 
 class Verification(NamedTuple):
@@ -132,3 +134,20 @@ def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths, *, backen
         _check(t.device == kv_cache.device, f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
     fn = resolve("commit_kv", backend, kv_cache.device)
     fn(kv_cache, cache_seqlens, accept_indices, accept_lengths)
+
+
+def tree_inputs(root, candidates, node_source, depths, cache_seqlens, *, backend="auto"):
+    """The verify step's inputs from the drafter's candidates, on the device.
+
+    root [B]; candidates [B, C] (the drafter's per-depth top-k tokens, concatenated); node_source int64
+    [T] (index into candidates of each node; node 0 ignored: it is the root); depths [T];
+    cache_seqlens [B]. Returns tokens int64 [B, T] (node 0 = root, node t = candidates[b,
+    node_source[t]]) and positions int64 [B, T] = seqlens[b] + depths[t].
+    """
+    _check(root.dim() == 1 and candidates.dim() == 2 and candidates.shape[0] == root.shape[0],
+           f"root must be [B] and candidates [B, C], got {tuple(root.shape)} and {tuple(candidates.shape)}")
+    _check(node_source.dim() == 1 and node_source.shape == depths.shape,
+           f"node_source and depths must both be [T], got {tuple(node_source.shape)} and {tuple(depths.shape)}")
+    _check(tuple(cache_seqlens.shape) == tuple(root.shape), f"cache_seqlens must be [B], got {tuple(cache_seqlens.shape)}")
+    fn = resolve("tree_inputs", backend, root.device)
+    return fn(root, candidates, node_source, depths, cache_seqlens)

@@ -71,3 +71,25 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
         }[backend]
         raise ValueError(f"backend {backend!r} is not usable on {device}: {why}")
     return impls[backend]
+
+
+def op_backend(op: str, backend: str) -> str:
+    """The backend to use for `op` when a whole decode runs with `backend`: the same one where the op
+    has it, else "auto" (e.g. backend="native" has no tree_attention; the best available one runs)."""
+    if backend == "auto" or backend in _IMPLS.get(op, {}):
+        return backend
+    return "auto"
+
+
+def check_usable(backend: str, device: torch.device) -> None:
+    """A clear error, before any work, when `backend` cannot run on `device`."""
+    if backend == "auto":
+        return
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
+    if not _usable(backend, device):
+        why = {
+            "triton": "Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on the CPU",
+            "native": "the compiled extension hydra_kernels._C is not built (pip install . builds it)",
+        }[backend]
+        raise ValueError(f"backend {backend!r} is not usable on {device}: {why}")

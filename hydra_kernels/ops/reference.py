@@ -122,3 +122,13 @@ def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths):
     b = torch.arange(B, device=dev)[:, None]
     rows = kv_cache[:, :, b, src]  # advanced indexing copies: the gather completes before the write
     kv_cache[:, :, b, dst] = rows
+
+
+# ---- step inputs --------------------------------------------------------------------------------
+def tree_inputs(root, candidates, node_source, depths, cache_seqlens):
+    """tokens [B, T]: node 0 = root, node t = candidates[b, node_source[t]]; positions [B, T] =
+    seqlens[b] + depths[t]. candidates [B, C]: the drafter's per-depth top-k, concatenated."""
+    tokens = candidates[:, node_source.clamp(min=0)]
+    tokens[:, 0] = root
+    positions = cache_seqlens.long()[:, None] + depths.long()[None, :]
+    return tokens, positions

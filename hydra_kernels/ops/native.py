@@ -1,0 +1,42 @@
+"""The compiled extension's ops (torch.ops.hydra_kernels.*, from csrc/), registered as the "native"
+backend when hydra_kernels._C imports, with fake kernels so torch.compile can trace them."""
+from __future__ import annotations
+
+import torch
+
+from .backend import native_available, register
+
+
+def _register() -> bool:
+    if not native_available():
+        return False
+    ops = torch.ops.hydra_kernels
+
+    def greedy_verify(target_tokens, tree_tokens, paths):
+        return ops.greedy_verify(target_tokens, tree_tokens, paths)
+
+    def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths):
+        ops.commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths)
+
+    def tree_inputs(root, candidates, node_source, depths, cache_seqlens):
+        return ops.tree_inputs(root, candidates, node_source, depths, cache_seqlens)
+
+    register("greedy_verify", "native", greedy_verify)
+    register("commit_kv", "native", commit_kv)
+    register("tree_inputs", "native", tree_inputs)
+
+    @torch.library.register_fake("hydra_kernels::greedy_verify")
+    def _(target_tokens, tree_tokens, paths):
+        B, D1 = tree_tokens.shape[0], paths.shape[1]
+        new = lambda *s: tree_tokens.new_empty(s, dtype=torch.long)
+        return new(B), new(B, D1), new(B), new(B)
+
+    @torch.library.register_fake("hydra_kernels::tree_inputs")
+    def _(root, candidates, node_source, depths, cache_seqlens):
+        shape = (root.shape[0], node_source.shape[0])
+        return root.new_empty(shape, dtype=torch.long), root.new_empty(shape, dtype=torch.long)
+
+    return True
+
+
+AVAILABLE = _register()
