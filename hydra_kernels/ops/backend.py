@@ -64,12 +64,7 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
     if backend not in impls:
         have = sorted(impls)
         raise ValueError(f"{op} has no {backend!r} implementation yet; available: {have} (or 'auto')")
-    if not _usable(backend, device):
-        why = {
-            "triton": "Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on the CPU",
-            "native": "the compiled extension hydra_kernels._C is not built (pip install . builds it)",
-        }[backend]
-        raise ValueError(f"backend {backend!r} is not usable on {device}: {why}")
+    check_usable(backend, device)
     return impls[backend]
 
 
