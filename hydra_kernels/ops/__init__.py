@@ -17,6 +17,7 @@ register("typical_verify", "reference", reference.typical_verify)
 register("commit_kv", "reference", reference.commit_kv)
 register("tree_inputs", "reference", reference.tree_inputs)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
+from . import triton as _triton_kernels  # noqa: E402,F401  (registers the "triton" backend when triton is installed)
 
 
 class Verification(NamedTuple):

@@ -1,0 +1,24 @@
+"""Triton kernels, one file per op, registered as the "triton" backend.
+
+Kernel modules are imported on first use: Triton fixes interpreter mode (TRITON_INTERPRET=1, how the
+CPU tier runs them) when a kernel is decorated, so importing them late lets the environment decide.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from ..backend import register
+
+
+def _lazy(module: str, name: str):
+    def call(*args, **kwargs):
+        mod = importlib.import_module(f"{__name__}.{module}")
+        return getattr(mod, name)(*args, **kwargs)
+
+    call.__name__ = f"triton_{name}"
+    return call
+
+
+if importlib.util.find_spec("triton") is not None:
+    register("commit_kv", "triton", _lazy("commit_kv", "commit_kv"))
+    register("greedy_verify", "triton", _lazy("greedy_verify", "greedy_verify"))
