@@ -78,8 +78,9 @@ def _check_tree_inputs(tree_tokens, paths):
            f"tree_tokens must be integer [B, T], got {tree_tokens.dtype} {tuple(tree_tokens.shape)}")
     _check(paths.dim() == 2 and paths.dtype == torch.long and paths.shape[1] >= 1,
            f"paths must be int64 [P, D+1] leaf paths (Tree.paths), got {paths.dtype} {tuple(paths.shape)}")
-    _check(int(paths.max()) < tree_tokens.shape[1] if paths.device.type == "cpu" else True,
-           f"paths index node {int(paths.max())} but the tree has {tree_tokens.shape[1]} nodes")
+    if paths.device.type == "cpu":  # on a GPU this read would sync the host inside every step: skip it there
+        top = int(paths.max())
+        _check(top < tree_tokens.shape[1], f"paths index node {top} but the tree has {tree_tokens.shape[1]} nodes")
     _check(paths.device == tree_tokens.device, f"paths on {paths.device}, tree_tokens on {tree_tokens.device}")
 
 
