@@ -7,30 +7,8 @@ against the reference first. Shapes: the model's KV buffer and a 64-node tree, b
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
-from report import write_results
-
-
-def bench(fn, device, reps=200) -> float:
-    """Median microseconds of fn() (CUDA: timed with events around each call)."""
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1e6)
-    return sorted(times)[len(times) // 2]
+from report import time_us as bench, write_results
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import ops
 from .emit import Emitter
 from .model.llama import Llama
 from .ops.backend import check_usable, op_backend
@@ -165,8 +166,12 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     emitter = Emitter(B, max_new_tokens, eos, streamer)
     out = GenerateOutput(sequences=emitter.sequences, accept_lengths=emitter.accept_lengths)
 
-    def pick(logits):
-        return next_tokens(logits, temperature, top_k, top_p, gen)
+    head_backend = op_backend("lm_head_topk", backend)
+
+    def pick(h):  # final hidden states [N, H] -> next tokens [N]
+        if temperature == 0.0 and model.output.bias is None:  # greedy: the fused argmax, as verification uses
+            return ops.lm_head_topk(h, model.output.weight, 1, backend=head_backend)[1][..., 0]
+        return next_tokens(model.output(h), temperature, top_k, top_p, gen)
 
     t0 = time.perf_counter()
     t1 = None
@@ -174,7 +179,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         with torch.inference_mode():
             hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None)
             last = hidden if drafter is None else hidden[torch.arange(B, device=device), lengths.long() - 1]
-            nxt = pick(model.output(last))
+            nxt = pick(last)
             for b, t in enumerate(nxt.tolist()):
                 emitter.emit(b, [t], in_step=False)
             t1 = time.perf_counter()
@@ -202,7 +207,7 @@ def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backend, kv_len: int,
         kv_len += 1  # host-side bound on every seqlens[b] + 1
         hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backend=backend)  # [B, 1, H]
         cache.advance(1)
-        nxt = pick(model.output(hidden[:, -1]))
+        nxt = pick(hidden[:, -1])
         out.num_steps += 1
         for b, t in enumerate(nxt.tolist()):
             emitter.emit(b, [t], in_step=True)

@@ -27,22 +27,25 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     T = tree.num_nodes
     greedy = acceptance == "greedy" or temperature == 0.0
     be = {op: op_backend(op, backend) for op in ("tree_attention", "greedy_verify", "typical_verify", "commit_kv",
-                                                 "tree_inputs")}
+                                                 "tree_inputs", "lm_head_topk")}
     while not emitter.all_done:
         positions = None
         if drafter.config.grounded:  # Hydra: each depth conditions on the tokens drafted before it
-            tokens = drafter.draft(model, h, root, tree)  # [B, T]
+            tokens = drafter.draft(model, h, root, tree, backend=be["lm_head_topk"])  # [B, T]
         else:  # Medusa: all depths at once, then tokens and positions built on the device
-            cand = drafter.medusa_candidates(model, h, tree)
+            cand = drafter.medusa_candidates(model, h, tree, backend=be["lm_head_topk"])
             tokens, positions = ops.tree_inputs(root, cand, tree.flat_source, tree.depths, cache.seqlens,
                                                 backend=be["tree_inputs"])
         kv_len = max(host_seqlens) + T
         hidden = model.step(tokens, cache, tree.mask, tree.depths, positions=positions, kv_len=kv_len,
                             backend=be["tree_attention"])  # [B, T, H]
-        logits = model.output(hidden)  # [B, T, V]
-        if greedy:
-            v = ops.greedy_verify(logits.argmax(dim=-1), tokens, tree.paths, backend=be["greedy_verify"])
+        if greedy and model.output.bias is None:  # argmax fused into the LM head: no [B, T, V] logits
+            target = ops.lm_head_topk(hidden, model.output.weight, 1, backend=be["lm_head_topk"])[1][..., 0]
+            v = ops.greedy_verify(target, tokens, tree.paths, backend=be["greedy_verify"])
+        elif greedy:
+            v = ops.greedy_verify(model.output(hidden).argmax(dim=-1), tokens, tree.paths, backend=be["greedy_verify"])
         else:
+            logits = model.output(hidden)  # [B, T, V]
             v = ops.typical_verify(logits, tokens, tree.paths, temperature=temperature,
                                    posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                    generator=generator, backend=be["typical_verify"])

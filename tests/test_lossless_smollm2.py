@@ -7,6 +7,8 @@ purpose: this is a correctness test, and heads that know the answer accept long 
 below), which exercises multi-token commits, EOS inside accepted paths and the exact length budget.
 Held-out acceptance is measured by the training recipes, not here.
 """
+import os
+
 import pytest
 import torch
 
@@ -79,3 +81,18 @@ def test_ragged_batch_of_three_with_default_tree(smollm2, prompts, plain, traine
     for b, i in enumerate(idx):
         assert out.sequences[b] == plain[i]
         assert sum(out.accept_lengths[b]) + 1 == len(plain[i])  # the prefill emits the first token
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+def test_triton_backend_equals_reference_on_smollm2(smollm2, prompts, plain, trained):
+    """backend="triton": tree attention, greedy verify and commit_kv all as Triton kernels (under the
+    interpreter on the CPU tier), token for token the plain greedy output; a ragged batch of 2."""
+    model, _ = smollm2
+    n = 24
+    idx = [1, 4]
+    out = generate(model, [prompts[i] for i in idx], drafter=trained["hydra"], tree=SMALL_TREE, max_new_tokens=n,
+                   backend="triton")
+    for b, i in enumerate(idx):
+        assert out.sequences[b] == plain[i][:n], f"prompt {i}: first difference at {first_diff(out.sequences[b], plain[i])}"
+    assert out.mean_accepted_tokens > 1.5

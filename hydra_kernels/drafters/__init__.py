@@ -1,23 +1,33 @@
 """Draft heads: Medusa, Hydra, Hydra++ behind one Drafter interface."""
 from __future__ import annotations
 
+import torch
+
 from .config import KINDS, DrafterConfig
 from .formats import load_drafter_dir, save_drafter
 from .heads import Drafter, DraftHead, ResBlock
 
 
 def new_drafter(model, kind: str = "hydra", num_heads: int = 4, num_layers: int = 1, *, lm_head: str = "tied",
-                lm_head_bias: bool = False) -> Drafter:
+                lm_head_bias: bool = False, draft_vocab=None) -> Drafter:
     """An untrained drafter for `model` (same device and dtype). kind: "medusa", "hydra" or "hydra++".
-    lm_head "tied" reuses the base model's LM head (small checkpoints, cheap training)."""
+    lm_head "tied" reuses the base model's LM head (small checkpoints, cheap training).
+    draft_vocab: token ids the heads may propose (e.g. hk.training.draft_vocabulary's most frequent
+    tokens); their LM head then reads only those rows. None: the whole vocabulary."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     mc = model.config
     cfg = DrafterConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=mc.hidden_size,
                         vocab_size=mc.vocab_size, grounded=kind != "medusa", prefix_layer=kind == "hydra++",
                         lm_head=lm_head, lm_head_bias=lm_head_bias,
+                        draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
                         base_config=mc.to_hf_dict(include_extra=False) if kind == "hydra++" else None)
     drafter = Drafter(cfg).to(model.device, model.dtype).eval()
+    if draft_vocab is not None:
+        ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=model.device)
+        if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
+            raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
+        drafter.draft_vocab.copy_(ids)
     if drafter.prefix is not None:  # start the prefix layer from the base model's last layer
         drafter.prefix.block.load_state_dict(model.layers[-1].state_dict())
         drafter.prefix.norm.load_state_dict(model.norm.state_dict())

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..model.llama import Llama
 from ..tree import Tree
 from .config import DrafterConfig
@@ -47,7 +48,8 @@ class DraftHead(nn.Module):
         else:  # Medusa original: one block repeated L times
             self.blocks = nn.ModuleList([ResBlock(H, H)])
             self.schedule = [0] * L
-        self.lm_head = nn.Linear(H, cfg.vocab_size, bias=cfg.lm_head_bias) if cfg.lm_head == "per_head" else None
+        V = cfg.draft_vocab_size or cfg.vocab_size
+        self.lm_head = nn.Linear(H, V, bias=cfg.lm_head_bias) if cfg.lm_head == "per_head" else None
 
     def hidden(self, x):
         for i in self.schedule:
@@ -70,9 +72,13 @@ class Drafter(nn.Module):
         super().__init__()
         self.config = cfg
         self.heads = nn.ModuleList(DraftHead(cfg, i) for i in range(cfg.num_heads))
-        self.shared_lm_head = (nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
+        V = cfg.draft_vocab_size or cfg.vocab_size
+        self.shared_lm_head = (nn.Linear(cfg.hidden_size, V, bias=cfg.lm_head_bias)
                                if cfg.lm_head == "shared" else None)
         self.prefix = PrefixLayer(cfg.base_config) if cfg.prefix_layer else None
+        # draft index -> token id (None: the identity over the whole vocabulary)
+        self.register_buffer("draft_vocab", torch.arange(V) if cfg.draft_vocab_size else None)
+        self._tied_slice, self._tied_key = None, None
 
     @property
     def kind(self) -> str:
@@ -107,10 +113,42 @@ class Drafter(nn.Module):
                              "call drafter.to(model.device, model.dtype)")
 
     def logits(self, model: Llama, head: int, x: torch.Tensor) -> torch.Tensor:
-        """Head `head` on inputs x [..., in_features] -> logits [..., V]."""
+        """Head `head` on inputs x [..., in_features] -> logits [..., Vd] over the draft vocabulary
+        (column j is token draft_vocab[j]; the whole vocabulary when draft_vocab is None)."""
         hidden = self.heads[head].hidden(x)
-        lm = self.heads[head].lm_head or self.shared_lm_head or model.output
-        return lm(hidden)
+        lm = self.heads[head].lm_head or self.shared_lm_head
+        if lm is not None:
+            return lm(hidden)
+        return F.linear(hidden, self.tied_lm_weight(model))
+
+    def tied_lm_weight(self, model: Llama) -> torch.Tensor:
+        """The base model's LM head rows of the draft vocabulary [Vd, H], gathered once and cached
+        (refreshed if the model's weight or the vocabulary changes). On the CPU the slice is stored
+        input-major like the model's weights: the small-M GEMV streams it ~2x faster."""
+        w = model.output.weight
+        if self.draft_vocab is None:
+            return w
+        key = (w.data_ptr(), w._version, self.draft_vocab.data_ptr(), self.draft_vocab._version, w.dtype)
+        if self._tied_key != key:
+            with torch.no_grad():
+                s = w.index_select(0, self.draft_vocab)
+                self._tied_slice = s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
+            self._tied_key = key
+        return self._tied_slice
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> token ids."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def topk_tokens(self, model: Llama, head: int, x: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
+        """Token ids of head `head`'s k best guesses for inputs x [..., in_features] -> [..., k].
+        With the tied LM head the top-k is fused into it (ops.lm_head_topk: no logits written)."""
+        lm = self.heads[head].lm_head or self.shared_lm_head
+        if lm is None:
+            idx = ops.lm_head_topk(self.heads[head].hidden(x), self.tied_lm_weight(model), k, backend=backend)[1]
+        else:
+            idx = lm(self.heads[head].hidden(x)).topk(k, dim=-1).indices
+        return self.token_ids(idx)
 
     def head_input(self, model: Llama, h: torch.Tensor, tokens: torch.Tensor, tree: Tree, depth: int,
                    nodes: torch.Tensor) -> torch.Tensor:
@@ -123,7 +161,7 @@ class Drafter(nn.Module):
         emb = model.tok_embeddings(tokens[:, path])  # [B, n, depth+1, H]
         return torch.cat([h[:, None, None, :].expand(B, n, 1, h.shape[-1]), emb], dim=2).flatten(2)
 
-    def draft(self, model: Llama, h: torch.Tensor, root: torch.Tensor, tree: Tree) -> torch.Tensor:
+    def draft(self, model: Llama, h: torch.Tensor, root: torch.Tensor, tree: Tree, backend: str = "auto") -> torch.Tensor:
         """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root). One head call per depth for every
         node that has children, top-k over the vocabulary, children take their rank's token."""
         B = h.shape[0]
@@ -131,21 +169,20 @@ class Drafter(nn.Module):
         tokens[:, 0] = root
         for d, plan in enumerate(tree.plans):
             if self.config.grounded:
-                logits = self.logits(model, d, self.head_input(model, h, tokens, tree, d, plan.parents))
-                top = logits.topk(plan.topk, dim=-1).indices  # [B, n_parents, k]
+                x = self.head_input(model, h, tokens, tree, d, plan.parents)
+                top = self.topk_tokens(model, d, x, plan.topk, backend)  # [B, n_parents, k]
                 tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
             else:  # Medusa: one distribution per depth, the same for every parent
-                top = self.logits(model, d, h).topk(plan.topk, dim=-1).indices  # [B, k]
+                top = self.topk_tokens(model, d, h, plan.topk, backend)  # [B, k]
                 tokens[:, plan.children] = top[:, plan.child_rank]
         return tokens
 
-    def medusa_candidates(self, model: Llama, h: torch.Tensor, tree: Tree) -> torch.Tensor:
+    def medusa_candidates(self, model: Llama, h: torch.Tensor, tree: Tree, backend: str = "auto") -> torch.Tensor:
         """Medusa only: every depth's top-k from h, concatenated -> [B, sum of k] (node t's token is
         column tree.flat_source[t]; ops.tree_inputs builds the tree tokens from it on the device)."""
         if self.config.grounded:
             raise ValueError("medusa_candidates is for path-independent (Medusa) heads; Hydra heads use draft()")
-        return torch.cat([self.logits(model, d, h).topk(plan.topk, dim=-1).indices for d, plan in enumerate(tree.plans)],
-                         dim=1)
+        return torch.cat([self.topk_tokens(model, d, h, plan.topk, backend) for d, plan in enumerate(tree.plans)], dim=1)
 
     # ---- the hidden state h the heads start from ------------------------------------------------
     def start(self, model: Llama, batch_size: int, max_seq_len: int):

@@ -8,7 +8,7 @@ import torch
 from . import reference
 from .backend import BACKENDS, native_available, op_backend, register, resolve, triton_available
 
-__all__ = ["tree_attention", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
+__all__ = ["tree_attention", "lm_head_topk", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
            "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
@@ -16,6 +16,7 @@ register("greedy_verify", "reference", reference.greedy_verify)
 register("typical_verify", "reference", reference.typical_verify)
 register("commit_kv", "reference", reference.commit_kv)
 register("tree_inputs", "reference", reference.tree_inputs)
+register("lm_head_topk", "reference", reference.lm_head_topk)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
 from . import triton as _triton_kernels  # noqa: E402,F401  (registers the "triton" backend when triton is installed)
 
@@ -71,6 +72,30 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
     _check(len(devs) == 1, f"all inputs must be on one device, got {sorted(map(str, devs))}")
     fn = resolve("tree_attention", backend, q.device)
     return fn(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=sm_scale)
+
+
+def lm_head_topk(x, weight, k, *, backend="auto"):
+    """The k best tokens of an LM head, with the logits never materialised (Triton).
+
+    Parameters
+    ----------
+    x : [..., H] hidden states (e.g. [B, n_nodes, H] for drafting, [B, T, H] for verification).
+    weight : [V, H] LM head (any strides: the model's input-major CPU layout works; on the Triton
+        backend a draft-vocabulary slice is just a smaller V).
+    k : 1 <= k <= 64. k = 1 is the greedy argmax (ties: the lowest token id, like torch.argmax).
+
+    Returns
+    -------
+    (values fp32 [..., k], indices int64 [..., k]), largest first.
+    """
+    _check(x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1],
+           f"x [..., H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check(isinstance(k, int) and 1 <= k <= min(64, weight.shape[0]),
+           f"k must be an int in [1, min(64, V={weight.shape[0]})], got {k!r}")
+    _check(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    _check(x.device == weight.device, f"x and weight must be on one device, got {x.device} and {weight.device}")
+    fn = resolve("lm_head_topk", backend, x.device)
+    return fn(x, weight, k)
 
 
 def _check_tree_inputs(tree_tokens, paths):

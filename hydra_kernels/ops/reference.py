@@ -44,6 +44,18 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None)
     return out.permute(0, 3, 1, 2, 4).reshape(B, T, Hq, D).to(q.dtype)
 
 
+def lm_head_topk(x, weight, k):
+    """The k largest logits of x @ weight^T and their token ids, without keeping the logits.
+    x [..., H], weight [V, H] -> (values fp32 [..., k], indices int64 [..., k]), largest first; for
+    k = 1 the index is the first maximum (torch.argmax's tie rule)."""
+    logits = torch.nn.functional.linear(x, weight).float()
+    if k == 1:
+        i = logits.argmax(dim=-1, keepdim=True)
+        return logits.gather(-1, i), i
+    v, i = logits.topk(k, dim=-1)
+    return v, i
+
+
 # ---- verification -------------------------------------------------------------------------------
 def _select_path(paths, accepted, score, next_tokens_fn):
     """Shared tail of the verifiers.

@@ -1,5 +1,7 @@
-"""Head training, evaluation data and (later) tree search."""
-from .data import mtbench_questions
-from .heads import head_training_pairs, train_drafter
+"""Head training, evaluation data and tree search."""
+from .data import mtbench_questions, sharegpt_records, sharegpt_token_sequences
+from .heads import head_inputs, train_drafter
+from .hidden_cache import HiddenStates, compute_hidden_states, draft_vocabulary
 
-__all__ = ["mtbench_questions", "train_drafter", "head_training_pairs"]
+__all__ = ["mtbench_questions", "sharegpt_records", "sharegpt_token_sequences", "train_drafter", "head_inputs",
+           "HiddenStates", "compute_hidden_states", "draft_vocabulary"]

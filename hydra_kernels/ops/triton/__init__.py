@@ -22,3 +22,5 @@ def _lazy(module: str, name: str):
 if importlib.util.find_spec("triton") is not None:
     register("commit_kv", "triton", _lazy("commit_kv", "commit_kv"))
     register("greedy_verify", "triton", _lazy("greedy_verify", "greedy_verify"))
+    register("tree_attention", "triton", _lazy("tree_attention", "tree_attention"))
+    register("lm_head_topk", "triton", _lazy("lm_head_topk", "lm_head_topk"))

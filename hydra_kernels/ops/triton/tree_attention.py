@@ -1,0 +1,196 @@
+"""Triton tree attention: split-KV flash decoding with GQA packing and a bit-packed tree mask.
+
+Decode-shaped attention is memory-bound: every prefix K/V byte should leave DRAM once per step. So one
+program owns one KV head of one sequence and packs all T tree queries x all G query heads of that
+head's GQA group into the M dimension of its tiles (row m = t * G + g): one K/V tile load serves
+T * G queries, and the QK^T / PV products are real matmuls (tensor cores) even for T = 1 when G >= 2.
+
+B * Hkv programs cannot fill a GPU (SmolLM2 batch 1: 3), so the prefix is cut into splits, each
+program producing a partial (normalised output, log-sum-exp); one extra split per (sequence, KV
+head) handles the tree block, the only place the ancestor mask applies (as bits: tree_mask row t is
+ceil(T/32) int32 words). A second kernel merges the splits with log-sum-exp weights.
+
+Grid of the first kernel: (M tiles, prefix splits + 1, B * Hkv). Softmax runs in base 2 (exp2) with
+the scale folded into log2(e) * sm_scale.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
+    """One online-softmax update of rows q [BM, D] with keys k [BN, D], values v [BN, D]."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing allowed yet stays empty
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if IEEE:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tree_attention_split_kernel(
+        q_ptr, k_ptr, v_ptr, seqlens_ptr, bits_ptr, po_ptr, plse_ptr,
+        s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
+        T, G, Hkv, W, M_PAD, D, split_size, n_prefix_splits, qk_scale,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = offs_m // G  # tree node of row m
+    g = offs_m % G  # query head within the GQA group
+    m_ok = offs_m < T * G
+    offs_d = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two >= 16 (tl.dot's minimum)
+    d_ok = offs_d < D
+    q = tl.load(q_ptr + b.to(tl.int64) * s_qb + t[:, None] * s_qt + (kvh * G + g)[:, None] * s_qh + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    seqlen = tl.load(seqlens_ptr + b).to(tl.int32)
+    k_base = k_ptr + b.to(tl.int64) * s_kb + kvh * s_kh
+    v_base = v_ptr + b.to(tl.int64) * s_vb + kvh * s_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if split < n_prefix_splits:  # committed prefix rows [lo, hi): every query sees every row
+        lo = split * split_size
+        hi = tl.minimum(lo + split_size, seqlen)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            k = tl.load(k_base + offs_n[:, None].to(tl.int64) * s_ks + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + offs_n[:, None].to(tl.int64) * s_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, n_ok[None, :], m_i, l_i, acc, qk_scale, IEEE)
+    else:  # the tree block: rows seqlen + j, j < T, where bit j of tree_mask row t is set
+        for start in range(0, T, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < T
+            rows = (seqlen + offs_n).to(tl.int64)
+            k = tl.load(k_base + rows[:, None] * s_ks + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_base + rows[:, None] * s_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            both = m_ok[:, None] & n_ok[None, :]
+            word = tl.load(bits_ptr + t[:, None] * W + offs_n[None, :] // 32, mask=both, other=0)
+            allowed = both & (((word >> (offs_n[None, :] % 32)) & 1) != 0)
+            m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, IEEE)
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))  # base 2
+    row = (bh * (n_prefix_splits + 1) + split).to(tl.int64) * M_PAD + offs_m
+    tl.store(po_ptr + row[:, None] * BLOCK_D + offs_d[None, :], out)
+    tl.store(plse_ptr + row, lse)
+
+
+@triton.jit
+def _tree_attention_merge_kernel(po_ptr, plse_ptr, o_ptr, s_ob, s_ot, s_oh, T, G, Hkv, M_PAD, D, n_splits,
+                                 BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s (splits with no rows add 0)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // Hkv
+    kvh = bh % Hkv
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for s in range(0, n_splits):
+        row = (bh * n_splits + s).to(tl.int64) * M_PAD + offs_m
+        lse = tl.load(plse_ptr + row)
+        o = tl.load(po_ptr + row[:, None] * BLOCK_D + offs_d[None, :])
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a_old = tl.exp2(m - m_safe)
+        a_s = tl.exp2(lse - m_safe)
+        acc = acc * a_old[:, None] + o * a_s[:, None]
+        l = l * a_old + a_s
+        m = m_new
+    t = offs_m // G
+    g = offs_m % G
+    ok = offs_m < T * G
+    out = acc / tl.where(ok, l, 1.0)[:, None]  # l == 0 only for a row with no allowed key (NaN, as in the reference)
+    ptr = o_ptr + b.to(tl.int64) * s_ob + t[:, None] * s_ot + (kvh * G + g)[:, None] * s_oh + offs_d[None, :]
+    tl.store(ptr, out.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d < D)[None, :])
+
+
+def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
+    """bool [T, T] -> int32 [T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is tree_mask[i, j]."""
+    T = tree_mask.shape[0]
+    W = (T + 31) // 32
+    padded = torch.zeros(T, W * 32, dtype=torch.int64, device=tree_mask.device)
+    padded[:, :T] = tree_mask.to(torch.int64)
+    words = (padded.view(T, W, 32) << torch.arange(32, device=tree_mask.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None, *, split_size: int | None = None,
+                   block_m: int | None = None, block_n: int | None = None):
+    """Same contract as reference.tree_attention (any head_dim up to 256; tiles pad it to a power of two).
+    split_size / block_m / block_n: tuning overrides (tests use them to force several splits)."""
+    B, T, Hq, D = q.shape
+    S, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    if D > 256:
+        raise ValueError(f"tree_attention (triton) supports head_dim <= 256, got {D}; use backend='reference'")
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    scale = D**-0.5 if sm_scale is None else sm_scale
+    M = T * G
+    BLOCK_M = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
+    BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
+    m_tiles = triton.cdiv(M, BLOCK_M)
+    M_PAD = m_tiles * BLOCK_M
+    if split_size is None:
+        # enough programs for ~2 waves over the SMs, but no split shorter than 256 rows (each split
+        # pays a partial write + merge read of M_PAD x D floats)
+        want = max(1, math.ceil(2 * _num_sms(q.device) / (B * Hkv * m_tiles)))
+        n_splits = max(1, min(want, triton.cdiv(S, 256)))
+        split_size = triton.cdiv(triton.cdiv(S, n_splits), BLOCK_N) * BLOCK_N
+    n_prefix = max(1, triton.cdiv(S, split_size))
+    n_total = n_prefix + 1
+    dev = q.device
+    bits = pack_tree_mask(tree_mask)
+    po = torch.empty(B * Hkv * n_total * M_PAD, BLOCK_D, dtype=torch.float32, device=dev)
+    plse = torch.empty(B * Hkv * n_total * M_PAD, dtype=torch.float32, device=dev)
+    out = torch.empty_like(q)
+    # fp32 keeps fp32 products (no TF32) to match the fp32 reference. Triton's interpreter (3.9)
+    # computes bf16 tl.dot wrongly, so on the CPU tier bf16 tiles are upcast (fp16 runs as on the GPU).
+    ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    _tree_attention_split_kernel[(m_tiles, n_total, B * Hkv)](
+        q, k_cache, v_cache, cache_seqlens, bits, po, plse,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        T, G, Hkv, bits.shape[1], M_PAD, D, split_size, n_prefix, scale * _LOG2E,
+        BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee)
+    _tree_attention_merge_kernel[(m_tiles, B * Hkv)](
+        po, plse, out, out.stride(0), out.stride(1), out.stride(2), T, G, Hkv, M_PAD, D, n_total,
+        BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M)
+    return out

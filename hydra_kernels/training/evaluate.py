@@ -1,0 +1,60 @@
+"""How well heads guess the base model: per-head ranks of its greedy tokens, top-k accuracy.
+
+On a sequence the base model produced greedily (prompt + its own continuation), the token at p+1 is
+the root the base model predicts from h_p, and head d's target is token p+2+d. Feeding the head the
+real path (teacher forcing) gives, for every position, the rank of the right token in each head's
+ranking: ranks[p, d]. A tree node with rank path (r_0, ..., r_d) is accepted at p exactly when
+ranks[p, :d+1] == (r_0, ..., r_d), which is what tree search needs (tree_search.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from .heads import head_inputs
+from .hidden_cache import HiddenStates, compute_hidden_states
+
+UNRANKED = 1 << 20  # outside the head's top max_rank, or outside its draft vocabulary
+
+
+@torch.no_grad()
+def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], max_rank: int = 16,
+               data: HiddenStates | None = None) -> torch.Tensor:
+    """sequences: base-model greedy sequences; starts[i]: first position of sequence i whose next tokens
+    are the model's own (len(prompt) - 1). -> ranks int64 [n_positions, num_heads]: rank of the true
+    token in head d's ranking (UNRANKED if not in its top max_rank), -1 where the sequence has ended."""
+    data = data or compute_hidden_states(model, sequences, progress=False)
+    dev, dtype = model.device, model.dtype
+    ids = data.ids.to(dev)
+    out, offset = [], 0
+    for seq, s0 in zip(sequences, starts):
+        L = len(seq)
+        span = torch.arange(offset, offset + L)
+        h = data.hidden[span].to(dev, dtype)
+        if drafter.prefix is not None:
+            h = drafter.prefix.forward_full(h[None])[0]
+        pos = torch.arange(max(0, s0), L - 2)  # positions with at least the root and head 0's target after
+        ranks = torch.full((pos.numel(), drafter.num_heads), -1, dtype=torch.long)
+        for d in range(drafter.num_heads):
+            ok = pos + 2 + d < L
+            p = pos[ok]
+            if p.numel() == 0:
+                continue
+            x = head_inputs(model, drafter, ids, h[p.to(dev)], (p + offset).to(dev), d)
+            top = drafter.token_ids(drafter.logits(model, d, x).topk(max_rank, dim=-1).indices)  # [n, max_rank]
+            hit = top == ids[(p + offset + 2 + d).to(dev)][:, None]
+            r = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], UNRANKED, dtype=torch.long))
+            ranks[ok.nonzero().flatten(), d] = r.cpu().long()
+        out.append(ranks)
+        offset += L
+    return torch.cat(out)
+
+
+def topk_accuracy(ranks: torch.Tensor, ks=(1, 5, 10)) -> list[dict]:
+    """Per head: fraction of positions where the true token is in its top-k (positions it can see)."""
+    rows = []
+    for d in range(ranks.shape[1]):
+        r = ranks[:, d]
+        r = r[r >= 0]
+        rows.append({"head": d + 1, "positions": int(r.numel()),
+                     **{f"top{k}": float((r < k).float().mean()) if r.numel() else float("nan") for k in ks}})
+    return rows

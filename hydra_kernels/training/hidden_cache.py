@@ -1,0 +1,97 @@
+"""The base model's hidden states over training text, computed once and kept (Hydra++'s recipe).
+
+Teacher targets are the base model's next-token distributions; storing those (49k floats a token)
+is out of the question, so we keep its final-normed hidden states (H floats a token, bf16) and
+recompute teacher logits through the LM head when a batch needs them. One prefill forward per
+sequence; shards of sequences are written as they finish, so an interrupted build resumes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class HiddenStates:
+    """Concatenated sequences: ids [N] token ids, hidden [N, H] base hidden states (position p's state
+    predicts token p+1), after [N] = how many tokens of p's own sequence follow p."""
+
+    ids: torch.Tensor
+    hidden: torch.Tensor
+    after: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.ids.numel()
+
+    @property
+    def num_sequences(self) -> int:
+        return int((self.after == 0).sum())
+
+    def valid_positions(self, lookahead: int) -> torch.Tensor:
+        """Positions p with at least `lookahead` tokens after them in their sequence."""
+        return (self.after >= lookahead).nonzero().flatten()
+
+    def to(self, device) -> "HiddenStates":
+        return HiddenStates(self.ids.to(device), self.hidden.to(device), self.after.to(device))
+
+
+def _after(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(n - 1, -1, -1) for n in lengths])
+
+
+def _key(model, sequences) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps(model.config.to_hf_dict(include_extra=False), sort_keys=True, default=str).encode())
+    w = model.output.weight
+    h.update(w.detach().flatten()[:4096].float().numpy().tobytes())  # which weights, cheaply
+    for s in sequences:
+        h.update(len(s).to_bytes(4, "little"))
+        h.update(torch.tensor(s, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@torch.no_grad()
+def compute_hidden_states(model, sequences: list[list[int]], cache_dir: str | Path | None = None,
+                          shard_size: int = 32, dtype=torch.bfloat16, progress: bool = True) -> HiddenStates:
+    """One full causal forward per sequence -> HiddenStates (hidden stored as `dtype`).
+    cache_dir: keep finished shards there (keyed by the model and the exact token sequences) and reuse them."""
+    if not sequences or any(len(s) < 2 for s in sequences):
+        raise ValueError("need at least one sequence, each of at least 2 tokens")
+    root = None
+    if cache_dir is not None:
+        root = Path(cache_dir) / f"hidden-{_key(model, sequences)}"
+        root.mkdir(parents=True, exist_ok=True)
+    parts = []
+    bar = tqdm(total=sum(map(len, sequences)), desc="base hidden states", unit="tok", disable=not progress)
+    for s0 in range(0, len(sequences), shard_size):
+        chunk = sequences[s0:s0 + shard_size]
+        shard = root / f"shard-{s0 // shard_size:05d}.pt" if root is not None else None
+        if shard is not None and shard.exists():
+            parts.append(torch.load(shard, weights_only=True))
+        else:
+            hs = [model.hidden_states(torch.tensor([s], device=model.device))[0].to("cpu", dtype) for s in chunk]
+            parts.append(torch.cat(hs))
+            if shard is not None:
+                torch.save(parts[-1], shard.with_suffix(".tmp"))
+                shard.with_suffix(".tmp").rename(shard)
+        bar.update(sum(map(len, chunk)))
+    bar.close()
+    return HiddenStates(ids=torch.tensor([t for s in sequences for t in s], dtype=torch.long),
+                        hidden=torch.cat(parts), after=_after([len(s) for s in sequences]))
+
+
+def draft_vocabulary(sequences: list[list[int]], size: int, always: list[int] = ()) -> torch.Tensor:
+    """The `size` most frequent token ids of the sequences (ties by id), `always` included first
+    (e.g. the end-of-turn tokens, which must be draftable for a reply to end inside a tree)."""
+    counts = Counter(t for s in sequences for t in s)
+    ranked = list(dict.fromkeys(list(always) + [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]))
+    if len(ranked) < size:
+        raise ValueError(f"only {len(ranked)} distinct tokens in the data; ask for a draft vocabulary of at most that")
+    return torch.tensor(ranked[:size], dtype=torch.long)

@@ -1,0 +1,90 @@
+"""Recipe: train Medusa, Hydra and Hydra++ heads for the embedded SmolLM2-135M-Instruct on ShareGPT,
+distilled from the base model. Reproduces the shipped heads (python/ship_heads.py packages them).
+
+    .venv/bin/python python/train_heads.py                 # all three kinds, defaults below
+    .venv/bin/python python/train_heads.py --kinds hydra   # one kind
+
+Writes runs/heads/<kind>/ (drafter dirs), runs/heads/training_loss.{csv,png}; base hidden states and
+training checkpoints are kept under the cache dir, so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
+from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, sharegpt_token_sequences,  # noqa: E402
+                                    train_drafter)
+from benchmarks.report import write_results  # noqa: E402
+
+# kind -> (ResBlocks per head, training steps): Hydra++ gets deeper heads (and its prefix layer).
+KIND_SHAPES = {"medusa": (1, 900), "hydra": (1, 900), "hydra++": (2, 900)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="+", default=list(KIND_SHAPES), choices=list(KIND_SHAPES))
+    ap.add_argument("--train-seqs", type=int, default=400, help="ShareGPT conversations to train on")
+    ap.add_argument("--max-tokens", type=int, default=512, help="tokens kept per conversation")
+    ap.add_argument("--vocab-seqs", type=int, default=3000, help="conversations counted for the draft vocabulary")
+    ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the heads may propose")
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=None, help="override every kind's step count")
+    ap.add_argument("--positions", type=int, default=256, help="teacher positions per step")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--distill-weight", type=float, default=0.9, help="1: teacher KL only; 0: next-token CE only")
+    ap.add_argument("--out", default="runs/heads")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = cache_root() / "training"
+
+    model, tok = hk.load_model(dtype=torch.float32)
+    seqs = sharegpt_token_sequences(tok, args.train_seqs, args.max_tokens)
+    print(f"{len(seqs)} training conversations, {sum(map(len, seqs))} tokens")
+    vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)
+    end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
+    dv = draft_vocabulary(vocab_seqs, args.draft_vocab, always=end_ids)
+    data = compute_hidden_states(model, seqs, cache_dir=work)
+
+    rows = []
+    for kind in args.kinds:
+        layers, steps = KIND_SHAPES[kind]
+        steps = args.steps or steps
+        torch.manual_seed(args.seed)
+        drafter = hk.new_drafter(model, kind, num_heads=args.num_heads, num_layers=layers, draft_vocab=dv)
+        t0 = time.perf_counter()
+        hist = train_drafter(model, drafter, data, steps=steps, lr=args.lr, positions_per_step=args.positions,
+                             warmup=max(1, steps // 20), distill_weight=args.distill_weight, seed=args.seed,
+                             checkpoint=work / f"ckpt-{kind}-{args.seed}-{steps}.pt", checkpoint_every=50)
+        print(f"{kind}: {steps} steps in {time.perf_counter() - t0:.0f} s, final loss {hist['loss'][-1]:.3f}")
+        drafter.save(out / kind)
+        for s, (loss, heads) in enumerate(zip(hist["loss"], hist["head_loss"])):
+            rows.append({"kind": kind, "step": s, "loss": loss, **{f"head{i}": v for i, v in enumerate(heads)}})
+
+    def plot(ax):
+        for kind in args.kinds:
+            r = [x for x in rows if x["kind"] == kind]
+            k = 25  # running mean: one step's loss is noisy
+            ys = torch.tensor([x["loss"] for x in r])
+            ys = torch.nn.functional.avg_pool1d(ys[None, None], k, 1)[0, 0] if len(ys) > k else ys
+            ax.plot(range(len(ys)), ys.tolist(), label=kind)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (mean over heads)")
+        ax.set_title("draft-head training, SmolLM2-135M-Instruct, ShareGPT")
+        ax.legend()
+
+    write_results(rows, out, "training_loss", plot)
+
+
+if __name__ == "__main__":
+    main()
