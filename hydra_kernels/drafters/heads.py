@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..ops.backend import op_backend
 from ..model.llama import Llama
 from ..tree import Tree
 from .config import DrafterConfig
@@ -141,14 +142,30 @@ class Drafter(nn.Module):
         return index if self.draft_vocab is None else self.draft_vocab[index]
 
     def topk_tokens(self, model: Llama, head: int, x: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
-        """Token ids of head `head`'s k best guesses for inputs x [..., in_features] -> [..., k].
-        With the tied LM head the top-k is fused into it (ops.lm_head_topk: no logits written)."""
+        """Token ids of head `head`'s k best guesses for inputs x [..., in_features] -> [..., k]."""
+        return self.topk_from_hidden(model, head, self.heads[head].hidden(x), k, backend)
+
+    def topk_from_hidden(self, model: Llama, head: int, hidden: torch.Tensor, k: int, backend: str = "auto"):
+        """Head output [..., H] -> token ids of its k best guesses [..., k]. With the tied LM head the
+        top-k is fused into it (ops.lm_head_topk: no logits written)."""
         lm = self.heads[head].lm_head or self.shared_lm_head
         if lm is None:
-            idx = ops.lm_head_topk(self.heads[head].hidden(x), self.tied_lm_weight(model), k, backend=backend)[1]
+            idx = ops.lm_head_topk(hidden, self.tied_lm_weight(model), k, backend=backend)[1]
         else:
-            idx = lm(self.heads[head].hidden(x)).topk(k, dim=-1).indices
+            idx = lm(hidden).topk(k, dim=-1).indices
         return self.token_ids(idx)
+
+    def hydra_hidden(self, model: Llama, head: int, h: torch.Tensor, path_tokens: torch.Tensor,
+                     backend: str = "auto") -> torch.Tensor:
+        """Hydra head `head` on nodes given by their paths: h [B, H], path_tokens [B, n, head+1] -> [B, n, H].
+        The first ResBlock runs as ops.hydra_first_layer (embeddings gathered by id, no concatenation)."""
+        hd = self.heads[head]
+        b0 = hd.blocks[hd.schedule[0]]
+        x = ops.hydra_first_layer(h, path_tokens, model.tok_embeddings.weight, b0.linear.weight, b0.linear.bias,
+                                  b0.res_connection.weight, b0.res_connection.bias, backend=backend)
+        for i in hd.schedule[1:]:
+            x = hd.blocks[i](x)
+        return x
 
     def head_input(self, model: Llama, h: torch.Tensor, tokens: torch.Tensor, tree: Tree, depth: int,
                    nodes: torch.Tensor) -> torch.Tensor:
@@ -164,16 +181,18 @@ class Drafter(nn.Module):
     def draft(self, model: Llama, h: torch.Tensor, root: torch.Tensor, tree: Tree, backend: str = "auto") -> torch.Tensor:
         """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root). One head call per depth for every
         node that has children, top-k over the vocabulary, children take their rank's token."""
+        backend_of = lambda op: op_backend(op, backend)  # noqa: E731  (ops without this backend use "auto")
         B = h.shape[0]
         tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
         tokens[:, 0] = root
         for d, plan in enumerate(tree.plans):
             if self.config.grounded:
-                x = self.head_input(model, h, tokens, tree, d, plan.parents)
-                top = self.topk_tokens(model, d, x, plan.topk, backend)  # [B, n_parents, k]
+                path = tree.ancestors[plan.parents, : d + 1]  # [n_parents, d+1] node ids, root first
+                hidden = self.hydra_hidden(model, d, h, tokens[:, path], backend_of("hydra_first_layer"))
+                top = self.topk_from_hidden(model, d, hidden, plan.topk, backend_of("lm_head_topk"))  # [B, n_p, k]
                 tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
             else:  # Medusa: one distribution per depth, the same for every parent
-                top = self.topk_tokens(model, d, h, plan.topk, backend)  # [B, k]
+                top = self.topk_tokens(model, d, h, plan.topk, backend_of("lm_head_topk"))  # [B, k]
                 tokens[:, plan.children] = top[:, plan.child_rank]
         return tokens
 
@@ -182,7 +201,7 @@ class Drafter(nn.Module):
         column tree.flat_source[t]; ops.tree_inputs builds the tree tokens from it on the device)."""
         if self.config.grounded:
             raise ValueError("medusa_candidates is for path-independent (Medusa) heads; Hydra heads use draft()")
-        return torch.cat([self.topk_tokens(model, d, h, plan.topk, backend) for d, plan in enumerate(tree.plans)], dim=1)
+        return torch.cat([self.topk_tokens(model, d, h, plan.topk, op_backend("lm_head_topk", backend)) for d, plan in enumerate(tree.plans)], dim=1)
 
     # ---- the hidden state h the heads start from ------------------------------------------------
     def start(self, model: Llama, batch_size: int, max_seq_len: int):

@@ -8,7 +8,7 @@ import torch
 from . import reference
 from .backend import BACKENDS, native_available, op_backend, register, resolve, triton_available
 
-__all__ = ["tree_attention", "lm_head_topk", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
+__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
            "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
@@ -17,6 +17,7 @@ register("typical_verify", "reference", reference.typical_verify)
 register("commit_kv", "reference", reference.commit_kv)
 register("tree_inputs", "reference", reference.tree_inputs)
 register("lm_head_topk", "reference", reference.lm_head_topk)
+register("hydra_first_layer", "reference", reference.hydra_first_layer)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
 from . import triton as _triton_kernels  # noqa: E402,F401  (registers the "triton" backend when triton is installed)
 
@@ -96,6 +97,37 @@ def lm_head_topk(x, weight, k, *, backend="auto"):
     _check(x.device == weight.device, f"x and weight must be on one device, got {x.device} and {weight.device}")
     fn = resolve("lm_head_topk", backend, x.device)
     return fn(x, weight, k)
+
+
+def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res, *, backend="auto"):
+    """First ResBlock of a Hydra head without materialising its concatenated input (Triton).
+
+    Parameters
+    ----------
+    h : [B, H] the drafter's hidden state per sequence.
+    path_tokens : int [B, n, d+1] token ids of each node's path from the root (root first).
+    emb : [V, H] the base model's input embedding table (rows gathered by id).
+    w_lin, w_res : [H, (d+2)H] the block's linear and residual-projection weights; b_lin, b_res : [H] or None.
+
+    Returns
+    -------
+    [B, n, H] = R x + b_R + SiLU(W x + b_W) with x = cat(h, E(t_0), ..., E(t_d)).
+    """
+    _check(h.dim() == 2 and path_tokens.dim() == 3 and path_tokens.shape[0] == h.shape[0],
+           f"h must be [B, H] and path_tokens [B, n, d+1], got {tuple(h.shape)} and {tuple(path_tokens.shape)}")
+    H, D1 = h.shape[1], path_tokens.shape[2]
+    _check(not path_tokens.dtype.is_floating_point, f"path_tokens must be integer, got {path_tokens.dtype}")
+    _check(emb.dim() == 2 and emb.shape[1] == H, f"emb must be [V, H={H}], got {tuple(emb.shape)}")
+    for name, w in (("w_lin", w_lin), ("w_res", w_res)):
+        _check(tuple(w.shape) == (H, (D1 + 1) * H),
+               f"{name} must be [H, (d+2)H] = [{H}, {(D1 + 1) * H}] for paths of {D1} tokens, got {tuple(w.shape)}")
+    for name, b in (("b_lin", b_lin), ("b_res", b_res)):
+        _check(b is None or tuple(b.shape) == (H,), f"{name} must be [H={H}] or None, got {getattr(b, 'shape', b)}")
+    ts = [t for t in (h, emb, w_lin, w_res, b_lin, b_res) if t is not None]
+    _check(len({t.dtype for t in ts}) == 1, f"h, emb and the weights must share a dtype, got {[t.dtype for t in ts]}")
+    _check(len({t.device for t in ts + [path_tokens]}) == 1, "all inputs must be on one device")
+    fn = resolve("hydra_first_layer", backend, h.device)
+    return fn(h, path_tokens, emb, w_lin, b_lin, w_res, b_res)
 
 
 def _check_tree_inputs(tree_tokens, paths):

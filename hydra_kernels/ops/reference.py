@@ -56,6 +56,17 @@ def lm_head_topk(x, weight, k):
     return v, i
 
 
+def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res):
+    """First ResBlock of Hydra head d on the nodes of one depth.
+    h [B, H]; path_tokens int [B, n, d+1] (each node's path from the root, root first); emb [V, H];
+    w_lin, w_res [H, (d+2)H]; b_lin, b_res [H] or None. With x = cat(h, E(t_0), ..., E(t_d)):
+    returns R x + b_R + SiLU(W x + b_W), [B, n, H]."""
+    B, n, D1 = path_tokens.shape
+    x = torch.cat([h[:, None, :].expand(B, n, h.shape[-1]), emb[path_tokens].flatten(2)], dim=-1)
+    lin = torch.nn.functional.linear(x, w_lin, b_lin)
+    return torch.nn.functional.linear(x, w_res, b_res) + torch.nn.functional.silu(lin)
+
+
 # ---- verification -------------------------------------------------------------------------------
 def _select_path(paths, accepted, score, next_tokens_fn):
     """Shared tail of the verifiers.

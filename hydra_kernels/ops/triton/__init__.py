@@ -24,3 +24,4 @@ if importlib.util.find_spec("triton") is not None:
     register("greedy_verify", "triton", _lazy("greedy_verify", "greedy_verify"))
     register("tree_attention", "triton", _lazy("tree_attention", "tree_attention"))
     register("lm_head_topk", "triton", _lazy("lm_head_topk", "lm_head_topk"))
+    register("hydra_first_layer", "triton", _lazy("hydra_head", "hydra_first_layer"))

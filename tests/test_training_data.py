@@ -1,0 +1,66 @@
+"""Training and evaluation text: the truncated ShareGPT JSON, the role mapping, the stable split,
+rendering with the real chat template; the hidden-state cache and the draft vocabulary."""
+import json
+
+import pytest
+import torch
+
+from hydra_kernels.training import data as tdata
+from hydra_kernels.training.hidden_cache import compute_hidden_states, draft_vocabulary
+
+
+def test_truncated_json_yields_complete_records_only(tmp_path):
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": "q" * i}, {"from": "gpt", "value": "a,]}"}]}
+            for i in range(40)]
+    text = json.dumps(recs, indent=2)
+    cut = text[: int(len(text) * 0.73)]  # ends inside a record, like the packaged file
+    got = list(tdata.sharegpt_records(_write(tmp_path / "cut.json", cut), chunk_chars=97))  # records span chunks
+    assert 20 < len(got) < 40 and got == recs[: len(got)]
+    assert list(tdata.sharegpt_records(_write(tmp_path / "whole.json", text), chunk_chars=50)) == recs
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_conversation_messages_alternate_from_the_first_user_turn():
+    rec = {"conversations": [{"from": "gpt", "value": "hello"}, {"from": "human", "value": "q1"},
+                             {"from": "gpt", "value": "a1"}, {"from": "gpt", "value": "a1 again"},
+                             {"from": "human", "value": "q2"}]}
+    assert tdata.conversation_messages(rec) == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+
+
+def test_packaged_sharegpt_and_split(smollm2):
+    _, tok = smollm2
+    first = []
+    for r in tdata.sharegpt_records():
+        first.append(r)
+        if len(first) == 50:
+            break
+    assert all("conversations" in r for r in first)
+    held = [r for r in first if tdata.is_heldout(r, 5)]
+    assert held != first and all(tdata.is_heldout(r, 5) for r in held)
+    train = tdata.sharegpt_token_sequences(tok, 3, max_tokens=100)
+    test = tdata.sharegpt_token_sequences(tok, 3, max_tokens=100, heldout=True)
+    assert all(64 <= len(s) <= 100 for s in train + test) and not set(map(tuple, train)) & set(map(tuple, test))
+    assert tok.decode(train[0]).startswith("<|im_start|>")
+
+
+def test_hidden_states_cache_resumes_and_matches(smollm2, tmp_path):
+    model, _ = smollm2
+    seqs = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4]]
+    a = compute_hidden_states(model, seqs, cache_dir=tmp_path, shard_size=2, progress=False, dtype=torch.float32)
+    assert len(list(tmp_path.glob("hidden-*/shard-*.pt"))) == 2
+    b = compute_hidden_states(model, seqs, cache_dir=tmp_path, shard_size=2, progress=False, dtype=torch.float32)
+    assert torch.equal(a.hidden, b.hidden) and a.after.tolist() == [4, 3, 2, 1, 0, 2, 1, 0, 3, 2, 1, 0]
+    with torch.no_grad():
+        ref = model.hidden_states(torch.tensor([seqs[1]]))[0]
+    assert torch.allclose(a.hidden[5:8], ref, atol=1e-5)
+
+
+def test_draft_vocabulary_frequency_order_and_forced_ids():
+    dv = draft_vocabulary([[5, 5, 5, 2, 2, 9], [2, 7]], 3, always=[100])
+    assert dv.tolist() == [100, 2, 5]
+    with pytest.raises(ValueError, match="distinct tokens"):
+        draft_vocabulary([[1, 2]], 5)

@@ -1,0 +1,116 @@
+"""Head training (distillation + CE, checkpoint/resume), head ranks and tree search, on a tiny random
+Llama (fast); the real-model recipes live in python/."""
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.training import HiddenStates, compute_hidden_states, train_drafter
+from hydra_kernels.training.evaluate import UNRANKED, head_ranks, topk_accuracy
+from hydra_kernels.training.tree_search import grow_tree, path_frequencies
+from test_llama_vs_transformers import make_hf
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=3))
+    V = model.config.vocab_size  # learnable text: arithmetic progressions mod V (next token = previous + stride)
+    seqs = [[(start + stride * i) % V for i in range(n)] for start, stride, n in ((3, 7, 30), (50, 2, 17), (9, 7, 41))]
+    return model, seqs, compute_hidden_states(model, seqs, progress=False, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+@pytest.mark.parametrize("distill_weight", [1.0, 0.5])
+def test_training_lowers_the_loss(tiny, kind, distill_weight):
+    model, _, data = tiny
+    torch.manual_seed(0)
+    dv = torch.arange(0, model.config.vocab_size, 2)  # a draft vocabulary of half the tokens
+    d = hk.new_drafter(model, kind, num_heads=3, draft_vocab=dv)
+    hist = train_drafter(model, d, data, steps=60, lr=1e-2, positions_per_step=32, distill_weight=distill_weight,
+                         progress=False)
+    first, last = sum(hist["loss"][:5]) / 5, sum(hist["loss"][-5:]) / 5
+    assert last < 0.9 * first, (first, last)
+    assert len(hist["head_loss"][0]) == 3 and not d.training
+
+
+def test_checkpoint_resume_equals_one_run(tiny, tmp_path):
+    model, _, data = tiny
+
+    torch.manual_seed(0)
+    a = hk.new_drafter(model, "hydra", num_heads=2)
+    train_drafter(model, a, data, steps=12, positions_per_step=16, progress=False)
+    ck = tmp_path / "ck.pt"
+    torch.manual_seed(0)
+    b = hk.new_drafter(model, "hydra", num_heads=2)
+    hist = train_drafter(model, b, data, steps=12, positions_per_step=16, progress=False, checkpoint=ck,
+                         checkpoint_every=5)
+    assert ck.exists()
+    state = torch.load(ck, weights_only=False)
+    assert state["step"] == 12 and len(hist["loss"]) == 12
+    # interrupt-and-resume: a run stopped at step 5 (its checkpoint) and continued gives the same heads
+    torch.manual_seed(0)
+    c = hk.new_drafter(model, "hydra", num_heads=2)
+    ck2 = tmp_path / "ck2.pt"
+    with pytest.raises(KeyboardInterrupt):
+        _train_and_interrupt(model, c, data, ck2, stop_after=7)
+    torch.manual_seed(0)
+    c2 = hk.new_drafter(model, "hydra", num_heads=2)
+    train_drafter(model, c2, data, steps=12, positions_per_step=16, progress=False, checkpoint=ck2, checkpoint_every=5)
+    for (k, x), (_, y) in zip(a.state_dict().items(), c2.state_dict().items()):
+        assert torch.allclose(x, y, atol=1e-6), k
+
+
+def _train_and_interrupt(model, drafter, data, ckpt, stop_after):
+    calls = {"n": 0}
+    orig = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] > stop_after:
+            raise KeyboardInterrupt
+        return orig(self, *a, **k)
+
+    torch.optim.AdamW.step = step
+    try:
+        train_drafter(model, drafter, data, steps=12, positions_per_step=16, progress=False, checkpoint=ckpt,
+                      checkpoint_every=5)
+    finally:
+        torch.optim.AdamW.step = orig
+
+
+def test_bad_training_arguments(tiny):
+    model, _, data = tiny
+    with pytest.raises(ValueError, match="distill_weight"):
+        train_drafter(model, hk.new_drafter(model, "hydra", num_heads=1), data, distill_weight=2.0)
+
+
+def test_head_ranks_follow_the_teacher_forced_path(tiny):
+    model, seqs, data = tiny
+    torch.manual_seed(1)
+    d = hk.new_drafter(model, "hydra", num_heads=2)
+    r = head_ranks(model, d, seqs, [0, 5, 0], max_rank=4, data=data)
+    assert r.shape == (28 + 10 + 39, 2)
+    # brute force one entry: head 1 at position 3 of sequence 0
+    ids = torch.tensor(seqs[0])
+    h = data.hidden[:30]
+    x = torch.cat([h[3], model.tok_embeddings(ids[4]), model.tok_embeddings(ids[5])])
+    top = d.logits(model, 1, x[None])[0].topk(4).indices.tolist()
+    want = top.index(int(ids[6])) if int(ids[6]) in top else UNRANKED
+    assert int(r[3, 1]) == want
+    assert r[27, 1] == -1  # position 27 of 30: head 1's target (29 + 1) is past the end
+    acc = topk_accuracy(r, ks=(1, 4))
+    assert [a["head"] for a in acc] == [1, 2] and all(0 <= a["top1"] <= a["top4"] <= 1 for a in acc)
+
+
+def test_tree_search_greedy_growth():
+    ranks = torch.tensor([[0, 0, 1], [0, 0, 0], [0, 1, -1], [1, 0, 5], [0, 0, 0], [7, 0, 0]])
+    f = path_frequencies(ranks, max_rank=4)
+    assert f[(0,)] == 4 and f[(0, 0)] == 3 and f[(0, 0, 0)] == 2 and f[(1, 0)] == 1 and (7,) not in f
+    tree, expected = grow_tree(ranks, num_nodes=4, max_rank=4)
+    assert tree.choices == [(0,), (0, 0), (0, 0, 0)]  # 4/6, 3/6, 2/6 of the positions
+    assert expected == pytest.approx([1.0, 1 + 4 / 6, 1 + 7 / 6, 1 + 9 / 6])
+    full, exp_full = grow_tree(ranks, num_nodes=100, max_rank=4)
+    assert full.num_nodes == len(f) + 1
+    # expected tokens per step = 1 + mean accepted depth, simulated directly
+    sim = sum(1 + next((d for d in range(3, 0, -1) if tuple(row[:d]) in set(full.choices)), 0)
+              for row in ranks.tolist()) / len(ranks)
+    assert exp_full[-1] == pytest.approx(sim)
