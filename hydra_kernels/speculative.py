@@ -10,7 +10,7 @@ import torch
 
 from . import ops
 from .emit import Emitter
-from .ops.backend import op_backend
+from .ops.backend import op_backend, resolved_name
 
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
@@ -27,7 +27,12 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     T = tree.num_nodes
     greedy = acceptance == "greedy" or temperature == 0.0
     be = {op: op_backend(op, backend) for op in ("tree_attention", "greedy_verify", "typical_verify", "commit_kv",
-                                                 "tree_inputs", "lm_head_topk")}
+                                                 "tree_inputs", "lm_head_topk", "lm_head_sample_stats",
+                                                 "typical_accept")}
+    # typical acceptance runs fused when the LM-head statistics op is a kernel (Triton); the reference
+    # backend keeps the logits-based definition (ops.typical_verify)
+    typical_fused = (not greedy and model.output.bias is None
+                     and resolved_name("lm_head_sample_stats", be["lm_head_sample_stats"], dev) == "triton")
     while not emitter.all_done:
         positions = None
         if drafter.config.grounded:  # Hydra: each depth conditions on the tokens drafted before it
@@ -44,6 +49,13 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             v = ops.greedy_verify(target, tokens, tree.paths, backend=be["greedy_verify"])
         elif greedy:
             v = ops.greedy_verify(model.output(hidden).argmax(dim=-1), tokens, tree.paths, backend=be["greedy_verify"])
+        elif typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
+            W = model.output.weight
+            seed = torch.randint(2**62, (1,), device=dev, generator=generator)
+            lse, ent, samples = ops.lm_head_sample_stats(hidden, W, temperature, seed, backend=be["lm_head_sample_stats"])
+            cl = ops.reference.child_logits(hidden, W, tokens, tree.parents, temperature)
+            v = ops.typical_accept(lse, ent, cl, samples, tree.paths, posterior_threshold=posterior_threshold,
+                                   posterior_alpha=posterior_alpha, backend=be["typical_accept"])
         else:
             logits = model.output(hidden)  # [B, T, V]
             v = ops.typical_verify(logits, tokens, tree.paths, temperature=temperature,

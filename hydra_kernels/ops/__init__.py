@@ -8,7 +8,7 @@ import torch
 from . import reference
 from .backend import BACKENDS, native_available, op_backend, register, resolve, triton_available
 
-__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
+__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "lm_head_sample_stats", "typical_accept", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
            "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
@@ -18,6 +18,8 @@ register("commit_kv", "reference", reference.commit_kv)
 register("tree_inputs", "reference", reference.tree_inputs)
 register("lm_head_topk", "reference", reference.lm_head_topk)
 register("hydra_first_layer", "reference", reference.hydra_first_layer)
+register("lm_head_sample_stats", "reference", reference.lm_head_sample_stats)
+register("typical_accept", "reference", reference.typical_accept)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
 from . import triton as _triton_kernels  # noqa: E402,F401  (registers the "triton" backend when triton is installed)
 
@@ -169,6 +171,34 @@ def typical_verify(logits, tree_tokens, paths, *, temperature, posterior_thresho
     _check(temperature > 0, f"typical acceptance needs temperature > 0, got {temperature}")
     fn = resolve("typical_verify", backend, tree_tokens.device)
     return Verification(*fn(logits, tree_tokens, paths, temperature, posterior_threshold, posterior_alpha, generator))
+
+
+def lm_head_sample_stats(x, weight, temperature, seed, *, backend="auto"):
+    """Per row of x [..., H], with z = x weight^T / temperature: (lse fp32 [...], entropy fp32 [...],
+    sample int64 [...] drawn from softmax(z)), in one pass over the vocabulary (Triton: the logits are
+    never written). weight [V, H]; temperature > 0; seed int64 tensor [1] on x's device (no host read)."""
+    _check(x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1],
+           f"x [..., H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check(temperature > 0, f"temperature must be > 0, got {temperature}")
+    _check(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    _check(torch.is_tensor(seed) and seed.numel() == 1 and seed.dtype == torch.int64 and seed.device == x.device,
+           "seed must be an int64 tensor of one element on x's device")
+    fn = resolve("lm_head_sample_stats", backend, x.device)
+    return fn(x, weight, temperature, seed)
+
+
+def typical_accept(lse, entropy, child_logits, samples, paths, *, posterior_threshold=0.09, posterior_alpha=0.3,
+                   backend="auto") -> Verification:
+    """Typical acceptance from LM-head statistics (no [B, T, V] logits): lse, entropy, child_logits
+    (reference.child_logits), samples, all [B, T]; paths [P, D+1]. Same acceptance as typical_verify;
+    the next root is samples[b, last accepted node]. One Triton launch for the batch."""
+    _check(lse.dim() == 2 and lse.shape == entropy.shape == child_logits.shape == samples.shape,
+           f"lse, entropy, child_logits, samples must all be [B, T], got {tuple(lse.shape)}, {tuple(entropy.shape)}, "
+           f"{tuple(child_logits.shape)}, {tuple(samples.shape)}")
+    _check(paths.dim() == 2 and not paths.dtype.is_floating_point, "paths must be an integer [P, D+1] tensor")
+    _check(int(lse.shape[1]) >= 1, "need at least the root")
+    fn = resolve("typical_accept", backend, lse.device)
+    return Verification(*fn(lse, entropy, child_logits, samples, paths, posterior_threshold, posterior_alpha))
 
 
 def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths, *, backend="auto") -> None:

@@ -50,6 +50,11 @@ def _usable(backend: str, device: torch.device) -> bool:
 
 def resolve(op: str, backend: str, device: torch.device) -> Callable:
     """The implementation of `op` for `backend` on `device`, or a ValueError saying what to change."""
+    return _IMPLS.get(op, {})[resolved_name(op, backend, device)]
+
+
+def resolved_name(op: str, backend: str, device: torch.device) -> str:
+    """Which backend `resolve` picks for `op` ("auto" made concrete), or a ValueError."""
     impls = _IMPLS.get(op, {})
     if backend == "auto":
         backend = os.environ.get("HYDRA_KERNELS_BACKEND", "auto")
@@ -57,7 +62,7 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
         order = ("native", "triton", "reference") if device.type == "cuda" else ("native", "reference")
         for name in order:
             if name in impls and _usable(name, device):
-                return impls[name]
+                return name
         raise ValueError(f"no implementation of {op} usable on {device}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
@@ -65,7 +70,7 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
         have = sorted(impls)
         raise ValueError(f"{op} has no {backend!r} implementation yet; available: {have} (or 'auto')")
     check_usable(backend, device)
-    return impls[backend]
+    return backend
 
 
 def op_backend(op: str, backend: str) -> str:

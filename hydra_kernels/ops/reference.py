@@ -130,6 +130,42 @@ def typical_verify(logits, tree_tokens, paths, temperature, posterior_threshold=
     return _select_path(paths, accepted, score, sample)
 
 
+def lm_head_sample_stats(x, weight, temperature, seed):
+    """What typical acceptance needs from the LM head, per row of x [..., H] with z = x W^T / temperature:
+    (lse [...], entropy [...] of softmax(z), a token [...] drawn from softmax(z)). seed: int64 tensor [1]
+    (the draw is seeded by it; the Triton kernel draws by Gumbel-max, same distribution, other values)."""
+    z = torch.nn.functional.linear(x, weight).float() / temperature
+    lse = z.logsumexp(dim=-1)
+    logp = z - lse[..., None]
+    entropy = -torch.special.xlogy(logp.exp(), logp.exp()).sum(-1)
+    gen = torch.Generator(device=x.device).manual_seed(int(seed.reshape(-1)[0]))
+    sample = torch.multinomial(logp.exp().reshape(-1, z.shape[-1]), 1, generator=gen).view(z.shape[:-1])
+    return lse, entropy, sample
+
+
+def child_logits(hidden, weight, tree_tokens, parents, temperature):
+    """z of each node's own token under its parent's distribution: [B, T] with
+    out[b, j] = hidden[b, parents[j]] . weight[tree_tokens[b, j]] / temperature (node 0: 0)."""
+    par = parents.clamp(min=0)
+    out = (hidden[:, par].float() * weight[tree_tokens].float()).sum(-1) / temperature
+    return out.masked_fill(parents[None, :] < 0, 0.0)
+
+
+def typical_accept(lse, entropy, child_logits, samples, paths, posterior_threshold=0.09, posterior_alpha=0.3):
+    """typical_verify from statistics instead of logits: lse, entropy [B, T] of each node's next-token
+    distribution (lm_head_sample_stats), child_logits [B, T] (child_logits()), samples [B, T] a token
+    drawn after each node. Same acceptance, tie rules and outputs; the next root is samples[b, last]."""
+    B = lse.shape[0]
+    parent = paths[:, :-1].clamp(min=0)  # [P, D]
+    lp = child_logits.float()[:, paths[:, 1:].clamp(min=0)] - lse.float()[:, parent]  # [B, P, D] log p(child)
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy.float()), max=posterior_threshold)[:, parent]
+    ok = (lp.exp() > threshold) & (paths >= 0)[None, :, 1:]
+    accepted_mask = ok.long().cumprod(dim=-1)
+    accepted = accepted_mask.sum(dim=-1)
+    score = (lp * accepted_mask).sum(dim=-1)
+    return _select_path(paths, accepted, score, lambda last: samples[torch.arange(B, device=lse.device), last])
+
+
 # ---- KV commit ----------------------------------------------------------------------------------
 def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths):
     """In place, every layer, K and V: row seqlens[b] + accept_indices[b, i] -> row seqlens[b] + i for

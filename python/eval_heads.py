@@ -1,0 +1,200 @@
+"""Recipe: tree search and MT-Bench evaluation of trained heads (Medusa / Hydra / Hydra++) on this CPU.
+
+    .venv/bin/python python/eval_heads.py [--heads runs/heads] [--out runs/eval]
+
+1. Held-out text for tree search: ShareGPT held-out first user turns, answered greedily by the base
+   model (speculative decoding, lossless); per kind, ranks of the base model's tokens in each head.
+2. Tree search per kind (grow one node at a time by expected acceptance), then real decoding timed at
+   each size with the best kind: the fastest size is kept (throughput and tokens/step vs size: plot).
+3. MT-Bench's 80 first turns, greedy, --new-tokens: plain decoding and every kind (its own searched tree
+   of the chosen size), in batches: tokens per step, and each output compared with plain decoding
+   token for token (lossless on all 80); per-head top-1/5/10 accuracy on the plain answers (plot).
+4. Tokens/s, batch 1, on a fixed subset of the 80 (every 4th question, all 8 categories), in one run:
+   plain, each kind, and transformers' generate as the outside baseline.
+Writes CSVs + plots + results.md (the README table) under --out, and tree_cpu.json into each kind's dir.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
+from hydra_kernels.generate import generate  # noqa: E402
+from hydra_kernels.training import mtbench_questions, sharegpt_records  # noqa: E402
+from hydra_kernels.training.data import conversation_messages, is_heldout  # noqa: E402
+from hydra_kernels.training.evaluate import head_ranks, topk_accuracy  # noqa: E402
+from hydra_kernels.training.tree_search import grow_tree, time_tree_sizes  # noqa: E402
+from report import write_results  # noqa: E402
+
+KINDS = ["medusa", "hydra", "hydra++"]
+
+
+def heldout_prompts(tok, n: int) -> list[list[int]]:
+    out = []
+    for rec in sharegpt_records():
+        if not is_heldout(rec, 5):
+            continue
+        msgs = conversation_messages(rec)
+        if msgs and len(msgs[0]["content"]) < 2000:
+            out.append(chat_prompt_ids(tok, msgs[0]["content"]))
+            if len(out) == n:
+                return out
+    return out
+
+
+def batched(model, prompts, bs, **kw):
+    seqs, acc = [], []
+    for i in tqdm(range(0, len(prompts), bs), desc=kw.get("drafter") and kw["drafter"].kind or "plain", leave=False):
+        o = generate(model, prompts[i:i + bs], **kw)
+        seqs += o.sequences
+        acc += o.accept_lengths
+    return seqs, acc
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--heads", default="runs/heads")
+    ap.add_argument("--kinds", nargs="+", default=KINDS)
+    ap.add_argument("--out", default="runs/eval")
+    ap.add_argument("--heldout", type=int, default=16, help="held-out ShareGPT prompts for tree search")
+    ap.add_argument("--heldout-tokens", type=int, default=128)
+    ap.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24])
+    ap.add_argument("--time-prompts", type=int, default=4, help="held-out prompts timed per tree size")
+    ap.add_argument("--size", type=int, default=None, help="skip timing; use this tree size")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8, help="batch for the 80-prompt acceptance/lossless runs")
+    ap.add_argument("--subset-every", type=int, default=4, help="tokens/s on every n-th question")
+    ap.add_argument("--no-transformers", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tok = hk.load_model(device="cpu", dtype=torch.float32)
+    drafters = {k: hk.load_drafter(Path(args.heads) / k, model=model) for k in args.kinds}
+    best_kind = args.kinds[-1]
+
+    # 1. held-out greedy text and ranks
+    hp = heldout_prompts(tok, args.heldout)
+    print(f"{len(hp)} held-out prompts; answering them greedily")
+    ans, _ = batched(model, hp, args.batch, drafter=drafters[best_kind], tree="default",
+                     max_new_tokens=args.heldout_tokens)
+    seqs = [p + a for p, a in zip(hp, ans)]
+    ranks = {k: head_ranks(model, d, seqs, [len(p) - 1 for p in hp]) for k, d in drafters.items()}
+
+    # 2. tree search: sizes timed with the best kind
+    if args.size is None:
+        rows = time_tree_sizes(model, drafters[best_kind], ranks[best_kind], args.sizes, hp[: args.time_prompts])
+        for r in rows:
+            r["kind"] = best_kind
+        size = max(rows, key=lambda r: r["tokens_per_s"])["size"]
+
+        def plot_sizes(ax):
+            ax.plot([r["size"] for r in rows], [r["tokens_per_s"] for r in rows], "o-", label="tokens/s (measured)")
+            ax2 = ax.twinx()
+            ax2.plot([r["size"] for r in rows], [r["tokens_per_step"] for r in rows], "s--", color="C1",
+                     label="tokens/step (measured)")
+            ax2.plot([r["size"] for r in rows], [r["expected_tokens_per_step"] for r in rows], "^:", color="C2",
+                     label="tokens/step (expected)")
+            ax.set_xlabel("tree size (nodes, root included)")
+            ax.set_ylabel("tokens/s")
+            ax2.set_ylabel("tokens/step")
+            ax.set_title(f"{best_kind} heads, SmolLM2-135M fp32, CPU ({torch.get_num_threads()} threads)", fontsize=9)
+            ax.legend(loc="upper left", fontsize=7)
+            ax2.legend(loc="lower right", fontsize=7)
+
+        write_results(rows, out, "tree_sizes", plot_sizes)
+    else:
+        size = args.size
+    print(f"tree size kept: {size}")
+    trees = {k: grow_tree(ranks[k], size, max_depth=drafters[k].num_heads)[0] for k in drafters}
+    for k, t in trees.items():
+        t.save(Path(args.heads) / k / "tree_cpu.json")
+        print(k, "tree", t.choices)
+
+    # 3. MT-Bench 80: tokens/step, lossless, per-head accuracy
+    qs = mtbench_questions()
+    prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in qs]
+    n = args.new_tokens
+    plain, _ = batched(model, prompts, args.batch, max_new_tokens=n)
+    (out / "mtbench_plain.json").write_text(json.dumps(plain))
+    summary, acc_rows = {}, []
+    for k, d in drafters.items():
+        seqs_k, acc = batched(model, prompts, args.batch, drafter=d, tree=trees[k], max_new_tokens=n)
+        same = sum(a == b for a, b in zip(seqs_k, plain))
+        steps = sum(len(a) for a in acc)
+        summary[k] = {"tokens_per_step": sum(map(sum, acc)) / max(1, steps), "lossless": f"{same}/{len(plain)}"}
+        r = head_ranks(model, d, [p + a for p, a in zip(prompts, plain)], [len(p) - 1 for p in prompts])
+        for row in topk_accuracy(r):
+            acc_rows.append({"kind": k, **row})
+        print(k, summary[k])
+
+    def plot_acc(ax):
+        for k in drafters:
+            rr = [r for r in acc_rows if r["kind"] == k]
+            ax.plot([r["head"] for r in rr], [r["top1"] for r in rr], "o-", label=f"{k} top-1")
+            ax.plot([r["head"] for r in rr], [r["top5"] for r in rr], "s:", label=f"{k} top-5")
+        ax.set_xlabel("head (tokens ahead of the root)")
+        ax.set_ylabel("accuracy on MT-Bench answers")
+        ax.set_title("per-head accuracy, SmolLM2-135M greedy answers, 80 MT-Bench first turns", fontsize=8)
+        ax.legend(fontsize=6)
+
+    write_results(acc_rows, out, "head_accuracy", plot_acc)
+
+    # 4. tokens/s at batch 1 on the subset, one run, same prompts
+    sub = prompts[:: args.subset_every]
+    results = []
+
+    def timed(label, fn):
+        fn(sub[0])  # warm-up
+        toks, t0 = 0, time.perf_counter()
+        for p in tqdm(sub, desc=f"timing {label}", leave=False):
+            toks += fn(p)
+        return toks / (time.perf_counter() - t0)
+
+    plain_tps = timed("plain", lambda p: len(generate(model, [p], max_new_tokens=n).sequences[0]))
+    results.append({"decoding": "plain (ours)", "tokens_per_step": 1.0, "tokens_per_s": plain_tps,
+                    "lossless_80": "definition"})
+    for k, d in drafters.items():
+        tps = timed(k, lambda p, d=d, k=k: len(generate(model, [p], drafter=d, tree=trees[k], max_new_tokens=n).sequences[0]))
+        results.append({"decoding": k, "tokens_per_step": summary[k]["tokens_per_step"], "tokens_per_s": tps,
+                        "lossless_80": summary[k]["lossless"]})
+    if not args.no_transformers:
+        logging.getLogger("transformers").setLevel(logging.ERROR)
+        from transformers import LlamaForCausalLM
+
+        from hydra_kernels.model import embedded_gguf_path
+
+        gguf = embedded_gguf_path()
+        hf = LlamaForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        eos = model.config.eos_token_id
+        tps = timed("transformers", lambda p: hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
+                                                          eos_token_id=eos).shape[1] - len(p))
+        results.append({"decoding": "transformers generate", "tokens_per_step": 1.0, "tokens_per_s": tps,
+                        "lossless_80": "-"})
+    for r in results:
+        r["speedup_vs_plain"] = r["tokens_per_s"] / plain_tps
+    write_results(results, out, "results")
+    head = (f"SmolLM2-135M-Instruct fp32, {platform.machine()} CPU, {torch.get_num_threads()} threads, "
+            f"torch {torch.__version__}; MT-Bench first turns, greedy, {n} new tokens; tree size {size}")
+    lines = [head, "", "| decoding | tokens/step (80 prompts) | tokens/s (batch 1, 20 prompts) | vs plain | "
+             "identical to plain (80) |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['decoding']} | {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup_vs_plain']:.2f}x | {r['lossless_80']} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
