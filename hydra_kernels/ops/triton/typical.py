@@ -44,7 +44,7 @@ def _lm_head_stats_kernel(x_ptr, w_ptr, seed_ptr, m_ptr, s_ptr, u_ptr, gv_ptr, g
     m = tl.max(z, axis=1)
     e = tl.exp(z - m[:, None])  # masked columns: exp(-inf) = 0
     s = tl.sum(e, axis=1)
-    u = tl.sum(tl.where(v_ok[None, :], e * z, 0.0), axis=1)
+    u = tl.sum(e * tl.where(v_ok[None, :], z, 0.0), axis=1)  # no 0 * -inf on masked columns
     seed = tl.load(seed_ptr)
     r = tl.rand(seed, offs_n[:, None] * V + offs_v[None, :])  # uniform in [0, 1): one per (row, token)
     g = z - tl.log(-tl.log(tl.maximum(r, 1e-20)))
