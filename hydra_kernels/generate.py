@@ -96,7 +96,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     drafter=None: plain autoregressive decoding; temperature 0 is greedy, > 0 samples with top_k / top_p
     and a torch.Generator seeded with `seed`.
     drafter (hk.new_drafter / hk.load_drafter): speculative decoding over `tree` (a Tree, Medusa-format
-    choices, a JSON file, "default" or "chain-N"; default: hk.tree.default_tree at the drafter's depth).
+    choices, a JSON file, "default" or "chain-N"; default: the tree searched for this device class and
+    saved with the heads (drafter.trees, e.g. the shipped heads' CPU tree), else hk.tree.default_tree).
     acceptance "greedy" (temperature must be 0) emits exactly the plain greedy tokens; "typical"
     (temperature > 0, posterior_threshold / posterior_alpha) is Medusa's typical acceptance.
     eos_token_id: int or list; None: the model config's; []: never stop early. Each sequence stops at its
@@ -133,7 +134,11 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         if acceptance == "greedy" and temperature > 0:
             raise ValueError("greedy acceptance is for temperature 0; use acceptance='typical' to sample")
         drafter.check_model(model)
-        tree_obj = default_tree(depth=min(4, drafter.num_heads)) if tree is None else as_tree(tree)
+        if tree is None:  # the tree searched for this device class with these heads, else the prior default
+            trees = getattr(drafter, "trees", {})
+            tree_obj = trees.get(device.type) or default_tree(depth=min(4, drafter.num_heads))
+        else:
+            tree_obj = as_tree(tree)
         tree_obj.check_heads(drafter.num_heads)
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
     needed = max(lens) + max_new_tokens

@@ -171,3 +171,33 @@ def test_drafter_bad_input_is_caught_before_work(model, monkeypatch):
         generate(model, p, drafter=wide, max_new_tokens=4)
     with pytest.raises(ValueError, match="call drafter.to"):
         generate(model, p, drafter=hk.new_drafter(model, kind="medusa").double(), max_new_tokens=4)
+
+
+def test_save_bf16_with_trees_roundtrip(tmp_path):
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
+    torch.manual_seed(0)
+    d = hk.new_drafter(model, "hydra", num_heads=2, draft_vocab=torch.arange(0, 60, 3))
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    d.trees = {"cpu": hk.Tree([[0], [1], [0, 0]])}
+    d.save(tmp_path / "h", dtype=torch.bfloat16)
+    e = hk.load_drafter(tmp_path / "h", model=model)
+    assert e.trees["cpu"].choices == d.trees["cpu"].choices
+    assert torch.equal(e.draft_vocab, d.draft_vocab) and e.draft_vocab.dtype == torch.long
+    for (k, a), (_, b) in zip(d.state_dict().items(), e.state_dict().items()):
+        if a.is_floating_point():
+            assert b.dtype == a.dtype and torch.equal(b, a.to(torch.bfloat16).to(a.dtype)), k
+    plain = generate(model, [[1, 2, 3]], max_new_tokens=10, eos_token_id=[]).sequences
+    out = generate(model, [[1, 2, 3]], drafter=e, max_new_tokens=10, eos_token_id=[])  # tree=None: e.trees["cpu"]
+    assert out.sequences == plain
+
+
+def test_shipped_heads_registry_and_errors(tmp_path):
+    shipped = hk.drafters.shipped_drafters()
+    assert "hydra++" in shipped and "medusa" in shipped
+    total = sum(f.stat().st_size for p in shipped.values() for f in p.iterdir())
+    assert total <= 32 * 2**20, f"shipped heads take {total / 2**20:.1f} MB > 32 MB"
+    with pytest.raises(FileNotFoundError, match="no shipped 'eagle' heads"):
+        hk.load_drafter(kind="eagle")
+    with pytest.raises(ValueError, match="only used with path=None"):
+        hk.load_drafter(tmp_path, kind="hydra")

@@ -1,6 +1,8 @@
 """Draft heads: Medusa, Hydra, Hydra++ behind one Drafter interface."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .config import KINDS, DrafterConfig
@@ -34,16 +36,38 @@ def new_drafter(model, kind: str = "hydra", num_heads: int = 4, num_layers: int 
     return drafter
 
 
-def load_drafter(path=None, model=None) -> Drafter:
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "heads"
+SHIPPED_MODEL = "smollm2-135m-instruct"  # the embedded default (hk.load_model())
+SHIPPED_DEFAULT_KIND = "hydra++"
+
+
+def shipped_drafters() -> dict[str, Path]:
+    """kind -> directory of the heads shipped inside the package for the embedded default model."""
+    root = SHIPPED_DIR / SHIPPED_MODEL
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").exists()} if root.is_dir() else {}
+
+
+def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     """Load a drafter: our format, an original Hydra checkpoint dir or original Medusa heads.
     model (optional): moves the drafter to its device/dtype and supplies the base config a Hydra++
-    checkpoint may lack. path=None: the heads shipped for the embedded default model."""
+    checkpoint may lack. path=None: the heads shipped for the embedded default model (SmolLM2-135M-
+    Instruct), `kind` among hk.drafters.shipped_drafters() (default: the best measured one). The
+    drafter's `trees` holds the tree searched per device class; generate(tree=None) uses it."""
     if path is None:
-        raise FileNotFoundError("no drafter heads are shipped with this version yet; train one "
-                                "(hk.new_drafter + training) or pass a checkpoint directory")
+        shipped = shipped_drafters()
+        kind = kind or SHIPPED_DEFAULT_KIND
+        if kind not in shipped:
+            raise FileNotFoundError(f"no shipped {kind!r} heads; shipped: {sorted(shipped) or 'none'} "
+                                    "(train your own with python/train_heads.py, or pass a checkpoint directory)")
+        path = shipped[kind]
+        if model is not None and (model.config.vocab_size, model.config.hidden_size) != (49152, 576):
+            raise ValueError("the shipped heads are for the embedded SmolLM2-135M-Instruct (vocab 49152, hidden 576); "
+                             "pass the path of heads trained for this model")
+    elif kind is not None:
+        raise ValueError("kind selects among the shipped heads; it is only used with path=None")
     return load_drafter_dir(path, model)
 
 
 Drafter.save = save_drafter
 
-__all__ = ["Drafter", "DrafterConfig", "DraftHead", "ResBlock", "new_drafter", "load_drafter", "save_drafter", "KINDS"]
+__all__ = ["shipped_drafters", "Drafter", "DrafterConfig", "DraftHead", "ResBlock", "new_drafter", "load_drafter", "save_drafter", "KINDS"]

@@ -22,14 +22,19 @@ from .heads import Drafter
 FORMAT = "hydra_kernels.drafter"
 
 
-def save_drafter(drafter: Drafter, path) -> None:
+def save_drafter(drafter: Drafter, path, dtype: torch.dtype | None = None) -> None:
+    """config.json + model.safetensors (floating tensors stored as `dtype` when given, e.g. bf16 to
+    halve a shipped checkpoint) + tree_<device>.json for each tree in drafter.trees."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"format": FORMAT, "version": 1, **drafter.config.to_dict()}, indent=2))
-    sd = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    cast = lambda v: v.to(dtype) if dtype is not None and v.is_floating_point() else v  # noqa: E731
+    sd = {k: cast(v.detach()).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    for device_kind, tree in getattr(drafter, "trees", {}).items():
+        tree.save(path / f"tree_{device_kind}.json")
 
 
 def _load_ours(path: Path, cfg_dict: dict) -> Drafter:
@@ -37,7 +42,9 @@ def _load_ours(path: Path, cfg_dict: dict) -> Drafter:
 
     cfg = DrafterConfig(**{k: v for k, v in cfg_dict.items() if k not in ("format", "version")})
     drafter = Drafter(cfg)
-    drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+    sd = load_file(str(path / "model.safetensors"))
+    own = drafter.state_dict()
+    drafter.load_state_dict({k: v.to(own[k].dtype) if k in own else v for k, v in sd.items()})
     return drafter
 
 
@@ -155,6 +162,9 @@ def load_drafter_dir(path, model=None) -> Drafter:
         raise ValueError(f"{cfg_file} is neither a hydra_kernels drafter, a Hydra checkpoint (hydra_num_heads) "
                          "nor a Medusa checkpoint (medusa_num_heads)")
     drafter.eval()
+    from ..tree import Tree
+
+    drafter.trees = {f.stem[len("tree_"):]: Tree.load(f) for f in sorted(path.glob("tree_*.json"))}
     if model is not None:
         drafter.to(model.device, model.dtype)
     return drafter

@@ -80,6 +80,7 @@ class Drafter(nn.Module):
         # draft index -> token id (None: the identity over the whole vocabulary)
         self.register_buffer("draft_vocab", torch.arange(V) if cfg.draft_vocab_size else None)
         self._tied_slice, self._tied_key = None, None
+        self.trees: dict = {}  # device type ("cpu", "cuda") -> the Tree searched for it (saved with the heads)
 
     @property
     def kind(self) -> str:

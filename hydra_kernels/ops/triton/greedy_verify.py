@@ -12,9 +12,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _greedy_verify_kernel(target_ptr, tokens_ptr, paths_ptr, T, P, D1, len_ptr, acc_ptr, root_ptr, last_ptr,
-                          BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+def path_tile(paths_ptr, P, D1, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The [paths, depth] tile of node ids (-1 padding) and each element's parent (the previous one)."""
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, BLOCK_D)
     in_p = p < P
@@ -22,6 +21,14 @@ def _greedy_verify_kernel(target_ptr, tokens_ptr, paths_ptr, T, P, D1, len_ptr, 
     node = tl.load(paths_ptr + p[:, None] * D1 + d[None, :], mask=in_p[:, None] & in_d[None, :], other=-1)
     parent = tl.load(paths_ptr + p[:, None] * D1 + d[None, :] - 1,
                      mask=in_p[:, None] & in_d[None, :] & (d[None, :] >= 1), other=0)
+    return p, d, in_p, in_d, node, parent
+
+
+@triton.jit
+def _greedy_verify_kernel(target_ptr, tokens_ptr, paths_ptr, T, P, D1, len_ptr, acc_ptr, root_ptr, last_ptr,
+                          BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    p, d, in_p, in_d, node, parent = path_tile(paths_ptr, P, D1, BLOCK_P, BLOCK_D)
     tok = tl.load(tokens_ptr + b * T + tl.maximum(node, 0))
     tgt = tl.load(target_ptr + b * T + tl.maximum(parent, 0))
     rejected = (d[None, :] >= 1) & ((node < 0) | (tok != tgt))  # padding ends a path too

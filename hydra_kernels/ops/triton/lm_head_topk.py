@@ -20,13 +20,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _lm_head_topk_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, N, V, H, s_xn, s_wv, s_wh, n_tiles,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                         IEEE: tl.constexpr):
-    pid_v = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+def logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
+    """x[offs_n] @ W[offs_v]^T over H in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V]; columns past V are -inf."""
     n_ok = offs_n < N
     v_ok = offs_v < V
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
@@ -41,7 +37,19 @@ def _lm_head_topk_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, N, V, H, s_xn, s_wv, s_
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    acc = tl.where(v_ok[None, :], acc, float("-inf"))
+    return tl.where(v_ok[None, :], acc, float("-inf"))
+
+
+@triton.jit
+def _lm_head_topk_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, N, V, H, s_xn, s_wv, s_wh, n_tiles,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                         IEEE: tl.constexpr):
+    pid_v = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    n_ok = offs_n < N
+    acc = logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N, BLOCK_V, BLOCK_H, IEEE)
     cols = tl.arange(0, BLOCK_V)
     out = (offs_n.to(tl.int64) * n_tiles + pid_v) * K
     for j in tl.static_range(K):

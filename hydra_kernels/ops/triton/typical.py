@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .greedy_verify import path_tile
+from .lm_head_topk import logits_tile
+
 
 @triton.jit
 def _lm_head_stats_kernel(x_ptr, w_ptr, seed_ptr, m_ptr, s_ptr, u_ptr, gv_ptr, gi_ptr, N, V, H, s_xn, s_wv, s_wh,
@@ -28,18 +31,7 @@ def _lm_head_stats_kernel(x_ptr, w_ptr, seed_ptr, m_ptr, s_ptr, u_ptr, gv_ptr, g
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     n_ok = offs_n < N
     v_ok = offs_v < V
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        x = tl.load(x_ptr + offs_n[:, None].to(tl.int64) * s_xn + offs_h[None, :], mask=n_ok[:, None] & h_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * s_wv + offs_h[None, :] * s_wh,
-                    mask=v_ok[:, None] & h_ok[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+    acc = logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N, BLOCK_V, BLOCK_H, IEEE)
     z = tl.where(v_ok[None, :], acc * inv_temp, float("-inf"))
     m = tl.max(z, axis=1)
     e = tl.exp(z - m[:, None])  # masked columns: exp(-inf) = 0
@@ -91,13 +83,7 @@ def lm_head_sample_stats(x, weight, temperature, seed):
 def _typical_accept_kernel(lse_ptr, ent_ptr, clog_ptr, samp_ptr, paths_ptr, T, P, D1, threshold, alpha,
                            len_ptr, acc_ptr, root_ptr, last_ptr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    p = tl.arange(0, BLOCK_P)
-    d = tl.arange(0, BLOCK_D)
-    in_p = p < P
-    in_d = d < D1
-    node = tl.load(paths_ptr + p[:, None] * D1 + d[None, :], mask=in_p[:, None] & in_d[None, :], other=-1)
-    parent = tl.load(paths_ptr + p[:, None] * D1 + d[None, :] - 1,
-                     mask=in_p[:, None] & in_d[None, :] & (d[None, :] >= 1), other=0)
+    p, d, in_p, in_d, node, parent = path_tile(paths_ptr, P, D1, BLOCK_P, BLOCK_D)
     node0 = tl.maximum(node, 0)
     par0 = tl.maximum(parent, 0)
     lp = tl.load(clog_ptr + b * T + node0) - tl.load(lse_ptr + b * T + par0)  # log p(child | parent)

@@ -1,0 +1,55 @@
+"""Recipe: store trained heads in bf16 (what is shipped and what the evaluation measures).
+
+    .venv/bin/python python/ship_heads.py --src runs/heads --dst runs/ship            # all kinds, bf16
+    .venv/bin/python python/ship_heads.py --src runs/ship --package hydra++ medusa    # into the package
+
+--package copies the named kinds (with their tree_cpu.json from python/eval_heads.py) into
+hydra_kernels/heads/smollm2-135m-instruct/ and refuses more than 32 MB in total.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.drafters import SHIPPED_DIR, SHIPPED_MODEL  # noqa: E402
+
+LIMIT_MB = 32
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--src", default="runs/heads")
+    ap.add_argument("--dst", default="runs/ship")
+    ap.add_argument("--kinds", nargs="+", default=["medusa", "hydra", "hydra++"])
+    ap.add_argument("--package", nargs="*", default=None, help="kinds to copy into the package")
+    args = ap.parse_args(argv)
+    src = Path(args.src)
+    if args.package is None:
+        for kind in args.kinds:
+            d = hk.load_drafter(src / kind)
+            d.save(Path(args.dst) / kind, dtype=torch.bfloat16)
+            mb = (Path(args.dst) / kind / "model.safetensors").stat().st_size / 2**20
+            print(f"{kind}: {sum(p.numel() for p in d.parameters()) / 1e6:.2f} M parameters, {mb:.1f} MB in bf16")
+        return
+    total = sum((src / k / f).stat().st_size for k in args.package for f in ("model.safetensors", "config.json"))
+    if total > LIMIT_MB * 2**20:
+        raise SystemExit(f"{total / 2**20:.1f} MB > {LIMIT_MB} MB: ship fewer kinds")
+    root = SHIPPED_DIR / SHIPPED_MODEL
+    if root.exists():
+        shutil.rmtree(root)
+    for kind in args.package:
+        (root / kind).mkdir(parents=True)
+        for f in (src / kind).iterdir():
+            if f.suffix in (".json", ".safetensors"):
+                shutil.copy(f, root / kind / f.name)
+    print(f"packaged {args.package} ({total / 2**20:.1f} MB) into {root}")
+
+
+if __name__ == "__main__":
+    main()
