@@ -82,7 +82,6 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     model, tok = hk.load_model(device="cpu", dtype=torch.float32)
     drafters = {k: hk.load_drafter(Path(args.heads) / k, model=model) for k in args.kinds}
-    best_kind = args.kinds[-1]
 
     # 1. held-out greedy text and ranks
     hp = heldout_prompts(tok, args.heldout)
@@ -90,6 +89,9 @@ def main(argv=None):
     ans, _ = batched(model, hp, args.batch, max_new_tokens=args.heldout_tokens)
     seqs = [p + a for p, a in zip(hp, ans)]
     ranks = {k: head_ranks(model, d, seqs, [len(p) - 1 for p in hp]) for k, d in drafters.items()}
+    expect16 = {k: grow_tree(r, 16, max_depth=drafters[k].num_heads)[1][-1] for k, r in ranks.items()}
+    best_kind = max(expect16, key=expect16.get)  # the kind whose 16-node tree accepts most on held-out text
+    print("expected tokens/step with a 16-node tree on held-out text:", expect16, "-> timing trees with", best_kind)
 
     # 2. tree search: sizes timed with the best kind
     if args.size is None:

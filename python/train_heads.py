@@ -10,7 +10,7 @@ training checkpoints are kept under the cache dir, so an interrupted run resumes
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
 import time
 from pathlib import Path
@@ -40,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--positions", type=int, default=256, help="teacher positions per step")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--distill-weight", type=float, default=0.9, help="1: teacher KL only; 0: next-token CE only")
+    ap.add_argument("--self-data", default=None, help="JSON of the base model's own answers (python/self_data.py)")
+    ap.add_argument("--self-only", action="store_true", help="train on --self-data alone")
     ap.add_argument("--out", default="runs/heads")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -49,7 +51,9 @@ def main(argv=None):
     work = cache_root() / "training"
 
     model, tok = hk.load_model(dtype=torch.float32)
-    seqs = sharegpt_token_sequences(tok, args.train_seqs, args.max_tokens)
+    seqs = [] if args.self_only else sharegpt_token_sequences(tok, args.train_seqs, args.max_tokens)
+    if args.self_data:
+        seqs += [s[: args.max_tokens] for s in json.loads(Path(args.self_data).read_text())]
     print(f"{len(seqs)} training conversations, {sum(map(len, seqs))} tokens")
     vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)
     end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})

@@ -192,12 +192,22 @@ def test_save_bf16_with_trees_roundtrip(tmp_path):
     assert out.sequences == plain
 
 
-def test_shipped_heads_registry_and_errors(tmp_path):
-    shipped = hk.drafters.shipped_drafters()
-    assert "hydra++" in shipped and "medusa" in shipped
-    total = sum(f.stat().st_size for p in shipped.values() for f in p.iterdir())
-    assert total <= 32 * 2**20, f"shipped heads take {total / 2**20:.1f} MB > 32 MB"
-    with pytest.raises(FileNotFoundError, match="no shipped 'eagle' heads"):
-        hk.load_drafter(kind="eagle")
+def test_shipped_heads_registry_and_errors(tmp_path, monkeypatch):
+    """load_drafter() reads the package's heads dir: the preferred shipped kind, a named kind, clear
+    errors when a kind (or everything) is missing or the model is not the embedded default."""
+    import hydra_kernels.drafters as drafters
+
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
+    with pytest.raises(FileNotFoundError, match="no shipped 'hydra' heads; shipped: none"):
+        hk.load_drafter()
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
+    for kind in ("medusa", "hydra"):
+        hk.new_drafter(model, kind, num_heads=2).save(tmp_path / drafters.SHIPPED_MODEL / kind, dtype=torch.bfloat16)
+    assert sorted(drafters.shipped_drafters()) == ["hydra", "medusa"]
+    assert hk.load_drafter().kind == "hydra" and hk.load_drafter(kind="medusa").kind == "medusa"
+    with pytest.raises(FileNotFoundError, match="no shipped 'hydra\+\+' heads; shipped: \['hydra', 'medusa'\]"):
+        hk.load_drafter(kind="hydra++")
     with pytest.raises(ValueError, match="only used with path=None"):
         hk.load_drafter(tmp_path, kind="hydra")
+    with pytest.raises(ValueError, match="shipped heads are for the embedded SmolLM2"):
+        hk.load_drafter(model=model)

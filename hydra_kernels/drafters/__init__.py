@@ -38,7 +38,9 @@ def new_drafter(model, kind: str = "hydra", num_heads: int = 4, num_layers: int 
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "heads"
 SHIPPED_MODEL = "smollm2-135m-instruct"  # the embedded default (hk.load_model())
-SHIPPED_DEFAULT_KIND = "hydra++"
+# load_drafter() takes the first shipped kind in this order; only the best measured kind is shipped
+# besides Medusa (python/eval_heads.py decides; python/ship_heads.py --package writes the package)
+SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
 
 
 def shipped_drafters() -> dict[str, Path]:
@@ -55,7 +57,7 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     drafter's `trees` holds the tree searched per device class; generate(tree=None) uses it."""
     if path is None:
         shipped = shipped_drafters()
-        kind = kind or SHIPPED_DEFAULT_KIND
+        kind = kind or next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
         if kind not in shipped:
             raise FileNotFoundError(f"no shipped {kind!r} heads; shipped: {sorted(shipped) or 'none'} "
                                     "(train your own with python/train_heads.py, or pass a checkpoint directory)")
