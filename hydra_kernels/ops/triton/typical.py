@@ -61,7 +61,7 @@ def lm_head_sample_stats(x, weight, temperature, seed):
         x2 = x2.contiguous()
     N = x2.shape[0]
     BLOCK_N = 16 if N <= 16 else 32 if N <= 32 else 64
-    BLOCK_V, BLOCK_H = 128, 64
+    BLOCK_V, BLOCK_H = (4096 if os.environ.get("TRITON_INTERPRET") == "1" else 128), 64  # see lm_head_topk
     n_tiles = triton.cdiv(V, BLOCK_V)
     f = lambda: torch.empty(N, n_tiles, dtype=torch.float32, device=x.device)  # noqa: E731
     m, s, u, gv = f(), f(), f(), f()
