@@ -1,5 +1,6 @@
 """Drafting kernels beside plain PyTorch, same inputs, same run: the fused Hydra first layer
-(gather + concat-free matmul + SiLU + residual) and the LM head with fused top-k, for 1 to 64 nodes.
+(gather + concat-free matmul + SiLU + residual), the fused H -> H ResBlock of deeper heads and the LM
+head with fused top-k / argmax, for 1 to 64 nodes.
 Both are weight-read bound at these sizes; reported as GB/s over the weight bytes (plus gathered
 embeddings) and as a fraction of the copy bandwidth measured in this run. Outputs are checked first.
 
@@ -50,6 +51,7 @@ def main(argv=None):
     r = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(dev, dtype)
     d = args.depth
     emb, wl, wr, bl, br, lm = r(V, H), r(H, (d + 2) * H), r(H, (d + 2) * H), r(H), r(H), r(V, H)
+    wb, bb = r(H, H), r(H)  # a further H -> H ResBlock
     bw = copy_bandwidth_gbs(dev)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device {name}, {args.model} shapes (H={H}, V={V}), {dtype}, copy bandwidth {bw:.0f} GB/s")
@@ -63,6 +65,9 @@ def main(argv=None):
             "hydra first layer": ((2 * wl.numel() + n * (d + 1) * H) * elt, {
                 "ours (triton)": lambda: hk.ops.hydra_first_layer(h, toks, emb, wl, bl, wr, br, backend="triton"),
                 "pytorch (cat + 2 linears)": lambda: reference.hydra_first_layer(h, toks, emb, wl, bl, wr, br)}),
+            "resblock": ((wb.numel() + 2 * n * H) * elt, {
+                "ours (triton)": lambda: hk.ops.resblock(x, wb, bb, backend="triton"),
+                "pytorch (linear + silu + add)": lambda: reference.resblock(x, wb, bb)}),
             f"lm head top-{args.k}": (lm.numel() * elt, {
                 "ours (triton)": lambda: hk.ops.lm_head_topk(x, lm, args.k, backend="triton"),
                 "pytorch (linear + topk)": lambda: torch.nn.functional.linear(x, lm).topk(args.k, dim=-1)}),
@@ -75,7 +80,7 @@ def main(argv=None):
             for peer, fn in impls.items():
                 res = fn()
                 val = res[0] if isinstance(res, tuple) else res
-                if op == "hydra first layer":
+                if op in ("hydra first layer", "resblock"):
                     err = 0.0 if ref is None else (val.float() - ref.float()).abs().max().item()
                     ref = val if ref is None else ref
                 else:

@@ -12,7 +12,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ops
 from .emit import Emitter
 from .model.llama import Llama
 from .ops.backend import check_usable, op_backend
@@ -171,11 +170,11 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     emitter = Emitter(B, max_new_tokens, eos, streamer)
     out = GenerateOutput(sequences=emitter.sequences, accept_lengths=emitter.accept_lengths)
 
-    head_backend = op_backend("lm_head_topk", backend)
+    head_backend = op_backend("lm_head_topk", backend, device)
 
     def pick(h):  # final hidden states [N, H] -> next tokens [N]
-        if temperature == 0.0 and model.output.bias is None:  # greedy: the fused argmax, as verification uses
-            return ops.lm_head_topk(h, model.output.weight, 1, backend=head_backend)[1][..., 0]
+        if temperature == 0.0:  # greedy: the same argmax path as verification (Llama.greedy_tokens)
+            return model.greedy_tokens(h, head_backend)
         return next_tokens(model.output(h), temperature, top_k, top_p, gen)
 
     t0 = time.perf_counter()
@@ -190,7 +189,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             t1 = time.perf_counter()
             out.prefill_s = t1 - t0
             if drafter is None:
-                _plain_loop(model, cache, nxt, emitter, pick, op_backend("tree_attention", backend), max(lens), out)
+                _plain_loop(model, cache, nxt, emitter, pick, op_backend("tree_attention", backend, device), max(lens), out)
             elif not emitter.all_done:
                 from .speculative import speculative_loop
 

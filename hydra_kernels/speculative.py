@@ -26,7 +26,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     active = torch.ones(B, dtype=torch.long, device=dev)
     T = tree.num_nodes
     greedy = acceptance == "greedy" or temperature == 0.0
-    be = {op: op_backend(op, backend) for op in ("tree_attention", "greedy_verify", "typical_verify", "commit_kv",
+    be = {op: op_backend(op, backend, dev) for op in ("tree_attention", "greedy_verify", "typical_verify", "commit_kv",
                                                  "tree_inputs", "lm_head_topk", "lm_head_sample_stats",
                                                  "typical_accept")}
     # typical acceptance runs fused when the LM-head statistics op is a kernel (Triton); the reference
@@ -44,11 +44,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         kv_len = max(host_seqlens) + T
         hidden = model.step(tokens, cache, tree.mask, tree.depths, positions=positions, kv_len=kv_len,
                             backend=be["tree_attention"])  # [B, T, H]
-        if greedy and model.output.bias is None:  # argmax fused into the LM head: no [B, T, V] logits
-            target = ops.lm_head_topk(hidden, model.output.weight, 1, backend=be["lm_head_topk"])[1][..., 0]
+        if greedy:  # the base argmax after every node, as plain decoding picks it (Llama.greedy_tokens)
+            target = model.greedy_tokens(hidden, be["lm_head_topk"])
             v = ops.greedy_verify(target, tokens, tree.paths, backend=be["greedy_verify"])
-        elif greedy:
-            v = ops.greedy_verify(model.output(hidden).argmax(dim=-1), tokens, tree.paths, backend=be["greedy_verify"])
         elif typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
             W = model.output.weight
             seed = torch.randint(2**62, (1,), device=dev, generator=generator)

@@ -1,12 +1,15 @@
 """Recipe: the base model's own greedy answers to ShareGPT training prompts (self-distillation data).
 
 Heads decode on the base model's own text, not on ShareGPT's; training on its answers removes that
-shift (Medusa-2 / Hydra++ "regenerated" data). Batched plain greedy decoding, resumable:
+shift (Medusa-2 / Hydra++ "regenerated" data). Plain greedy decoding in the model's dtype (fp32 on
+the CPU: exactly the text the heads will be asked to guess), batched by prompt length so little of
+each batch is padding, resumable:
 
-    .venv/bin/python python/self_data.py --prompts 512 --new-tokens 256 --batch 16
+    .venv/bin/python python/self_data.py --prompts 2048 --new-tokens 256 --batch 64
 
-Writes <cache>/training/self-<n>-<tokens>.json: a list of token sequences (chat prompt + answer);
-python/train_heads.py --self-data FILE trains on them (with or instead of ShareGPT).
+Writes <cache>/training/self-<n>-<tokens>.json: {"prompt_lengths": [...], "sequences": [...]} (chat
+prompt + answer token ids, in ShareGPT order); python/train_heads.py --self-data FILE trains on the
+answers (with or instead of ShareGPT).
 """
 from __future__ import annotations
 
@@ -26,15 +29,8 @@ from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
 from hydra_kernels.training.data import conversation_messages, is_heldout, sharegpt_records  # noqa: E402
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--max-prompt-tokens", type=int, default=256)
-    args = ap.parse_args(argv)
-    torch.set_grad_enabled(False)
-    model, tok = hk.load_model()
+def training_prompts(tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
+    """The first user turn of the first n training-split ShareGPT conversations whose chat prompt fits."""
     prompts = []
     for rec in sharegpt_records():
         if is_heldout(rec, 5):
@@ -42,20 +38,41 @@ def main(argv=None):
         msgs = conversation_messages(rec)
         if msgs:
             ids = chat_prompt_ids(tok, msgs[0]["content"])
-            if len(ids) <= args.max_prompt_tokens:
+            if len(ids) <= max_prompt_tokens:
                 prompts.append(ids)
-        if len(prompts) == args.prompts:
+        if len(prompts) == n:
             break
+    return prompts
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-prompt-tokens", type=int, default=256)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, tok = hk.load_model(device="cpu", dtype=torch.float32)
+    prompts = training_prompts(tok, args.prompts, args.max_prompt_tokens)
     out = cache_root() / "training" / f"self-{len(prompts)}-{args.new_tokens}.json"
+    part = out.with_suffix(".partial.json")  # {prompt index: sequence}, rewritten after every batch
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = json.loads(out.read_text()) if out.exists() else []
-    for i in tqdm(range(len(done), len(prompts), args.batch), desc="self-generated answers", initial=len(done) // args.batch,
-                  total=-(-len(prompts) // args.batch)):
-        batch = prompts[i:i + args.batch]
-        answers = generate(model, batch, max_new_tokens=args.new_tokens).sequences
-        done += [p + a for p, a in zip(batch, answers)]
-        out.write_text(json.dumps(done))  # after every batch: an interrupted run resumes
-    print(f"{len(done)} sequences, {sum(map(len, done))} tokens -> {out}")
+    done = {int(k): v for k, v in json.loads(part.read_text()).items()} if part.exists() else {}
+    order = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
+    batches = [order[i:i + args.batch] for i in range(0, len(order), args.batch)]
+    bar = tqdm(batches, desc="self-generated answers", unit="batch")
+    for idx in bar:
+        batch = [prompts[i] for i in idx]
+        res = generate(model, batch, max_new_tokens=args.new_tokens)
+        for i, p, a in zip(idx, batch, res.sequences):
+            done[i] = p + a
+        part.write_text(json.dumps(done))
+        bar.set_postfix(tok_s=f"{sum(map(len, res.sequences)) / (res.prefill_s + res.decode_s):.0f}")
+    seqs = [done[i] for i in range(len(prompts))]
+    out.write_text(json.dumps({"prompt_lengths": [len(p) for p in prompts], "sequences": seqs}))
+    part.unlink(missing_ok=True)
+    print(f"{len(seqs)} sequences, {sum(map(len, seqs))} tokens -> {out}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, sha
 from benchmarks.report import write_results  # noqa: E402
 
 # kind -> (ResBlocks per head, training steps): Hydra++ gets deeper heads (and its prefix layer).
-KIND_SHAPES = {"medusa": (1, 900), "hydra": (1, 900), "hydra++": (2, 900)}
+KIND_SHAPES = {"medusa": (1, 800), "hydra": (1, 800), "hydra++": (4, 800)}
 
 
 def main(argv=None):
@@ -38,6 +38,8 @@ def main(argv=None):
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="override every kind's step count")
     ap.add_argument("--positions", type=int, default=256, help="teacher positions per step")
+    ap.add_argument("--seqs-per-step", type=int, default=4, help="whole sequences through Hydra++'s prefix layer per step")
+    ap.add_argument("--bf16", action="store_true", help="run the heads under bf16 autocast (AMX CPUs, GPUs)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--distill-weight", type=float, default=0.9, help="1: teacher KL only; 0: next-token CE only")
     ap.add_argument("--self-data", default=None, help="JSON of the base model's own answers (python/self_data.py)")
@@ -52,13 +54,19 @@ def main(argv=None):
 
     model, tok = hk.load_model(dtype=torch.float32)
     seqs = [] if args.self_only else sharegpt_token_sequences(tok, args.train_seqs, args.max_tokens)
+    starts = [0] * len(seqs)  # ShareGPT: every position
     if args.self_data:
-        seqs += [s[: args.max_tokens] for s in json.loads(Path(args.self_data).read_text())]
-    print(f"{len(seqs)} training conversations, {sum(map(len, seqs))} tokens")
+        self_data = json.loads(Path(args.self_data).read_text())
+        for n, s in zip(self_data["prompt_lengths"], self_data["sequences"]):
+            if len(s) > n + 1:  # an answer of at least 2 tokens
+                seqs.append(s[: n + args.max_tokens])
+                starts.append(n - 1)  # the base model's own answer only
+    print(f"{len(seqs)} training sequences, {sum(map(len, seqs))} tokens")
     vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)
+    vocab_seqs += [s[n:] for n, s in zip(starts, seqs) if n > 0]  # the base model's own answers count too
     end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
     dv = draft_vocabulary(vocab_seqs, args.draft_vocab, always=end_ids)
-    data = compute_hidden_states(model, seqs, cache_dir=work)
+    data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
 
     rows = []
     for kind in args.kinds:
@@ -69,6 +77,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         hist = train_drafter(model, drafter, data, steps=steps, lr=args.lr, positions_per_step=args.positions,
                              warmup=max(1, steps // 20), distill_weight=args.distill_weight, seed=args.seed,
+                             seqs_per_step=args.seqs_per_step, amp_dtype=torch.bfloat16 if args.bf16 else None,
                              checkpoint=work / f"ckpt-{kind}-{args.seed}-{steps}.pt", checkpoint_every=50)
         print(f"{kind}: {steps} steps in {time.perf_counter() - t0:.0f} s, final loss {hist['loss'][-1]:.3f}")
         drafter.save(out / kind)

@@ -205,7 +205,7 @@ def test_shipped_heads_registry_and_errors(tmp_path, monkeypatch):
         hk.new_drafter(model, kind, num_heads=2).save(tmp_path / drafters.SHIPPED_MODEL / kind, dtype=torch.bfloat16)
     assert sorted(drafters.shipped_drafters()) == ["hydra", "medusa"]
     assert hk.load_drafter().kind == "hydra" and hk.load_drafter(kind="medusa").kind == "medusa"
-    with pytest.raises(FileNotFoundError, match="no shipped 'hydra\+\+' heads; shipped: \['hydra', 'medusa'\]"):
+    with pytest.raises(FileNotFoundError, match=r"no shipped 'hydra\+\+' heads; shipped: \['hydra', 'medusa'\]"):
         hk.load_drafter(kind="hydra++")
     with pytest.raises(ValueError, match="only used with path=None"):
         hk.load_drafter(tmp_path, kind="hydra")

@@ -30,9 +30,8 @@ def new_drafter(model, kind: str = "hydra", num_heads: int = 4, num_layers: int 
         if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
             raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
         drafter.draft_vocab.copy_(ids)
-    if drafter.prefix is not None:  # start the prefix layer from the base model's last layer
-        drafter.prefix.block.load_state_dict(model.layers[-1].state_dict())
-        drafter.prefix.norm.load_state_dict(model.norm.state_dict())
+    if drafter.prefix is not None:
+        drafter.prefix.init_identity(model)
     return drafter
 
 

@@ -53,8 +53,20 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(H, V, bias=cfg.lm_head_bias) if cfg.lm_head == "per_head" else None
 
     def hidden(self, x):
+        """Training path (autograd through the modules)."""
         for i in self.schedule:
             x = self.blocks[i](x)
+        return x
+
+    def run_blocks(self, x, schedule, backend: str = "auto"):
+        """Inference path: the blocks of `schedule` (indices into self.blocks) on x; H -> H blocks run
+        as the fused ops.resblock (one launch each, all nodes of a depth at once)."""
+        for i in schedule:
+            blk = self.blocks[i]
+            if blk.res_connection is None:
+                x = ops.resblock(x, blk.linear.weight, blk.linear.bias, backend=backend)
+            else:
+                x = blk(x)
         return x
 
 
@@ -144,7 +156,9 @@ class Drafter(nn.Module):
 
     def topk_tokens(self, model: Llama, head: int, x: torch.Tensor, k: int, backend: str = "auto") -> torch.Tensor:
         """Token ids of head `head`'s k best guesses for inputs x [..., in_features] -> [..., k]."""
-        return self.topk_from_hidden(model, head, self.heads[head].hidden(x), k, backend)
+        hd = self.heads[head]
+        hidden = hd.run_blocks(x, hd.schedule, op_backend("resblock", backend, x.device))
+        return self.topk_from_hidden(model, head, hidden, k, backend)
 
     def topk_from_hidden(self, model: Llama, head: int, hidden: torch.Tensor, k: int, backend: str = "auto"):
         """Head output [..., H] -> token ids of its k best guesses [..., k]. With the tied LM head the
@@ -164,9 +178,7 @@ class Drafter(nn.Module):
         b0 = hd.blocks[hd.schedule[0]]
         x = ops.hydra_first_layer(h, path_tokens, model.tok_embeddings.weight, b0.linear.weight, b0.linear.bias,
                                   b0.res_connection.weight, b0.res_connection.bias, backend=backend)
-        for i in hd.schedule[1:]:
-            x = hd.blocks[i](x)
-        return x
+        return hd.run_blocks(x, hd.schedule[1:], op_backend("resblock", backend, h.device))
 
     def head_input(self, model: Llama, h: torch.Tensor, tokens: torch.Tensor, tree: Tree, depth: int,
                    nodes: torch.Tensor) -> torch.Tensor:
@@ -182,7 +194,7 @@ class Drafter(nn.Module):
     def draft(self, model: Llama, h: torch.Tensor, root: torch.Tensor, tree: Tree, backend: str = "auto") -> torch.Tensor:
         """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root). One head call per depth for every
         node that has children, top-k over the vocabulary, children take their rank's token."""
-        backend_of = lambda op: op_backend(op, backend)  # noqa: E731  (ops without this backend use "auto")
+        backend_of = lambda op: op_backend(op, backend, h.device)  # noqa: E731  (ops without this backend use "auto")
         B = h.shape[0]
         tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
         tokens[:, 0] = root
@@ -202,7 +214,7 @@ class Drafter(nn.Module):
         column tree.flat_source[t]; ops.tree_inputs builds the tree tokens from it on the device)."""
         if self.config.grounded:
             raise ValueError("medusa_candidates is for path-independent (Medusa) heads; Hydra heads use draft()")
-        return torch.cat([self.topk_tokens(model, d, h, plan.topk, op_backend("lm_head_topk", backend)) for d, plan in enumerate(tree.plans)], dim=1)
+        return torch.cat([self.topk_tokens(model, d, h, plan.topk, op_backend("lm_head_topk", backend, h.device)) for d, plan in enumerate(tree.plans)], dim=1)
 
     # ---- the hidden state h the heads start from ------------------------------------------------
     def start(self, model: Llama, batch_size: int, max_seq_len: int):

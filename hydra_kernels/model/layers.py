@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import LlamaConfig
+from .packed_linear import Linear
 from .rope import apply_rope
 
 
@@ -31,8 +32,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.wqkv = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.wo = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.wqkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.wo = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
     def qkv(self, x, cos, sin):
         """x [B, T, H] -> roped q [B, T, Hq, D], roped k and v [B, T, Hkv, D]."""
@@ -49,8 +50,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)

@@ -16,6 +16,7 @@ from .. import ops
 from .config import LlamaConfig
 from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerBlock, run_blocks
+from .packed_linear import Linear, packed_linear_available
 from .rope import RopeCache
 
 try:  # optional: flash-attn's causal kernel for prefill on CUDA (torch SDPA otherwise)
@@ -42,7 +43,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.output = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.output = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self._rope = RopeCache(config)
 
@@ -68,6 +69,28 @@ class Llama(nn.Module):
                 mod.weight.data = mod.weight.data.t().contiguous().t()
         self.tie_weights()
         return self
+
+    def use_packed_cpu_weights(self) -> bool:
+        """CPU speed choice: keep every projection weight (and the LM head) a second time packed for
+        the native small-M kernel (model/packed_linear.py), used by decode and verify steps (M <= 32
+        rows); prefill keeps MKL. Costs one more copy of the weights in memory. Returns False (and
+        changes nothing) where the extension or its AVX-512 path is missing."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not packed_linear_available():
+            return False
+        for mod in self.modules():
+            if isinstance(mod, Linear):
+                mod.pack_cpu()
+        return True
+
+    def greedy_tokens(self, h: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+        """argmax of the LM head for final hidden states h [..., H] -> token ids [...] (first maximum on
+        ties). Plain decoding and tree verification both pick tokens here, through one code path.
+        backend "auto"/"native" on a packed CPU model: the native packed kernel (logits of <= 32 rows, a
+        few MB); otherwise ops.lm_head_topk with k = 1 (the fused kernel on "triton": no logits)."""
+        packed = self.output._packed is not None and backend in ("auto", "native")
+        if self.output.bias is not None or packed:
+            return self.output(h).argmax(dim=-1)
+        return ops.lm_head_topk(h, self.output.weight, 1, backend=backend)[1][..., 0]  # no [.., V] logits
 
     @staticmethod
     def expected_keys(config: LlamaConfig) -> set[str]:

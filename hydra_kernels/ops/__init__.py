@@ -8,7 +8,7 @@ import torch
 from . import reference
 from .backend import BACKENDS, native_available, op_backend, register, resolve, triton_available
 
-__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "lm_head_sample_stats", "typical_accept", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
+__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
            "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
@@ -18,6 +18,7 @@ register("commit_kv", "reference", reference.commit_kv)
 register("tree_inputs", "reference", reference.tree_inputs)
 register("lm_head_topk", "reference", reference.lm_head_topk)
 register("hydra_first_layer", "reference", reference.hydra_first_layer)
+register("resblock", "reference", reference.resblock)
 register("lm_head_sample_stats", "reference", reference.lm_head_sample_stats)
 register("typical_accept", "reference", reference.typical_accept)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
@@ -130,6 +131,29 @@ def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res, *, backen
     _check(len({t.device for t in ts + [path_tokens]}) == 1, "all inputs must be on one device")
     fn = resolve("hydra_first_layer", backend, h.device)
     return fn(h, path_tokens, emb, w_lin, b_lin, w_res, b_res)
+
+
+def resblock(x, weight, bias=None, *, backend="auto"):
+    """One H -> H ResBlock of a draft head (the blocks after a Hydra head's first layer, Medusa's blocks),
+    fused: matmul, bias, SiLU and the identity residual in one launch (Triton).
+
+    Parameters
+    ----------
+    x : [..., H] inputs (e.g. [B, n_nodes, H], all nodes of one depth).
+    weight : [H, H] the block's linear weight (any strides); bias : [H] or None.
+
+    Returns
+    -------
+    [..., H] = x + SiLU(x weight^T + bias), in x's dtype.
+    """
+    _check(x.dim() >= 1 and weight.dim() == 2 and tuple(weight.shape) == (x.shape[-1], x.shape[-1]),
+           f"weight must be [H, H] with H = x.shape[-1] = {x.shape[-1]}, got {tuple(weight.shape)}")
+    _check(bias is None or tuple(bias.shape) == (x.shape[-1],), f"bias must be [H={x.shape[-1]}] or None")
+    ts = [t for t in (x, weight, bias) if t is not None]
+    _check(len({t.dtype for t in ts}) == 1, f"x, weight and bias must share a dtype, got {[t.dtype for t in ts]}")
+    _check(len({t.device for t in ts}) == 1, "x, weight and bias must be on one device")
+    fn = resolve("resblock", backend, x.device)
+    return fn(x, weight, bias)
 
 
 def _check_tree_inputs(tree_tokens, paths):

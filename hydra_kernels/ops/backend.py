@@ -2,7 +2,8 @@
 
 Each op registers one implementation per backend it has. "auto" (overridable with the environment
 variable HYDRA_KERNELS_BACKEND) picks, for the tensors' device, the first available of the op's
-preferred order: native and triton on CUDA, native then reference on the CPU.
+preferred order: native and triton on CUDA, native then reference on the CPU. A backend may cover
+only some device types for an op (e.g. native tree_attention is a CPU kernel; Triton runs it on CUDA).
 """
 from __future__ import annotations
 
@@ -13,12 +14,24 @@ import torch
 
 BACKENDS = ("reference", "triton", "native")
 _IMPLS: dict[str, dict[str, Callable]] = {}
+_DEVICES: dict[tuple[str, str], frozenset[str]] = {}  # (op, backend) -> device types it covers (absent: all)
 
 
-def register(op: str, backend: str, fn: Callable) -> None:
+def register(op: str, backend: str, fn: Callable, devices: tuple[str, ...] | None = None) -> None:
+    """fn implements `op` for `backend`; devices: the device types it covers (None: every one)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
     _IMPLS.setdefault(op, {})[backend] = fn
+    if devices is not None:
+        _DEVICES[(op, backend)] = frozenset(devices)
+
+
+def has_impl(op: str, backend: str, device: torch.device | None = None) -> bool:
+    """Does `op` have a `backend` implementation (for `device`'s type, when given)?"""
+    if backend not in _IMPLS.get(op, {}):
+        return False
+    covered = _DEVICES.get((op, backend))
+    return device is None or covered is None or device.type in covered
 
 
 def native_available() -> bool:
@@ -61,7 +74,7 @@ def resolved_name(op: str, backend: str, device: torch.device) -> str:
     if backend == "auto":
         order = ("native", "triton", "reference") if device.type == "cuda" else ("native", "reference")
         for name in order:
-            if name in impls and _usable(name, device):
+            if has_impl(op, name, device) and _usable(name, device):
                 return name
         raise ValueError(f"no implementation of {op} usable on {device}")
     if backend not in BACKENDS:
@@ -69,14 +82,18 @@ def resolved_name(op: str, backend: str, device: torch.device) -> str:
     if backend not in impls:
         have = sorted(impls)
         raise ValueError(f"{op} has no {backend!r} implementation yet; available: {have} (or 'auto')")
+    if not has_impl(op, backend, device):
+        have = sorted(b for b in impls if has_impl(op, b, device))
+        raise ValueError(f"{op} has no {backend!r} kernel for {device.type} tensors; available there: {have} (or 'auto')")
     check_usable(backend, device)
     return backend
 
 
-def op_backend(op: str, backend: str) -> str:
-    """The backend to use for `op` when a whole decode runs with `backend`: the same one where the op
-    has it, else "auto" (e.g. backend="native" has no tree_attention; the best available one runs)."""
-    if backend == "auto" or backend in _IMPLS.get(op, {}):
+def op_backend(op: str, backend: str, device: torch.device | None = None) -> str:
+    """The backend to use for `op` when a whole decode runs with `backend` (on `device`): the same one
+    where the op has it, else "auto" (e.g. backend="native" has no lm_head_topk; the best available
+    one runs)."""
+    if backend == "auto" or has_impl(op, backend, device):
         return backend
     return "auto"
 

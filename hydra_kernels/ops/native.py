@@ -21,6 +21,10 @@ def _register() -> bool:
     def tree_inputs(root, candidates, node_source, depths, cache_seqlens):
         return ops.tree_inputs(root, candidates, node_source, depths, cache_seqlens)
 
+    def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None):
+        return ops.tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale)
+
+    register("tree_attention", "native", tree_attention, devices=("cpu",))  # CUDA: the Triton kernel
     register("greedy_verify", "native", greedy_verify)
     register("commit_kv", "native", commit_kv)
     register("tree_inputs", "native", tree_inputs)
@@ -30,6 +34,10 @@ def _register() -> bool:
         B, D1 = tree_tokens.shape[0], paths.shape[1]
         new = lambda *s: tree_tokens.new_empty(s, dtype=torch.long)
         return new(B), new(B, D1), new(B), new(B)
+
+    @torch.library.register_fake("hydra_kernels::tree_attention")
+    def _(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None):
+        return torch.empty_like(q)
 
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):

@@ -67,6 +67,12 @@ def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res):
     return torch.nn.functional.linear(x, w_res, b_res) + torch.nn.functional.silu(lin)
 
 
+def resblock(x, weight, bias):
+    """A draft head's H -> H ResBlock: x [..., H], weight [H, H], bias [H] or None ->
+    x + SiLU(x weight^T + bias), [..., H]."""
+    return x + torch.nn.functional.silu(torch.nn.functional.linear(x, weight, bias))
+
+
 # ---- verification -------------------------------------------------------------------------------
 def _select_path(paths, accepted, score, next_tokens_fn):
     """Shared tail of the verifiers.

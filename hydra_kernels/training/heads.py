@@ -11,7 +11,6 @@ distribution there). loss = distill_weight * KL(teacher || head) + (1 - distill_
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import torch
@@ -49,7 +48,11 @@ class _Batcher:
         self.starts, self.ends = _sequence_bounds(data)
         lengths = self.ends - self.starts
         self.before = torch.arange(data.num_tokens) - torch.repeat_interleave(self.starts, lengths)
-        self.valid = (self.before >= 1).nonzero().flatten()  # q needs p = q-1 in its sequence at least
+        ok = self.before >= 1  # q needs p = q-1 in its sequence at least
+        if data.trainable is not None:
+            ok &= data.trainable
+        self.valid = ok.nonzero().flatten()
+        self.ok = ok
 
     def sample(self, device, dtype):
         """-> q [n] (cpu), hidden(p [m] cpu) -> [m, H] drafter-side states at positions p."""
@@ -68,7 +71,9 @@ class _Batcher:
         rows = torch.cat([out[i, : s.numel()] for i, s in enumerate(spans)])
         row_of = torch.full((d.num_tokens,), -1, dtype=torch.long)
         row_of[flat] = torch.arange(flat.numel())
-        ok = flat[self.before[flat] >= 1]
+        ok = flat[self.ok[flat]]
+        if ok.numel() == 0:  # these sequences hold no trainable position: draw others
+            return self.sample(device, dtype)
         q = ok[torch.randint(0, ok.numel(), (min(self.n, ok.numel()),), generator=self.gen)]
         return q, lambda p: rows[row_of[p].to(device)]
 

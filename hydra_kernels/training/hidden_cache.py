@@ -25,6 +25,9 @@ class HiddenStates:
     ids: torch.Tensor
     hidden: torch.Tensor
     after: torch.Tensor
+    # bool [N] or None (all): teacher positions q whose next token (q+1) the heads are trained on,
+    # e.g. only the answers of self-generated data (prompts are text the heads never draft)
+    trainable: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -39,7 +42,19 @@ class HiddenStates:
         return (self.after >= lookahead).nonzero().flatten()
 
     def to(self, device) -> "HiddenStates":
-        return HiddenStates(self.ids.to(device), self.hidden.to(device), self.after.to(device))
+        t = None if self.trainable is None else self.trainable.to(device)
+        return HiddenStates(self.ids.to(device), self.hidden.to(device), self.after.to(device), t)
+
+    def train_from(self, starts: list[int]) -> "HiddenStates":
+        """Train only on positions q >= starts[i] of sequence i (q predicts token q+1): for a prompt of
+        n tokens and its answer, starts[i] = n - 1 trains on the answer tokens alone."""
+        ends = (self.after == 0).nonzero().flatten() + 1
+        if len(starts) != ends.numel():
+            raise ValueError(f"{len(starts)} starts for {ends.numel()} sequences")
+        seq_start = torch.cat([ends.new_zeros(1), ends[:-1]])
+        offset = torch.arange(self.num_tokens) - torch.repeat_interleave(seq_start, ends - seq_start)
+        first = torch.repeat_interleave(torch.tensor(starts), ends - seq_start)
+        return HiddenStates(self.ids, self.hidden, self.after, offset >= first)
 
 
 def _after(lengths: list[int]) -> torch.Tensor:

@@ -25,5 +25,6 @@ if importlib.util.find_spec("triton") is not None:
     register("tree_attention", "triton", _lazy("tree_attention", "tree_attention"))
     register("lm_head_topk", "triton", _lazy("lm_head_topk", "lm_head_topk"))
     register("hydra_first_layer", "triton", _lazy("hydra_head", "hydra_first_layer"))
+    register("resblock", "triton", _lazy("resblock", "resblock"))
     register("lm_head_sample_stats", "triton", _lazy("typical", "lm_head_sample_stats"))
     register("typical_accept", "triton", _lazy("typical", "typical_accept"))

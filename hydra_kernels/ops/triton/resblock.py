@@ -1,0 +1,65 @@
+"""Triton ResBlock of a draft head: y = x + SiLU(x W^T + b) in one launch.
+
+The blocks after a Hydra head's first layer (and every Medusa block) are H -> H with an identity
+residual. Unfused that is three passes (GEMM, SiLU, add) and two [R, H] intermediates; here the
+GEMM accumulates in fp32 registers and bias, SiLU and the residual are applied before the one
+store. R (nodes x sequences of one depth) is at most a few hundred, so the block is bound by reading
+W once: each program owns an output tile of BLOCK_O columns for BLOCK_R rows, and the weight tile
+is read once per row block (all rows of a depth share it when R <= BLOCK_R).
+Grid: (output tiles of H, row blocks of R).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _resblock_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, H, s_xr, s_wo, s_wk, s_or, HAS_B: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_o = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    r_ok = offs_r < R
+    o_ok = offs_o < H
+    acc = tl.zeros([BLOCK_R, BLOCK_O], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < H
+        x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * s_xr + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + offs_o[:, None].to(tl.int64) * s_wo + offs_k[None, :] * s_wk,
+                    mask=o_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_B:
+        acc += tl.load(b_ptr + offs_o, mask=o_ok, other=0.0).to(tl.float32)[None, :]
+    both = r_ok[:, None] & o_ok[None, :]
+    res = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * s_xr + offs_o[None, :], mask=both, other=0.0).to(tl.float32)
+    y = res + acc * tl.sigmoid(acc)
+    tl.store(out_ptr + offs_r[:, None].to(tl.int64) * s_or + offs_o[None, :], y.to(out_ptr.dtype.element_ty), mask=both)
+
+
+def resblock(x, weight, bias):
+    """Same contract as reference.resblock."""
+    H = x.shape[-1]
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    R = x2.shape[0]
+    out = torch.empty(R, H, dtype=x.dtype, device=x.device)
+    if R == 0:
+        return out.view(x.shape)
+    BLOCK_R = 16 if R <= 16 else 32 if R <= 32 else 64
+    BLOCK_O, BLOCK_K = 64, 64
+    ieee = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    _resblock_kernel[(triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R))](
+        x2, weight, bias if bias is not None else x2, out, R, H, x2.stride(0), weight.stride(0), weight.stride(1),
+        out.stride(0), HAS_B=bias is not None, BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, IEEE=ieee)
+    return out.view(x.shape)
