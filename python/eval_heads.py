@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
 from hydra_kernels.generate import generate  # noqa: E402
+from hydra_kernels.model.packed_linear import Linear as PackedLinear  # noqa: E402
 from hydra_kernels.training import mtbench_questions, sharegpt_records  # noqa: E402
 from hydra_kernels.training.data import conversation_messages, is_heldout  # noqa: E402
 from hydra_kernels.training.evaluate import head_ranks, topk_accuracy  # noqa: E402
@@ -69,7 +70,7 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/eval")
     ap.add_argument("--heldout", type=int, default=16, help="held-out ShareGPT prompts for tree search")
     ap.add_argument("--heldout-tokens", type=int, default=128)
-    ap.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16])
+    ap.add_argument("--sizes", nargs="+", type=int, default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32])
     ap.add_argument("--time-prompts", type=int, default=4, help="held-out prompts timed per tree size")
     ap.add_argument("--size", type=int, default=None, help="skip timing; use this tree size")
     ap.add_argument("--new-tokens", type=int, default=256)
@@ -168,7 +169,7 @@ def main(argv=None):
         return toks / (time.perf_counter() - t0)
 
     plain_tps = timed("plain", lambda p: len(generate(model, [p], max_new_tokens=n).sequences[0]))
-    results.append({"decoding": "plain (ours)", "tokens_per_step": 1.0, "tokens_per_s": plain_tps,
+    results.append({"decoding": "plain (ours, packed kernel)", "tokens_per_step": 1.0, "tokens_per_s": plain_tps,
                     "lossless_80": "definition"})
     for k, d in drafters.items():
         tps = timed(k, lambda p, d=d, k=k: len(generate(model, [p], drafter=d, tree=trees[k], max_new_tokens=n).sequences[0]))
@@ -187,6 +188,16 @@ def main(argv=None):
                                                           eos_token_id=eos).shape[1] - len(p))
         results.append({"decoding": "transformers generate", "tokens_per_step": 1.0, "tokens_per_s": tps,
                         "lossless_80": "-"})
+    if model.output._packed is not None:
+        # the same plain decoding on MKL with input-major weights: faster at M = 1 on this CPU, but its
+        # rows are not bit-identical across M, so tree verification keeps the packed kernel (exactness)
+        for mod in model.modules():
+            if isinstance(mod, PackedLinear):
+                mod._packed = None
+        model.use_input_major_weights()
+        tps = timed("plain-mkl", lambda p: len(generate(model, [p], max_new_tokens=n).sequences[0]))
+        results.insert(1, {"decoding": "plain (ours, MKL input-major weights)", "tokens_per_step": 1.0,
+                           "tokens_per_s": tps, "lossless_80": "-"})
     for r in results:
         r["speedup_vs_plain"] = r["tokens_per_s"] / plain_tps
     write_results(results, out, "results")

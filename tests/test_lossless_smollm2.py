@@ -104,3 +104,18 @@ def test_triton_backend_equals_reference_on_smollm2(smollm2, prompts, plain, tra
         assert out.sequences[b] == plain[i][:n], f"prompt {i}: first difference at {first_diff(out.sequences[b], plain[i])}"
     assert out.mean_accepted_tokens > 1.5
 
+
+
+def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain):
+    """The heads inside the package (python/train_heads.py + eval_heads.py + ship_heads.py) with the
+    tree searched for the CPU: what `make demo` and hk.load_drafter() give a user."""
+    model, _ = smollm2
+    shipped = hk.drafters.shipped_drafters()
+    assert shipped, "no heads shipped in hydra_kernels/heads/"
+    for kind in shipped:
+        d = hk.load_drafter(model=model, kind=kind)
+        assert "cpu" in d.trees, f"shipped {kind} heads have no CPU tree"
+        out = generate(model, prompts, drafter=d, max_new_tokens=N_NEW)  # tree=None: the shipped CPU tree
+        for b, (got, ref) in enumerate(zip(out.sequences, plain)):
+            assert got == ref, f"{kind}, prompt {b}: first difference at token {first_diff(got, ref)}"
+        assert out.mean_accepted_tokens > 1.3, f"shipped {kind} heads accept {out.mean_accepted_tokens:.2f} tokens/step"

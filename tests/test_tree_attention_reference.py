@@ -101,7 +101,7 @@ def test_unknown_or_unusable_backend_is_a_clear_error(monkeypatch):
             torch.tensor([2], dtype=torch.int32), torch.ones(1, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="backend must be one of"):
         hk.ops.tree_attention(*args, backend="cuda")
-    with pytest.raises(ValueError, match="no 'native' implementation"):
-        hk.ops.tree_attention(*args, backend="native")  # tree attention has reference and Triton only
+    with pytest.raises(ValueError, match="no 'native' implementation"):  # resblock: reference and Triton only
+        hk.ops.resblock(torch.randn(2, 8), torch.randn(8, 8), torch.randn(8), backend="native")
     monkeypatch.setenv("HYDRA_KERNELS_BACKEND", "reference")
     assert hk.ops.tree_attention(*args).shape == (1, 1, 2, 64)

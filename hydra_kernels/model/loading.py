@@ -92,7 +92,10 @@ def build_model(cfg: LlamaConfig, hf_sd: dict[str, torch.Tensor], *, dtype=None,
         sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
     model.load_state_dict(sd, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter
-    if model.device.type == "cpu" and not model.use_packed_cpu_weights():
+    if model.device.type == "cpu":
+        # MKL on input-major weights: the fastest CPU layout measured (plain decoding 22.3 vs 14.2
+        # tokens/s with the packed kernel, whose rows are bit-identical across M but which streams
+        # weights at 11-20 GB/s for now); model.use_packed_cpu_weights() opts into it
         model.use_input_major_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
