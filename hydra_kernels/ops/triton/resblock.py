@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .lm_head_topk import logits_tile
+
 
 @triton.jit
 def _resblock_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, H, s_xr, s_wo, s_wk, s_or, HAS_B: tl.constexpr,
@@ -26,18 +28,8 @@ def _resblock_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, H, s_xr, s_wo, s_wk, s_or,
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     r_ok = offs_r < R
     o_ok = offs_o < H
-    acc = tl.zeros([BLOCK_R, BLOCK_O], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < H
-        x = tl.load(x_ptr + offs_r[:, None].to(tl.int64) * s_xr + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_o[:, None].to(tl.int64) * s_wo + offs_k[None, :] * s_wk,
-                    mask=o_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+    # x W^T tile in fp32 (the LM head's tile loop; columns past H come back -inf and are never stored)
+    acc = logits_tile(x_ptr, w_ptr, offs_r, offs_o, R, H, H, s_xr, s_wo, s_wk, BLOCK_R, BLOCK_O, BLOCK_K, IEEE)
     if HAS_B:
         acc += tl.load(b_ptr + offs_o, mask=o_ok, other=0.0).to(tl.float32)[None, :]
     both = r_ok[:, None] & o_ok[None, :]
