@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup demo test bench clean
 
-$(STAMP): pyproject.toml setup.py Makefile
+$(STAMP): pyproject.toml setup.py Makefile $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade "setuptools>=64" wheel ninja
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)

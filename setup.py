@@ -7,6 +7,7 @@ pip install --no-build-isolation .
 """
 import glob
 import os
+import sys
 
 from setuptools import setup
 
@@ -38,12 +39,19 @@ def extensions():
     if not with_cuda:
         cpp = [f for f in cpp if f not in cuda_cpp]
     cxx = ["-O3", "-std=c++20"]  # torch 2.13 headers use C++20 features
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is inline OpenMP in the headers: without -fopenmp our CPU kernels run on one
+        # thread. The extension then needs libgomp.so.1, which resolves to the copy torch already loaded.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         ext = CUDAExtension("hydra_kernels._C", cpp + cu, define_macros=[("HYDRA_KERNELS_WITH_CUDA", None)],
-                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]})
+                            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
+                            extra_link_args=link)
     else:
-        ext = CppExtension("hydra_kernels._C", cpp, extra_compile_args={"cxx": cxx})
+        ext = CppExtension("hydra_kernels._C", cpp, extra_compile_args={"cxx": cxx}, extra_link_args=link)
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

@@ -13,12 +13,16 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier: Triton interpreter")
 
 
-def _run(script, argv):
+def _run_returning(script, argv):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.main(argv)
+    return mod.main(argv)
+
+
+def _run(script, argv):
+    _run_returning(script, argv)
 
 
 def _rows(path):
@@ -51,3 +55,12 @@ def test_bench_verify_runs(tmp_path):
     rows = _rows(tmp_path / "verify.csv")
     assert {r["backend"] for r in rows} >= {"reference", "triton"}
     assert all(r["matches_reference"] == "True" for r in rows)
+
+
+def test_bench_cpu_step_runs():
+    from hydra_kernels.model.packed_linear import packed_linear_available
+
+    if not packed_linear_available():
+        pytest.skip("no packed CPU kernel here (extension not built or no AVX-512)")
+    rows = _run_returning("bench_cpu_step", ["--reps", "1", "--context", "20"])
+    assert [r["T"] for r in rows] == [1, 6, 16] and all(r["packed_ms"] > 0 and r["mkl_ms"] > 0 for r in rows)

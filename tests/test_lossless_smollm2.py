@@ -119,3 +119,35 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
         for b, (got, ref) in enumerate(zip(out.sequences, plain)):
             assert got == ref, f"{kind}, prompt {b}: first difference at token {first_diff(got, ref)}"
         assert out.mean_accepted_tokens > 1.3, f"shipped {kind} heads accept {out.mean_accepted_tokens:.2f} tokens/step"
+
+
+def test_cpu_verify_step_is_bit_identical_to_single_token_steps(smollm2, prompts):
+    """Exact by construction on the CPU default path (packed linears + the fp32 native tree attention):
+    a 7-token chain verified in one step gives bit-for-bit the hidden states and greedy tokens of 7
+    single-token decoding steps, so greedy tree verification can never disagree with plain decoding."""
+    from hydra_kernels.model.packed_linear import packed_linear_available
+
+    model, _ = smollm2
+    if model.device.type != "cpu" or not packed_linear_available():
+        pytest.skip("the bit-identity holds on the packed CPU path (AVX-512 with the built extension)")
+    assert model.output._packed is not None, "load_model should pack CPU fp32 weights by default"
+    p = prompts[0]
+    chain = torch.tensor([p[-7:]])  # 7 real tokens, fed after the rest of the prompt
+    prefix = torch.tensor([p[:-7]])
+    L = prefix.shape[1]
+    with torch.inference_mode():
+        hs = []
+        for T in (7, 1):
+            cache = model.new_kv_cache(1, L + 16)
+            model.prefill(prefix, torch.tensor([L], dtype=torch.int32), cache)
+            if T == 7:
+                hs.append(model.step(chain, cache, kv_len=L + 7)[0])
+            else:
+                rows = []
+                for t in range(7):
+                    rows.append(model.step(chain[:, t:t + 1], cache, kv_len=L + t + 1)[0, 0])
+                    cache.advance(1)
+                hs.append(torch.stack(rows))
+        tree_h, step_h = hs
+        assert torch.equal(tree_h, step_h), f"max |diff| {(tree_h - step_h).abs().max().item():.3g}"
+        assert torch.equal(model.greedy_tokens(tree_h), torch.stack([model.greedy_tokens(h[None])[0] for h in step_h]))

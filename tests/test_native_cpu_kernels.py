@@ -1,6 +1,7 @@
-"""The extension's CPU kernels for the model's hot path: tree_attention (ATen's flash kernel behind
-our key mask) and the packed small-M linear, against the reference definitions on fresh random
-inputs with awkward shapes, poisoned outputs where the op writes into a buffer."""
+"""The extension's CPU kernels for the model's hot path: tree_attention (the fp32 row kernel; other
+dtypes ATen's flash kernel behind our key mask) and the packed small-M linear, against the reference
+definitions on fresh random inputs with awkward shapes, poisoned outputs where the op writes into a
+buffer."""
 import pytest
 import torch
 
@@ -29,6 +30,26 @@ def test_tree_attention_native_equals_reference(B, T, Hq, Hkv, D, seqlens, dtype
     ref = reference.tree_attention(q.float(), k.float(), v.float(), sl, mask)
     assert out.shape == q.shape and out.dtype == dtype
     assert_close_rel(out.float(), ref, RTOL[dtype], f"native tree_attention {dtype}")
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,seqlens", [(9, 3, 64, [41, 0]), (4, 1, 40, [7, 130])])
+def test_tree_attention_native_fp32_rows_do_not_depend_on_the_rest_of_the_tree(Hq, Hkv, D, seqlens):
+    """fp32 rows are computed one at a time over (prefix, ancestors-or-self): node i's output with the
+    whole tree equals, bit for bit, its output when the step holds only nodes 0..i (its ancestors come
+    first in BFS order; i = 0 is a 1-token decoding step)."""
+    gen = torch.Generator().manual_seed(7)
+    T = 9
+    mask, _ = tree_from_parents(random_parents(T, gen))
+    B = len(seqlens)
+    S = max(seqlens) + T + 3
+    k, v = torch.randn(2, B, S, Hkv, D, generator=gen)
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    full = ops.tree_attention(q, k, v, sl, mask)
+    for i in range(T):
+        part = ops.tree_attention(q[:, : i + 1].contiguous(), k, v, sl, mask[: i + 1, : i + 1].contiguous())
+        assert torch.equal(part[:, i], full[:, i]), f"node {i}"
+    assert_close_rel(full, reference.tree_attention(q, k, v, sl, mask), RTOL[torch.float32], "fp32 rows")
 
 
 def test_tree_attention_native_ignores_rows_past_the_tree_and_checks_inputs():

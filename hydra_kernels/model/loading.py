@@ -93,10 +93,12 @@ def build_model(cfg: LlamaConfig, hf_sd: dict[str, torch.Tensor], *, dtype=None,
     model.load_state_dict(sd, strict=False, assign=True)
     model.tie_weights()  # assign=True replaced the shared Parameter
     if model.device.type == "cpu":
-        # MKL on input-major weights: the fastest CPU layout measured (plain decoding 22.3 vs 14.2
-        # tokens/s with the packed kernel, whose rows are bit-identical across M but which streams
-        # weights at 11-20 GB/s for now); model.use_packed_cpu_weights() opts into it
+        # Input-major weights: MKL's M = 1 GEMV streams them ~2x faster (the fallback where the packed
+        # kernel is unavailable). Then the packed small-M kernel for decode and verify steps: as fast as
+        # MKL at M = 1 (~24 GB/s on 2 cores) and ~1.1x, not ~2x, the M = 1 time at M = 6 (a 6-node tree
+        # verify step), with every row bit-identical to its M = 1 result (model/packed_linear.py).
         model.use_input_major_weights()
+        model.use_packed_cpu_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise ValueError(f"checkpoint did not provide {still_meta[:5]}")

@@ -33,10 +33,13 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._packed: torch.Tensor | None = None
         self._packed_key = None
+        self._max_numel = MAX_PACKED_ROWS * self.in_features
 
     def _key(self):
+        # what identifies the packed weight: its storage and version (in-place updates and .data = ...
+        # both change one of them); the key check runs on every call, so it reads as little as possible
         w = self.weight
-        return (w.data_ptr(), w._version, tuple(w.shape), w.dtype, w.device)
+        return (w.data_ptr(), w._version)
 
     def pack_cpu(self) -> None:
         """Pack the weight for the native small-M kernel (fp32 CPU weights only; a no-op otherwise)."""
@@ -49,9 +52,23 @@ class Linear(nn.Linear):
         self._packed_key = self._key()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._packed is not None and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and 0 < x.numel() <= MAX_PACKED_ROWS * x.shape[-1]):
+        # the checks are ordered cheapest first: this runs ~120 times per decoding step, and at M = 1
+        # a layer's kernel takes ~50-200 us, so microseconds of Python here show up in tokens/s
+        if (self._packed is not None and x.is_cpu and x.dtype is torch.float32 and x.numel() <= self._max_numel
+                and not torch.is_grad_enabled()):
             if self._packed_key != self._key():  # weights changed since packing (e.g. load_state_dict)
                 self.pack_cpu()
-            return torch.ops.hydra_kernels.packed_linear(x, self._packed, self.out_features, self.bias)
+                if self._packed is None:  # no longer an fp32 CPU weight
+                    return F.linear(x, self.weight, self.bias)
+            return _packed_linear_op()(x, self._packed, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+_OP = None
+
+
+def _packed_linear_op():
+    global _OP
+    if _OP is None:
+        _OP = torch.ops.hydra_kernels.packed_linear
+    return _OP
