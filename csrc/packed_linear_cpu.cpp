@@ -23,10 +23,7 @@
 #include <algorithm>
 #include <optional>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define HK_X86 1
-#endif
+#include "cpu_features.h"
 
 namespace hydra_kernels {
 namespace {
@@ -89,12 +86,6 @@ constexpr PanelFn kAvx512[kRows + 1] = {nullptr,
                                         panel_rows_avx512<5>,
                                         panel_rows_avx512<6>};
 
-bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-#else
-bool has_avx512() { return false; }
 #endif
 
 // w [N, K] fp32 (any strides) -> packed [P, K, 64] fp32, P = ceil(N / 64), zero columns past N.
@@ -133,7 +124,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
   const float* wp = packed.data_ptr<float>();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const bool fast = has_avx512();
+  const bool fast = cpu_has_avx512();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     float tail_bias[kPanel];
     for (int64_t p = p0; p < p1; ++p) {
@@ -161,7 +152,7 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
   return y.view(out_sizes);
 }
 
-bool packed_linear_is_fast_cpu() { return has_avx512(); }
+bool packed_linear_is_fast_cpu() { return cpu_has_avx512(); }
 
 }  // namespace
 

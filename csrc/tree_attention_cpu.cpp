@@ -27,10 +27,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define HK_X86 1
-#endif
+#include "cpu_features.h"
 
 namespace hydra_kernels {
 namespace {
@@ -182,22 +179,14 @@ __attribute__((target("avx512f"))) void attend_row_avx512(const RowArgs& a) {
     _mm512_mask_storeu_ps(a.out + 16 * c, c == nd - 1 ? tail : static_cast<__mmask16>(0xFFFF), _mm512_mul_ps(o[c], inv));
 }
 
-bool attention_has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-#else
-bool attention_has_avx512() { return false; }
 #endif
 
-// q [B, T, Hq, D] fp32; k, v [B, S, Hkv, D] fp32 with unit stride in D; rows (b, i, h) in parallel.
+// q [B, T, Hq, D] fp32; k, v [B, S, Hkv, D] fp32, unit stride in D and equal strides (the caller takes
+// this path only then); rows (b, i, h) in parallel.
 at::Tensor tree_attention_fp32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqlens,
                                const at::Tensor& tree_mask, double scale) {
   const at::Tensor q = q_in.contiguous();
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2), G = Hq / Hkv;
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == v.stride(2) && k.stride(1) == v.stride(1) &&
-                  k.stride(0) == v.stride(0),
-              "tree_attention: k_cache and v_cache need the same strides and a contiguous head_dim");
   const at::Tensor tm = tree_mask.contiguous();
   const at::Tensor sl = seqlens.to(at::kLong).contiguous();
   const bool* mp = tm.data_ptr<bool>();
@@ -214,7 +203,7 @@ at::Tensor tree_attention_fp32(const at::Tensor& q_in, const at::Tensor& k, cons
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t sb = k.stride(0), ss = k.stride(1), sh = k.stride(2);
-  const bool fast = attention_has_avx512() && D <= 256;
+  const bool fast = cpu_has_avx512() && D <= 256;
   // grain: a row is ~L * D * 4 flops; small problems stay on one thread (no fork/join for T = 1)
   const int64_t rows = B * T * Hq, grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, (max_len + T) * D));
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
