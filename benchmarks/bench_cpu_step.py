@@ -11,6 +11,7 @@ the condition for speculative decoding to pay off on a CPU) or T times more comp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
-from hydra_kernels.model.packed_linear import Linear  # noqa: E402
+from hydra_kernels.model.packed_linear import packed_kernel_off  # noqa: E402
 
 TREE_SIZES = (1, 6, 16)
 
@@ -32,14 +33,11 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, _ = hk.load_model(device="cpu")
-    mods = [m for m in model.modules() if isinstance(m, Linear)]
-    saved = [m._packed for m in mods]
-    if saved[0] is None:
+    if model.output._packed is None:
         sys.exit("the packed kernel is unavailable here (extension not built or no AVX-512): nothing to compare")
 
-    def use_packed(on: bool) -> None:
-        for m, p in zip(mods, saved):
-            m._packed = p if on else None
+    def path(packed: bool):
+        return contextlib.nullcontext() if packed else packed_kernel_off(model)
 
     C, V = args.context, model.config.vocab_size
     cache = model.new_kv_cache(1, C + max(TREE_SIZES) + 1)
@@ -47,8 +45,8 @@ def main(argv=None) -> list[dict]:
     toks = torch.randint(0, V, (1, max(TREE_SIZES)))
     hs = []
     for on in (True, False):
-        use_packed(on)
-        hs.append(model.step(toks, cache, kv_len=C + toks.shape[1]))
+        with path(on):
+            hs.append(model.step(toks, cache, kv_len=C + toks.shape[1]))
     err = ((hs[0] - hs[1]).abs().max() / hs[1].abs().max()).item()
     if not err < 1e-4:  # fp32: both are the same math in a different summation order
         raise AssertionError(f"packed and MKL hidden states differ by {err:.3g} (relative to max)")
@@ -56,11 +54,10 @@ def main(argv=None) -> list[dict]:
     for _ in range(args.reps):
         for T in TREE_SIZES:
             for on in (True, False):
-                use_packed(on)
-                t0 = time.perf_counter()
-                model.greedy_tokens(model.step(toks[:, :T], cache, kv_len=C + T))
-                times.setdefault((T, on), []).append(time.perf_counter() - t0)
-    use_packed(True)
+                with path(on):
+                    t0 = time.perf_counter()
+                    model.greedy_tokens(model.step(toks[:, :T], cache, kv_len=C + T))
+                    times.setdefault((T, on), []).append(time.perf_counter() - t0)
     rows = [{"T": T, "packed_ms": 1e3 * statistics.median(times[(T, True)]),
              "mkl_ms": 1e3 * statistics.median(times[(T, False)])} for T in TREE_SIZES]
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, context {C}; ms per step "

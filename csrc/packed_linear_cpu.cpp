@@ -1,4 +1,4 @@
-// Small-M fp32 linear layers on the CPU: y = x W^T + b for x [M, K] with M = tree nodes x batch (1..~32).
+// Small-M fp32 linear layers on the CPU: y = x W^T + b for x [M, K] with M = tree nodes x batch (1..64).
 //
 // Decoding and tree verification on a CPU are bound by streaming the weights from DRAM (every weight
 // is used M times per step). MKL's sgemm reaches only ~40-100 GFLOP/s at M = 2..16 on a 2-core

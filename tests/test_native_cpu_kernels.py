@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hydra_kernels as hk
-from hydra_kernels.model.packed_linear import MAX_PACKED_ROWS, Linear
+from hydra_kernels.model.packed_linear import MAX_PACKED_ROWS, Linear, packed_kernel_off
 from hydra_kernels.ops import reference
 from helpers import RTOL, assert_close_rel, random_parents, tree_from_parents
 
@@ -119,4 +119,20 @@ def test_linear_module_uses_packed_weights_only_for_small_m_inference():
     with torch.enable_grad():  # autograd: F.linear
         lin(x).sum().backward()
     assert lin.weight.grad is not None
+
+
+def test_packed_kernel_off_switches_to_f_linear_and_back():
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(Linear(48, 70), Linear(70, 33, bias=False))
+    for m in net:
+        m.pack_cpu()
+    saved = [m._packed for m in net]
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="inside"):
+            with packed_kernel_off(net):
+                assert all(m._packed is None for m in net)
+                assert torch.equal(net[0](x), torch.nn.functional.linear(x, net[0].weight, net[0].bias))
+                raise ValueError("inside")  # restored even when the block fails
+    assert all(m._packed is p for m, p in zip(net, saved))
 

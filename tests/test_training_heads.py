@@ -6,7 +6,7 @@ import torch
 import hydra_kernels as hk
 from hydra_kernels.training import HiddenStates, compute_hidden_states, train_drafter
 from hydra_kernels.training.evaluate import UNRANKED, head_ranks, topk_accuracy
-from hydra_kernels.training.tree_search import grow_tree, path_frequencies
+from hydra_kernels.training.tree_search import grow_tree, path_frequencies, time_tree_sizes
 from test_llama_vs_transformers import make_hf
 
 
@@ -114,3 +114,20 @@ def test_tree_search_greedy_growth():
     sim = sum(1 + next((d for d in range(3, 0, -1) if tuple(row[:d]) in set(full.choices)), 0)
               for row in ranks.tolist()) / len(ranks)
     assert exp_full[-1] == pytest.approx(sim)
+
+
+def test_time_tree_sizes_rows(tiny):
+    """Interleaved timing of real decoding per tree size: one row per size, in the given order; size 1
+    is plain decoding (1 token per step), a tree's measured tokens/step is within [1, depth + 1]."""
+    model, seqs, data = tiny
+    torch.manual_seed(2)
+    d = hk.new_drafter(model, "hydra", num_heads=2)
+    ranks = head_ranks(model, d, seqs, [0, 5, 0], max_rank=4, data=data)
+    sizes = [1, 3, 5]
+    rows = time_tree_sizes(model, d, ranks, sizes, [s[:6] for s in seqs], max_new_tokens=12, max_rank=4,
+                           progress=False)
+    assert [r["size"] for r in rows] == sizes
+    assert rows[0]["tokens_per_step"] == 1.0 and rows[0]["expected_tokens_per_step"] == 1.0
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and 1.0 <= r["tokens_per_step"] <= 3.0
+        assert r["expected_tokens_per_step"] >= 1.0

@@ -72,7 +72,7 @@ class Llama(nn.Module):
 
     def use_packed_cpu_weights(self) -> bool:
         """CPU speed choice: keep every projection weight (and the LM head) a second time packed for
-        the native small-M kernel (model/packed_linear.py), used by decode and verify steps (M <= 32
+        the native small-M kernel (model/packed_linear.py), used by decode and verify steps (M <= 64
         rows); prefill keeps MKL. Costs one more copy of the weights in memory. Returns False (and
         changes nothing) where the extension or its AVX-512 path is missing."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not packed_linear_available():
@@ -85,7 +85,7 @@ class Llama(nn.Module):
     def greedy_tokens(self, h: torch.Tensor, backend: str = "auto") -> torch.Tensor:
         """argmax of the LM head for final hidden states h [..., H] -> token ids [...] (first maximum on
         ties). Plain decoding and tree verification both pick tokens here, through one code path.
-        backend "auto"/"native" on a packed CPU model: the native packed kernel (logits of <= 32 rows, a
+        backend "auto"/"native" on a packed CPU model: the native packed kernel (logits of <= 64 rows, a
         few MB); otherwise ops.lm_head_topk with k = 1 (the fused kernel on "triton": no logits)."""
         packed = self.output._packed is not None and backend in ("auto", "native")
         if self.output.bias is not None or packed:

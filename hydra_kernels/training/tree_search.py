@@ -47,22 +47,34 @@ def grow_tree(ranks: torch.Tensor, num_nodes: int, max_rank: int = 10, max_depth
 
 def time_tree_sizes(model, drafter, ranks: torch.Tensor, sizes: list[int], prompts: list[list[int]],
                     max_new_tokens: int = 96, max_rank: int = 10, progress: bool = True) -> list[dict]:
-    """Real greedy decoding of `prompts` (one at a time) with the grown tree of each size (1: plain
-    decoding). -> rows {size, tokens_per_s, tokens_per_step, expected_tokens_per_step}."""
+    """Real greedy decoding of `prompts` (batch 1) with the grown tree of each size (1: plain decoding).
+    Interleaved: each prompt is decoded with every size back to back, the order rotated from prompt to
+    prompt, so a drift in the machine's speed (large on shared VMs) hits every size alike rather than
+    the sizes that happened to run during it. -> rows {size, tokens_per_s, tokens_per_step,
+    expected_tokens_per_step}, tokens_per_s = all tokens / all time at that size."""
     from ..generate import generate
 
-    rows = []
-    for size in tqdm(sizes, desc="timing tree sizes", disable=not progress):
-        tree, expected = grow_tree(ranks, size, max_rank, drafter.num_heads) if size > 1 else (None, [1.0])
-        generate(model, [prompts[0]], drafter=drafter if tree else None, tree=tree, max_new_tokens=8)  # warm-up
-        n_tok, n_acc, n_steps, secs = 0, 0, 0, 0.0
-        for p in prompts:
+    trees = {s: grow_tree(ranks, s, max_rank, drafter.num_heads) if s > 1 else (None, [1.0]) for s in sizes}
+    tot = {s: {"tok": 0, "acc": 0, "steps": 0, "secs": 0.0} for s in sizes}
+
+    def run(size, prompt, n):
+        tree = trees[size][0]
+        return generate(model, [prompt], drafter=drafter if tree else None, tree=tree, max_new_tokens=n)
+
+    for s in sizes:
+        run(s, prompts[0], 8)  # warm-up (first-call dispatch, buffers)
+    bar = tqdm(total=len(sizes) * len(prompts), desc="timing tree sizes", disable=not progress)
+    for i, p in enumerate(prompts):
+        for s in sizes[i % len(sizes):] + sizes[: i % len(sizes)]:
             t0 = time.perf_counter()
-            out = generate(model, [p], drafter=drafter if tree else None, tree=tree, max_new_tokens=max_new_tokens)
-            secs += time.perf_counter() - t0
-            n_tok += len(out.sequences[0])
-            n_acc += sum(out.accept_lengths[0]) if tree else len(out.sequences[0]) - 1
-            n_steps += len(out.accept_lengths[0]) if tree else len(out.sequences[0]) - 1
-        rows.append({"size": size, "tokens_per_s": n_tok / secs, "tokens_per_step": n_acc / max(1, n_steps),
-                     "expected_tokens_per_step": expected[-1]})
-    return rows
+            out = run(s, p, max_new_tokens)
+            t = tot[s]
+            t["secs"] += time.perf_counter() - t0
+            t["tok"] += len(out.sequences[0])
+            t["acc"] += sum(out.accept_lengths[0]) if s > 1 else len(out.sequences[0]) - 1
+            t["steps"] += len(out.accept_lengths[0]) if s > 1 else len(out.sequences[0]) - 1
+            bar.update()
+    bar.close()
+    return [{"size": s, "tokens_per_s": tot[s]["tok"] / tot[s]["secs"],
+             "tokens_per_step": tot[s]["acc"] / max(1, tot[s]["steps"]),
+             "expected_tokens_per_step": trees[s][1][-1]} for s in sizes]
