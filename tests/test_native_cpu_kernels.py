@@ -2,6 +2,9 @@
 dtypes ATen's flash kernel behind our key mask) and the packed small-M linear, against the reference
 definitions on fresh random inputs with awkward shapes, poisoned outputs where the op writes into a
 buffer."""
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -136,3 +139,15 @@ def test_packed_kernel_off_switches_to_f_linear_and_back():
                 raise ValueError("inside")  # restored even when the block fails
     assert all(m._packed is p for m, p in zip(net, saved))
 
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads /proc/cpuinfo flags")
+def test_cpu_feature_check_matches_the_machine():
+    """csrc/cpu_features.h decides whether the AVX-512 paths of both CPU kernels run: it must agree with
+    the flags the kernel reports for this machine (else a kernel would fault or silently run slow)."""
+    flags = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    assert bool(torch.ops.hydra_kernels.packed_linear_is_fast()) == ("avx512f" in flags)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # Above this many rows MKL's blocked sgemm is as fast (the weights are reused enough to be compute-bound).
-# Measured 2026-11-23 on the 2-core dev CPU, 30 layers of 576 -> 1536, ms packed vs MKL input-major:
+# Measured 2026-11-23 on the 2-core dev CPU (throwaway script, both paths interleaved, min of 5, under load:
+# ratios only), 30 layers of 576 -> 1536, ms packed vs MKL input-major:
 # M = 8 10.7 vs 24.4, 32 30.1 vs 42.6, 48 35.7 vs 66.3, 64 59.3 vs 77.2, 96 90.3 vs 88.8. 64 rows covers
 # batch 8-10 with a 6-node tree (and keeps its rows bit-identical to single-token steps).
 MAX_PACKED_ROWS = 64

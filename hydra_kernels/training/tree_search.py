@@ -71,8 +71,9 @@ def time_tree_sizes(model, drafter, ranks: torch.Tensor, sizes: list[int], promp
             t = tot[s]
             t["secs"] += time.perf_counter() - t0
             t["tok"] += len(out.sequences[0])
-            t["acc"] += sum(out.accept_lengths[0]) if s > 1 else len(out.sequences[0]) - 1
-            t["steps"] += len(out.accept_lengths[0]) if s > 1 else len(out.sequences[0]) - 1
+            accepted = out.accept_lengths[0] if s > 1 else [1] * (len(out.sequences[0]) - 1)  # plain: 1 per step
+            t["acc"] += sum(accepted)
+            t["steps"] += len(accepted)
             bar.update()
     bar.close()
     return [{"size": s, "tokens_per_s": tot[s]["tok"] / tot[s]["secs"],
