@@ -9,6 +9,9 @@
 3. MT-Bench's 80 first turns, greedy, --new-tokens: plain decoding and every kind (its own searched tree
    of the chosen size), in batches: tokens per step, and each output compared with plain decoding
    token for token (lossless on all 80); per-head top-1/5/10 accuracy on the plain answers (plot).
+   Larger trees (--replay-sizes, the sizes a GPU affords) are not decoded here: their tokens/step on
+   the same 80 answers is replayed from the heads' ranks (tree_search.replay_accept_lengths, equal to
+   real decoding step by step; the kept size is both measured and replayed, as a check) (plot).
 4. Tokens/s, batch 1, on a fixed subset of the 80 (every 8th question: all 8 categories), in one run,
    interleaved (each prompt through every decoder back to back, order rotated per prompt): plain (packed
    kernel and MKL), each kind, and transformers' generate as the outside baseline.
@@ -36,8 +39,8 @@ from hydra_kernels.generate import generate  # noqa: E402
 from hydra_kernels.model.packed_linear import packed_kernel_off  # noqa: E402
 from hydra_kernels.training import mtbench_questions, sharegpt_records  # noqa: E402
 from hydra_kernels.training.data import conversation_messages, is_heldout  # noqa: E402
-from hydra_kernels.training.evaluate import head_ranks, topk_accuracy  # noqa: E402
-from hydra_kernels.training.tree_search import grow_tree, time_tree_sizes  # noqa: E402
+from hydra_kernels.training.evaluate import head_ranks, split_ranks, topk_accuracy  # noqa: E402
+from hydra_kernels.training.tree_search import grow_tree, replay_accept_lengths, time_tree_sizes  # noqa: E402
 from report import write_results  # noqa: E402
 
 KINDS = ["medusa", "hydra", "hydra++"]
@@ -80,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--questions", type=int, default=80, help="MT-Bench first turns used (fewer: a smoke run)")
     ap.add_argument("--subset-every", type=int, default=8, help="tokens/s on every n-th question")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--replay-sizes", nargs="+", type=int, default=[2, 8, 16, 32, 64, 128],
+                    help="tree sizes whose MT-Bench tokens/step is replayed from head ranks (no decoding)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     out = Path(args.out)
@@ -137,15 +142,25 @@ def main(argv=None):
     n = args.new_tokens
     plain, _ = batched(model, prompts, args.batch, max_new_tokens=n)
     (out / "mtbench_plain.json").write_text(json.dumps(plain))
-    summary, acc_rows = {}, []
+    summary, acc_rows, replay_rows = {}, [], []
     for k, d in drafters.items():
         seqs_k, acc = batched(model, prompts, args.batch, drafter=d, tree=trees[k], max_new_tokens=n)
         same = sum(a == b for a, b in zip(seqs_k, plain))
         steps = sum(len(a) for a in acc)
         summary[k] = {"tokens_per_step": sum(map(sum, acc)) / max(1, steps), "lossless": f"{same}/{len(plain)}"}
-        r = head_ranks(model, d, [p + a for p, a in zip(prompts, plain)], [len(p) - 1 for p in prompts])
+        full, starts = [p + a for p, a in zip(prompts, plain)], [len(p) - 1 for p in prompts]
+        r = head_ranks(model, d, full, starts)
         for row in topk_accuracy(r):
             acc_rows.append({"kind": k, **row})
+        # replay: tokens/step of larger trees (grown on held-out text, as the real ones) on the same 80
+        # answers, from these ranks; the real tree's replay must match its measured run (printed)
+        blocks = split_ranks(r, full, starts)
+        for s in sorted({size, *args.replay_sizes}):
+            tree_s = trees[k] if s == size else grow_tree(ranks[k], s, max_depth=d.num_heads)[0]
+            acc_s = [replay_accept_lengths(b, len(a), tree_s) for b, a in zip(blocks, plain)]
+            replay_rows.append({"kind": k, "size": s, "tokens_per_step": sum(map(sum, acc_s)) / sum(map(len, acc_s)),
+                                "measured": summary[k]["tokens_per_step"] if s == size else ""})
+        summary[k]["replayed"] = next(x["tokens_per_step"] for x in replay_rows if x["kind"] == k and x["size"] == size)
         print(k, summary[k])
 
     def plot_acc(ax):
@@ -159,6 +174,20 @@ def main(argv=None):
         ax.legend(fontsize=6)
 
     write_results(acc_rows, out, "head_accuracy", plot_acc)
+
+    def plot_replay(ax):
+        for k in drafters:
+            rr = [r for r in replay_rows if r["kind"] == k]
+            ax.plot([r["size"] for r in rr], [r["tokens_per_step"] for r in rr], "o-", label=k)
+        ax.axvline(size, color="gray", ls=":", label=f"CPU tree ({size} nodes)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree size (nodes, root included; grown on held-out text)")
+        ax.set_ylabel("tokens/step (replayed from head ranks)")
+        ax.set_title(f"tokens/step vs tree size, {len(prompts)} MT-Bench first turns, greedy, {n} new tokens",
+                     fontsize=8)
+        ax.legend(fontsize=7)
+
+    write_results(replay_rows, out, "mtbench_tree_sizes", plot_replay)
 
     # 4. tokens/s at batch 1 on the subset. Interleaved: each prompt is decoded by every decoder back to
     # back, the order rotated from prompt to prompt, so a drift in the machine's speed (this shared 2-core
@@ -218,6 +247,14 @@ def main(argv=None):
     for r in results:
         lines.append(f"| {r['decoding']} | {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_plain']:.2f}x | {r['median_ratio_vs_plain']:.2f}x | {r['lossless_80']} |")
+    sizes = sorted({r["size"] for r in replay_rows})
+    lines += ["", f"Tokens/step on the same {len(prompts)} answers by tree size (trees grown on held-out ShareGPT text), "
+              f"replayed from head ranks; the {size}-node tree above measured / replayed:", "",
+              "| kind | " + " | ".join(f"{s} nodes" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for k in drafters:
+        by = {r["size"]: r["tokens_per_step"] for r in replay_rows if r["kind"] == k}
+        lines.append(f"| {k} | " + " | ".join(f"{summary[k]['tokens_per_step']:.2f} / {by[s]:.2f}" if s == size
+                                              else f"{by[s]:.2f}" for s in sizes) + " |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

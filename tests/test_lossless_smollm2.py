@@ -1,6 +1,6 @@
 """Lossless: greedy speculative decoding emits exactly the plain greedy tokens, with the real SmolLM2
-(fp32), on 10 MT-Bench first-turn prompts x 128 new tokens, for every drafter kind, untrained and
-briefly trained.
+(fp32), on 10 MT-Bench first-turn prompts x 128 new tokens, for every drafter kind briefly
+trained, untrained Hydra++ heads, and the shipped heads.
 
 The "briefly trained" heads are fitted on the plain greedy continuations of these same prompts, on
 purpose: this is a correctness test, and heads that know the answer accept long paths (checked
@@ -53,7 +53,10 @@ def first_diff(a, b):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# Untrained heads: almost every draft is rejected. One kind is enough here (the trained tests below
+# run every kind through the same code, with rejections at most steps too); hydra++ has the most state
+# (its prefix layer's KV buffer). CI time: each real-model run costs ~25 s.
+@pytest.mark.parametrize("kind", ["hydra++"])
 def test_untrained_drafter_is_lossless(smollm2, prompts, plain, kind):
     model, _ = smollm2
     torch.manual_seed(1)

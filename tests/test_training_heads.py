@@ -5,8 +5,10 @@ import torch
 
 import hydra_kernels as hk
 from hydra_kernels.training import HiddenStates, compute_hidden_states, train_drafter
-from hydra_kernels.training.evaluate import UNRANKED, head_ranks, topk_accuracy
-from hydra_kernels.training.tree_search import grow_tree, path_frequencies, time_tree_sizes
+from hydra_kernels.generate import generate
+from hydra_kernels.training.evaluate import UNRANKED, head_ranks, split_ranks, topk_accuracy
+from hydra_kernels.training.tree_search import grow_tree, path_frequencies, replay_accept_lengths, time_tree_sizes
+from hydra_kernels.tree import Tree
 from test_llama_vs_transformers import make_hf
 
 
@@ -131,3 +133,27 @@ def test_time_tree_sizes_rows(tiny):
     for r in rows:
         assert r["tokens_per_s"] > 0 and 1.0 <= r["tokens_per_step"] <= 3.0
         assert r["expected_tokens_per_step"] >= 1.0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
+def test_replay_equals_real_speculative_decoding(tiny, kind):
+    """Tokens per step replayed from head ranks on plain greedy answers (how eval_heads reports larger
+    trees) equal real speculative decoding's accept lengths, step by step."""
+    model, seqs, _ = tiny
+    prompts = [s[:5] for s in seqs] + [seqs[0][7:9]]
+    n = 24
+    plain = generate(model, prompts, max_new_tokens=n).sequences
+    full = [p + a for p, a in zip(prompts, plain)]
+    data = compute_hidden_states(model, full, progress=False, dtype=torch.float32)
+    torch.manual_seed(4)
+    d = hk.new_drafter(model, kind, num_heads=3)
+    train_drafter(model, d, data, steps=40, lr=1e-2, positions_per_step=32, progress=False)  # some acceptance
+    starts = [len(p) - 1 for p in prompts]
+    blocks = split_ranks(head_ranks(model, d, full, starts, max_rank=4, data=data), full, starts)
+    assert [len(b) for b in blocks] == [len(a) - 1 for a in plain]
+    tree = Tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)])
+    out = generate(model, prompts, drafter=d, tree=tree, max_new_tokens=n)
+    assert out.sequences == plain
+    replay = [replay_accept_lengths(b, len(a), tree) for b, a in zip(blocks, plain)]
+    assert replay == out.accept_lengths
+    assert any(k > 2 for acc in replay for k in acc)  # depth >= 2 accepted somewhere: the test has teeth

@@ -49,6 +49,11 @@ def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], ma
     return torch.cat(out)
 
 
+def split_ranks(ranks: torch.Tensor, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    """head_ranks' rows, one block per sequence again (sequence i: positions starts[i] .. len - 3)."""
+    return list(torch.split(ranks, [max(0, len(s) - 2 - max(0, s0)) for s, s0 in zip(sequences, starts)]))
+
+
 def topk_accuracy(ranks: torch.Tensor, ks=(1, 5, 10)) -> list[dict]:
     """Per head: fraction of positions where the true token is in its top-k (positions it can see)."""
     rows = []

@@ -45,6 +45,32 @@ def grow_tree(ranks: torch.Tensor, num_nodes: int, max_rank: int = 10, max_depth
     return Tree(order), expected
 
 
+def replay_accept_lengths(ranks: torch.Tensor, new_tokens: int, tree: Tree) -> list[int]:
+    """Greedy speculative decoding of one answer replayed from its head ranks, without running it:
+    the tokens each step emits. ranks [new_tokens - 1, heads]: split_ranks' block for the answer
+    (row i: position start + i, where `start` is the prompt's last token). The prefill emits the
+    first token (the root); a step at position p accepts the deepest tree node whose rank path is a
+    prefix of ranks[p], emits it plus the next root (1 + its depth tokens), and the next step starts
+    at p + that. Because greedy decoding is lossless, the answer is the same as plain decoding's, so
+    this equals the real run's accept lengths (up to rank ties the float rounding of a different
+    forward could break the other way)."""
+    nodes = set(tree.choices)
+    rows = ranks.tolist()
+    out, made, p = [], 1, 0
+    while made < new_tokens:
+        emitted, path = 1, ()
+        for r in rows[p] if p < len(rows) else ():
+            path += (r,)
+            if path not in nodes:  # also stops at -1 (past the end) and UNRANKED
+                break
+            emitted += 1
+        emitted = min(emitted, new_tokens - made)
+        out.append(emitted)
+        made += emitted
+        p += emitted
+    return out
+
+
 def time_tree_sizes(model, drafter, ranks: torch.Tensor, sizes: list[int], prompts: list[list[int]],
                     max_new_tokens: int = 96, max_rank: int = 10, progress: bool = True) -> list[dict]:
     """Real greedy decoding of `prompts` (batch 1) with the grown tree of each size (1: plain decoding).
