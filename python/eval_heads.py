@@ -158,9 +158,11 @@ def main(argv=None):
         for s in sorted({size, *args.replay_sizes}):
             tree_s = trees[k] if s == size else grow_tree(ranks[k], s, max_depth=d.num_heads)[0]
             acc_s = [replay_accept_lengths(b, len(a), tree_s) for b, a in zip(blocks, plain)]
-            replay_rows.append({"kind": k, "size": s, "tokens_per_step": sum(map(sum, acc_s)) / sum(map(len, acc_s)),
+            tps = sum(map(sum, acc_s)) / sum(map(len, acc_s))
+            replay_rows.append({"kind": k, "size": s, "tokens_per_step": tps,
                                 "measured": summary[k]["tokens_per_step"] if s == size else ""})
-        summary[k]["replayed"] = next(x["tokens_per_step"] for x in replay_rows if x["kind"] == k and x["size"] == size)
+            if s == size:
+                summary[k]["replayed"] = tps
         print(k, summary[k])
 
     def plot_acc(ax):

@@ -1,5 +1,5 @@
 """Lossless: greedy speculative decoding emits exactly the plain greedy tokens, with the real SmolLM2
-(fp32), on 10 MT-Bench first-turn prompts x 128 new tokens, for every drafter kind briefly
+(fp32), on 10 MT-Bench first-turn prompts x 128 new tokens (64 for untrained heads), for every drafter kind briefly
 trained, untrained Hydra++ heads, and the shipped heads.
 
 The "briefly trained" heads are fitted on the plain greedy continuations of these same prompts, on
@@ -41,8 +41,8 @@ def trained(smollm2, prompts, plain):
     model, _ = smollm2
     # a 4096-token draft vocabulary holding every token of these sequences (as the shipped heads rank
     # a 16k one): 12x less LM-head work per training step than the whole 49k vocabulary (CI time)
-    seen = sorted({t for p, s in zip(prompts, plain) for t in p + s})
-    vocab = seen + [t for t in range(model.config.vocab_size) if t not in set(seen)][: 4096 - len(seen)]
+    seen = {t for p, s in zip(prompts, plain) for t in p + s}
+    vocab = sorted(seen) + [t for t in range(model.config.vocab_size) if t not in seen][: 4096 - len(seen)]
     out = {}
     for kind in KINDS:
         torch.manual_seed(0)
@@ -65,9 +65,10 @@ def test_untrained_drafter_is_lossless(smollm2, prompts, plain, kind):
     model, _ = smollm2
     torch.manual_seed(1)
     d = hk.new_drafter(model, kind=kind, num_heads=4, num_layers=1)
-    out = generate(model, prompts, drafter=d, tree=TINY_TREE, max_new_tokens=N_NEW)  # ragged batch of 10
+    n = N_NEW // 2  # ~1 token per step here: half the budget already gives 64 rejecting steps (CI time)
+    out = generate(model, prompts, drafter=d, tree=TINY_TREE, max_new_tokens=n)  # ragged batch of 10
     for b, (got, ref) in enumerate(zip(out.sequences, plain)):
-        assert got == ref, f"prompt {b}: first difference at token {first_diff(got, ref)}"
+        assert got == ref[:n], f"prompt {b}: first difference at token {first_diff(got, ref)}"
     assert out.mean_accepted_tokens >= 1.0
 
 
@@ -95,18 +96,14 @@ def test_ragged_batch_of_three_with_default_tree(smollm2, prompts, plain, traine
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_triton_backend_equals_reference_on_smollm2(smollm2, prompts, plain, trained):
     """backend="triton": tree attention, greedy verify and commit_kv all as Triton kernels (under the
-    interpreter on the CPU tier), token for token the plain greedy output; a ragged batch of 2."""
+    interpreter on the CPU tier), token for token the plain greedy output; a ragged batch of 2.
+    The trained Hydra heads' 4096-token draft vocabulary keeps their LM head small enough for the
+    interpreter; 12 tokens (~5 steps x 30 layers of interpreted kernels, ~80 s) keep CI time down."""
     model, _ = smollm2
-    n = 24
+    n = 12
     idx = [1, 4]
-    # the trained Hydra heads restricted to a 4096-token draft vocabulary (every token of the expected
-    # outputs included): the drafting LM head then stays small enough for the interpreter
-    src = trained["hydra"]
-    need = sorted({t for i in idx for t in plain[i][:n + 1]})
-    rest = [t for t in range(model.config.vocab_size) if t not in set(need)][: 4096 - len(need)]
-    d = hk.new_drafter(model, "hydra", num_heads=src.num_heads, num_layers=1, draft_vocab=need + rest)
-    d.heads.load_state_dict(src.heads.state_dict())
-    out = generate(model, [prompts[i] for i in idx], drafter=d, tree=SMALL_TREE, max_new_tokens=n, backend="triton")
+    out = generate(model, [prompts[i] for i in idx], drafter=trained["hydra"], tree=SMALL_TREE, max_new_tokens=n,
+                   backend="triton")
     for b, i in enumerate(idx):
         assert out.sequences[b] == plain[i][:n], f"prompt {i}: first difference at {first_diff(out.sequences[b], plain[i])}"
     assert out.mean_accepted_tokens > 1.5
