@@ -9,7 +9,8 @@ each batch is padding, resumable:
 
 Writes <cache>/training/self-<n>-<tokens>.json: {"prompt_lengths": [...], "sequences": [...]} (chat
 prompt + answer token ids, in ShareGPT order); python/train_heads.py --self-data FILE trains on the
-answers (with or instead of ShareGPT).
+answers (with or instead of ShareGPT). A larger run reuses a finished smaller run's answers (the
+first prompts are the same), e.g. --prompts 4096 after --prompts 2048 generates 2048 new answers.
 """
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def training_prompts(tok, n: int, max_prompt_tokens: int) -> list[list[int]]:
     return prompts
 
 
+def smaller_runs_answers(folder, prompts, new_tokens: int, skip) -> dict[int, list[int]]:
+    """Answers a finished smaller run already holds: training_prompts(n) starts with training_prompts(m)
+    for m < n, so self-<m>-<tokens>.json answers our first m prompts (each checked to start with its
+    prompt). Growing 2048 -> 4096 answers then costs the 2048 new ones only."""
+    found = {}
+    for f in sorted(folder.glob(f"self-*-{new_tokens}.json")):
+        seqs = json.loads(f.read_text())["sequences"]
+        for i, s in enumerate(seqs[: len(prompts)]):
+            if i not in skip and s[: len(prompts[i])] == prompts[i]:
+                found[i] = s
+    return found
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=2048)
@@ -59,6 +73,7 @@ def main(argv=None):
     part = out.with_suffix(".partial.json")  # {prompt index: sequence}, rewritten after every batch
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {int(k): v for k, v in json.loads(part.read_text()).items()} if part.exists() else {}
+    done.update(smaller_runs_answers(out.parent, prompts, args.new_tokens, skip=done))
     order = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     batches = [order[i:i + args.batch] for i in range(0, len(order), args.batch)]
     bar = tqdm(batches, desc="self-generated answers", unit="batch")

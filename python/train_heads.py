@@ -14,7 +14,8 @@ The shipped heads (hydra + medusa; 2026-11-22, this 2-core CPU, ~41 min for all 
     .venv/bin/python python/ship_heads.py --src runs/ship --package hydra medusa
 
 Writes runs/heads/<kind>/ (drafter dirs), runs/heads/training_loss.{csv,png}; base hidden states and
-training checkpoints are kept under the cache dir, so an interrupted run resumes.
+training checkpoints are kept under the cache dir, so an interrupted run resumes (checkpoints are named
+by the run's fingerprint: new data or other settings start afresh instead of resuming another run).
 """
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def main(argv=None):
         hist = train_drafter(model, drafter, data, steps=steps, lr=args.lr, positions_per_step=args.positions,
                              warmup=max(1, steps // 20), distill_weight=args.distill_weight, seed=args.seed,
                              seqs_per_step=args.seqs_per_step, amp_dtype=torch.bfloat16 if args.bf16 else None,
-                             checkpoint=work / f"ckpt-{kind}-{args.seed}-{steps}.pt", checkpoint_every=50)
+                             checkpoint_dir=work, checkpoint_every=50)  # named by the run's fingerprint
         print(f"{kind}: {steps} steps in {time.perf_counter() - t0:.0f} s, final loss {hist['loss'][-1]:.3f}")
         drafter.save(out / kind)
         for s, (loss, heads) in enumerate(zip(hist["loss"], hist["head_loss"])):

@@ -57,6 +57,15 @@ def test_hidden_states_cache_resumes_and_matches(smollm2, tmp_path):
     with torch.no_grad():
         ref = model.hidden_states(torch.tensor([seqs[1]]))[0]
     assert torch.allclose(a.hidden[5:8], ref, atol=1e-5)
+    # grown data (old sequences first): the full old shard is read back, not recomputed
+    shard01 = next(f for f in tmp_path.glob("hidden-*/shard-*.pt") if torch.load(f).shape[0] == 8)
+    torch.save(torch.load(shard01) + 1.0, shard01)  # a marker: only a reuse returns it
+    c = compute_hidden_states(model, seqs[:2] + [[6, 6]], cache_dir=tmp_path, shard_size=2, progress=False,
+                              dtype=torch.float32)
+    assert len(list(tmp_path.glob("hidden-*/shard-*.pt"))) == 3
+    assert torch.equal(c.hidden[:8], a.hidden[:8] + 1.0)
+    with torch.no_grad():
+        assert torch.allclose(c.hidden[8:], model.hidden_states(torch.tensor([[6, 6]]))[0], atol=1e-5)
 
 
 def test_draft_vocabulary_frequency_order_and_forced_ids():

@@ -61,6 +61,46 @@ def test_checkpoint_resume_equals_one_run(tiny, tmp_path):
         assert torch.allclose(x, y, atol=1e-6), k
 
 
+def test_checkpoint_of_another_run_is_never_resumed(tiny, tmp_path):
+    """A checkpoint carries its run's fingerprint: resuming it with other data or settings would hand
+    back heads trained on something else, so that is refused before any step; checkpoint_dir names
+    the file by the fingerprint, so a new run starts afresh beside the old one and a rerun resumes."""
+    model, _, data = tiny
+    ck = tmp_path / "ck.pt"
+    torch.manual_seed(0)
+    train_drafter(model, hk.new_drafter(model, "hydra", num_heads=2), data, steps=4, positions_per_step=16,
+                  progress=False, checkpoint=ck)
+    other_data = data.train_from([5, 0, 0])  # same tokens, other trained positions
+    before = ck.read_bytes()
+    for kw in ({"lr": 5e-3}, {"seqs_per_step": 3}):
+        with pytest.raises(ValueError, match="different training run"):
+            train_drafter(model, hk.new_drafter(model, "hydra", num_heads=2), data, steps=4, positions_per_step=16,
+                          progress=False, checkpoint=ck, **kw)
+    with pytest.raises(ValueError, match="different training run"):
+        train_drafter(model, hk.new_drafter(model, "hydra", num_heads=2), other_data, steps=4, positions_per_step=16,
+                      progress=False, checkpoint=ck)
+    with pytest.raises(ValueError, match="different training run"):  # other draft vocabulary, same shapes
+        dv = torch.arange(1, model.config.vocab_size, 1)[: model.config.vocab_size - 1]
+        d = hk.new_drafter(model, "hydra", num_heads=2, draft_vocab=dv)
+        ck_dv = tmp_path / "dv.pt"
+        train_drafter(model, d, data, steps=4, positions_per_step=16, progress=False, checkpoint=ck_dv)
+        d2 = hk.new_drafter(model, "hydra", num_heads=2, draft_vocab=dv.flip(0))
+        train_drafter(model, d2, data, steps=4, positions_per_step=16, progress=False, checkpoint=ck_dv)
+    assert ck.read_bytes() == before
+
+    runs = tmp_path / "runs"
+    heads = {}
+    for name, d_in in (("a", data), ("b", other_data), ("a again", data)):
+        torch.manual_seed(0 if name != "a again" else 1)  # a resumed run must not depend on its initial weights
+        d = hk.new_drafter(model, "hydra", num_heads=2)
+        hist = train_drafter(model, d, d_in, steps=4, positions_per_step=16, progress=False, checkpoint_dir=runs)
+        assert len(hist["loss"]) == 4
+        heads[name] = d.state_dict()
+    assert len(list(runs.glob("ckpt-hydra-*.pt"))) == 2
+    assert all(torch.equal(heads["a"][k], heads["a again"][k]) for k in heads["a"])  # resumed the finished run
+    assert not all(torch.equal(heads["a"][k], heads["b"][k]) for k in heads["a"])
+
+
 def _train_and_interrupt(model, drafter, data, ckpt, stop_after):
     calls = {"n": 0}
     orig = torch.optim.AdamW.step

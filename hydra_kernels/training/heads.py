@@ -10,6 +10,8 @@ distribution there). loss = distill_weight * KL(teacher || head) + (1 - distill_
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .hidden_cache import HiddenStates, compute_hidden_states
+from .hidden_cache import HiddenStates, _model_key, compute_hidden_states
 
 
 def head_inputs(model, drafter, ids: torch.Tensor, h_rows: torch.Tensor, positions: torch.Tensor, head: int):
@@ -78,19 +80,47 @@ class _Batcher:
         return q, lambda p: rows[row_of[p].to(device)]
 
 
+def run_fingerprint(model, drafter, data: HiddenStates, settings: dict) -> str:
+    """16 hex digits naming what a training run depends on: the base model (config, a weight sample), the
+    drafter's kind, parameter shapes and draft vocabulary, the data's token ids and trained positions,
+    and the optimisation settings. Hidden states are not hashed: they follow from ids and model."""
+    h = hashlib.sha256()
+    h.update(_model_key(model, model.dtype).encode())
+    h.update(json.dumps({"kind": drafter.kind, **{k: str(v) for k, v in settings.items()},
+                         "shapes": [[k, list(v.shape)] for k, v in drafter.state_dict().items()]}).encode())
+    if drafter.draft_vocab is not None:
+        h.update(drafter.draft_vocab.cpu().numpy().tobytes())
+    for t in (data.ids, data.after, data.trainable):
+        if t is not None:
+            h.update(t.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, positions_per_step: int = 256,
                   seqs_per_step: int = 2, warmup: int = 10, weight_decay: float = 0.0, grad_clip: float = 1.0,
                   distill_weight: float = 1.0, seed: int = 0, checkpoint: str | Path | None = None,
-                  checkpoint_every: int = 100, amp_dtype=None, progress: bool = True) -> dict:
+                  checkpoint_dir: str | Path | None = None, checkpoint_every: int = 100, amp_dtype=None,
+                  progress: bool = True) -> dict:
     """AdamW, linear warmup then cosine decay, gradient clipping. data: HiddenStates
     (compute_hidden_states) or token sequences (their hidden states are computed here).
     checkpoint: a file; written every checkpoint_every steps and at the end, and resumed from if it
-    exists (same drafter shape). amp_dtype: torch.bfloat16 to run the heads under autocast (GPU).
+    exists -- only if the same run wrote it (run_fingerprint: same model, drafter shape, draft
+    vocabulary, data and settings), else a ValueError before any step. checkpoint_dir instead: the file
+    is <dir>/ckpt-<kind>-<fingerprint>.pt, so another run (new data, other settings) starts afresh
+    beside it rather than colliding. amp_dtype: torch.bfloat16 to run the heads under autocast (GPU).
     Returns {"loss": [per step], "head_loss": [per step, per head], "steps": steps}."""
     if not 0.0 <= distill_weight <= 1.0:
         raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
+    if checkpoint is not None and checkpoint_dir is not None:
+        raise ValueError("pass checkpoint (a file) or checkpoint_dir (a folder), not both")
     if not isinstance(data, HiddenStates):
         data = compute_hidden_states(model, data, progress=progress)
+    fingerprint = run_fingerprint(model, drafter, data, dict(
+        steps=steps, lr=lr, positions_per_step=positions_per_step, seqs_per_step=seqs_per_step, warmup=warmup,
+        weight_decay=weight_decay, grad_clip=grad_clip, distill_weight=distill_weight, seed=seed, amp_dtype=amp_dtype))
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        checkpoint = Path(checkpoint_dir) / f"ckpt-{drafter.kind}-{fingerprint}.pt"
     dev, dtype = model.device, model.dtype
     gen = torch.Generator().manual_seed(seed)
     batcher = _Batcher(data, drafter, positions_per_step, seqs_per_step, gen)
@@ -108,6 +138,9 @@ def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, p
     start = 0
     if checkpoint is not None and Path(checkpoint).exists():
         state = torch.load(checkpoint, map_location=dev, weights_only=False)
+        if state.get("fingerprint") != fingerprint:  # resuming it would hand back heads of another run
+            raise ValueError(f"checkpoint {checkpoint} was written by a different training run (other data, drafter, "
+                             f"draft vocabulary or settings): delete it, or pass another checkpoint path or checkpoint_dir")
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
@@ -119,7 +152,7 @@ def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, p
             return
         tmp = Path(str(checkpoint) + ".tmp")
         torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "gen": gen.get_state(), "history": history, "step": step}, tmp)
+                    "gen": gen.get_state(), "history": history, "step": step, "fingerprint": fingerprint}, tmp)
         tmp.replace(checkpoint)
 
     model_grad = [p.requires_grad for p in model.parameters()]

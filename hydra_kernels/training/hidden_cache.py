@@ -61,12 +61,20 @@ def _after(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n - 1, -1, -1) for n in lengths])
 
 
-def _key(model, sequences) -> str:
+def _model_key(model, dtype) -> str:
+    """Which model and storage dtype: the config and a cheap weight sample."""
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_hf_dict(include_extra=False), sort_keys=True, default=str).encode())
-    w = model.output.weight
-    h.update(w.detach().flatten()[:4096].float().numpy().tobytes())  # which weights, cheaply
-    for s in sequences:
+    h.update(model.output.weight.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    h.update(str(dtype).encode())
+    return h.hexdigest()[:16]
+
+
+def _shard_key(chunk: list[list[int]]) -> str:
+    """Which sequences, in order: a shard's file is named by its content, so a data set that grows
+    (e.g. 2048 -> 4096 self-generated answers, the old ones first) reuses every full old shard."""
+    h = hashlib.sha256()
+    for s in chunk:
         h.update(len(s).to_bytes(4, "little"))
         h.update(torch.tensor(s, dtype=torch.int32).numpy().tobytes())
     return h.hexdigest()[:16]
@@ -76,18 +84,19 @@ def _key(model, sequences) -> str:
 def compute_hidden_states(model, sequences: list[list[int]], cache_dir: str | Path | None = None,
                           shard_size: int = 32, dtype=torch.bfloat16, progress: bool = True) -> HiddenStates:
     """One full causal forward per sequence -> HiddenStates (hidden stored as `dtype`).
-    cache_dir: keep finished shards there (keyed by the model and the exact token sequences) and reuse them."""
+    cache_dir: keep finished shards there (a folder per model and dtype; a file per shard, named by its
+    sequences) and reuse them."""
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("need at least one sequence, each of at least 2 tokens")
     root = None
     if cache_dir is not None:
-        root = Path(cache_dir) / f"hidden-{_key(model, sequences)}"
+        root = Path(cache_dir) / f"hidden-{_model_key(model, dtype)}"
         root.mkdir(parents=True, exist_ok=True)
     parts = []
     bar = tqdm(total=sum(map(len, sequences)), desc="base hidden states", unit="tok", disable=not progress)
     for s0 in range(0, len(sequences), shard_size):
         chunk = sequences[s0:s0 + shard_size]
-        shard = root / f"shard-{s0 // shard_size:05d}.pt" if root is not None else None
+        shard = root / f"shard-{_shard_key(chunk)}.pt" if root is not None else None
         if shard is not None and shard.exists():
             parts.append(torch.load(shard, weights_only=True))
         else:
