@@ -16,6 +16,8 @@
    interleaved (each prompt through every decoder back to back, order rotated per prompt): plain (packed
    kernel and MKL), each kind, and transformers' generate as the outside baseline.
 Writes CSVs + plots + results.md (the README table) under --out, and tree_cpu.json into each kind's dir.
+--replay-only stops after 3's replay and accuracy (no decoding runs with heads, no timing): comparing heads
+in minutes.
 """
 from __future__ import annotations
 
@@ -83,6 +85,9 @@ def main(argv=None):
     ap.add_argument("--questions", type=int, default=80, help="MT-Bench first turns used (fewer: a smoke run)")
     ap.add_argument("--subset-every", type=int, default=8, help="tokens/s on every n-th question")
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--replay-only", action="store_true",
+                    help="tokens/step by tree size replayed from head ranks and per-head accuracy only: no "
+                         "speculative decoding runs (so no lossless check) and no timing (a quick comparison of heads)")
     ap.add_argument("--replay-sizes", nargs="+", type=int, default=[2, 8, 16, 32, 64, 128],
                     help="tree sizes whose MT-Bench tokens/step is replayed from head ranks (no decoding)")
     args = ap.parse_args(argv)
@@ -144,10 +149,12 @@ def main(argv=None):
     (out / "mtbench_plain.json").write_text(json.dumps(plain))
     summary, acc_rows, replay_rows = {}, [], []
     for k, d in drafters.items():
-        seqs_k, acc = batched(model, prompts, args.batch, drafter=d, tree=trees[k], max_new_tokens=n)
-        same = sum(a == b for a, b in zip(seqs_k, plain))
-        steps = sum(len(a) for a in acc)
-        summary[k] = {"tokens_per_step": sum(map(sum, acc)) / max(1, steps), "lossless": f"{same}/{len(plain)}"}
+        summary[k] = {}
+        if not args.replay_only:
+            seqs_k, acc = batched(model, prompts, args.batch, drafter=d, tree=trees[k], max_new_tokens=n)
+            same = sum(a == b for a, b in zip(seqs_k, plain))
+            steps = sum(len(a) for a in acc)
+            summary[k] = {"tokens_per_step": sum(map(sum, acc)) / max(1, steps), "lossless": f"{same}/{len(plain)}"}
         full, starts = [p + a for p, a in zip(prompts, plain)], [len(p) - 1 for p in prompts]
         r = head_ranks(model, d, full, starts)
         for row in topk_accuracy(r):
@@ -160,7 +167,7 @@ def main(argv=None):
             acc_s = [replay_accept_lengths(b, len(a), tree_s) for b, a in zip(blocks, plain)]
             tps = sum(map(sum, acc_s)) / sum(map(len, acc_s))
             replay_rows.append({"kind": k, "size": s, "tokens_per_step": tps,
-                                "measured": summary[k]["tokens_per_step"] if s == size else ""})
+                                "measured": summary[k].get("tokens_per_step", "") if s == size else ""})
             if s == size:
                 summary[k]["replayed"] = tps
         print(k, summary[k])
@@ -190,6 +197,23 @@ def main(argv=None):
         ax.legend(fontsize=7)
 
     write_results(replay_rows, out, "mtbench_tree_sizes", plot_replay)
+    sizes = sorted({r["size"] for r in replay_rows})
+
+    def replay_table(measured: bool) -> list[str]:
+        lines = ["| kind | " + " | ".join(f"{s} nodes" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
+        for k in drafters:
+            by = {r["size"]: r["tokens_per_step"] for r in replay_rows if r["kind"] == k}
+            lines.append(f"| {k} | " + " | ".join(f"{summary[k]['tokens_per_step']:.2f} / {by[s]:.2f}"
+                                                  if measured and s == size else f"{by[s]:.2f}" for s in sizes) + " |")
+        return lines
+
+    if args.replay_only:
+        lines = [f"SmolLM2-135M-Instruct fp32; MT-Bench first turns ({len(prompts)}), greedy, {n} new tokens; "
+                 f"tokens/step replayed from head ranks (no speculative decoding run, no timing); trees grown on "
+                 f"held-out ShareGPT text", ""] + replay_table(measured=False)
+        (out / "results.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
 
     # 4. tokens/s at batch 1 on the subset. Interleaved: each prompt is decoded by every decoder back to
     # back, the order rotated from prompt to prompt, so a drift in the machine's speed (this shared 2-core
@@ -249,14 +273,8 @@ def main(argv=None):
     for r in results:
         lines.append(f"| {r['decoding']} | {r['tokens_per_step']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['speedup_vs_plain']:.2f}x | {r['median_ratio_vs_plain']:.2f}x | {r['lossless_80']} |")
-    sizes = sorted({r["size"] for r in replay_rows})
     lines += ["", f"Tokens/step on the same {len(prompts)} answers by tree size (trees grown on held-out ShareGPT text), "
-              f"replayed from head ranks; the {size}-node tree above measured / replayed:", "",
-              "| kind | " + " | ".join(f"{s} nodes" for s in sizes) + " |", "|---|" + "---|" * len(sizes)]
-    for k in drafters:
-        by = {r["size"]: r["tokens_per_step"] for r in replay_rows if r["kind"] == k}
-        lines.append(f"| {k} | " + " | ".join(f"{summary[k]['tokens_per_step']:.2f} / {by[s]:.2f}" if s == size
-                                              else f"{by[s]:.2f}" for s in sizes) + " |")
+              f"replayed from head ranks; the {size}-node tree above measured / replayed:", ""] + replay_table(measured=True)
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -47,6 +47,7 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the heads may propose")
     ap.add_argument("--num-heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=None, help="override every kind's step count")
+    ap.add_argument("--num-layers", type=int, default=None, help="override every kind's ResBlocks per head")
     ap.add_argument("--positions", type=int, default=256, help="teacher positions per step")
     ap.add_argument("--seqs-per-step", type=int, default=4, help="whole sequences through Hydra++'s prefix layer per step")
     ap.add_argument("--bf16", action="store_true", help="run the heads under bf16 autocast (AMX CPUs, GPUs)")
@@ -81,7 +82,7 @@ def main(argv=None):
     rows = []
     for kind in args.kinds:
         layers, steps = KIND_SHAPES[kind]
-        steps = args.steps or steps
+        layers, steps = args.num_layers or layers, args.steps or steps
         torch.manual_seed(args.seed)
         drafter = hk.new_drafter(model, kind, num_heads=args.num_heads, num_layers=layers, draft_vocab=dv)
         t0 = time.perf_counter()

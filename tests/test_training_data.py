@@ -1,5 +1,6 @@
 """Training and evaluation text: the truncated ShareGPT JSON, the role mapping, the stable split,
 rendering with the real chat template; the hidden-state cache and the draft vocabulary."""
+import copy
 import json
 
 import pytest
@@ -66,6 +67,26 @@ def test_hidden_states_cache_resumes_and_matches(smollm2, tmp_path):
     assert torch.equal(c.hidden[:8], a.hidden[:8] + 1.0)
     with torch.no_grad():
         assert torch.allclose(c.hidden[8:], model.hidden_states(torch.tensor([[6, 6]]))[0], atol=1e-5)
+
+
+def test_hidden_states_batched_forwards_match_one_sequence_each(smollm2):
+    """Sequences of mixed lengths, batched (right-padded, longest first) under several token budgets:
+    every sequence's states, in the input order, are as close to an fp64 forward of it alone as the
+    fp32 forward of it alone is (twice that error at most: batching changes GEMM shapes, not accuracy)."""
+    model, _ = smollm2
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (7, 2, 13, 5, 13, 9, 3)]
+    m64 = copy.deepcopy(model).double()
+    with torch.no_grad():
+        alone = torch.cat([model.hidden_states(torch.tensor([s]))[0] for s in seqs])
+        exact = torch.cat([m64.hidden_states(torch.tensor([s]))[0] for s in seqs]).float()
+    del m64
+    bound = 2 * (alone - exact).abs().max().item()
+    for budget in (1, 20, 40, 10_000):  # 1: one sequence per forward; 10_000: the whole chunk at once
+        got = compute_hidden_states(model, seqs, progress=False, dtype=torch.float32, batch_tokens=budget)
+        assert got.hidden.shape == exact.shape
+        err = (got.hidden - exact).abs().max().item()
+        assert err <= bound, f"batch_tokens={budget}: max |batched - fp64| = {err:.2e} > {bound:.2e}"
 
 
 def test_draft_vocabulary_frequency_order_and_forced_ids():
