@@ -3,7 +3,8 @@
 Teacher targets are the base model's next-token distributions; storing those (49k floats a token)
 is out of the question, so we keep its final-normed hidden states (H floats a token, bf16) and
 recompute teacher logits through the LM head when a batch needs them. One causal forward per sequence
-on the CPU, batches of similar length on a GPU; shards of sequences are written as they finish, so an interrupted build resumes.
+on the CPU, batches of similar length on a GPU; shards of sequences are written as they finish, so an
+interrupted build resumes.
 """
 from __future__ import annotations
 
