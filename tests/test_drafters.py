@@ -62,6 +62,30 @@ def test_our_format_round_trip(model, tmp_path, kind, lm_head):
         assert all(101 not in t.shape for t in load_file(str(tmp_path / "model.safetensors")).values())
 
 
+def test_prefix_layer_without_final_norm(model, tmp_path):
+    """prefix_final_norm=False: a fresh layer is exactly the identity on h (full and cached), a trained
+    one (random weights) gives the same output cached in two chunks as over the whole sequence, and the
+    setting survives save/load (no norm weight stored)."""
+    d = hk.new_drafter(model, kind="hydra++", num_heads=2, prefix_final_norm=False)
+    x = torch.randn(2, 9, 72, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(d.prefix.forward_full(x), x)
+    assert torch.equal(d.prefix(x, d.start(model, 2, 16)), x)
+    randomise(d, 7)
+    full = d.prefix.forward_full(x)
+    assert (full - x).abs().max() > 0.1  # the layer now changes h
+    cache = d.start(model, 2, 16)
+    a = d.prefix(x[:, :4], cache)
+    cache.advance(4)
+    assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache)], 1), full, 1e-5, "prefix layer without norm, cached")
+    rows = torch.tensor([[0, 8, 3], [5, 5, 0]])  # any positions, repeats included
+    assert_close_rel(d.prefix.forward_at(x, rows), full[torch.arange(2)[:, None], rows], 1e-5, "forward_at")
+    d.save(tmp_path)
+    back = hk.load_drafter(tmp_path, model=model)
+    assert back.config.prefix_final_norm is False and back.config == d.config
+    assert not any(k.startswith("prefix.norm") for k in back.state_dict())
+    assert torch.equal(back.prefix.forward_full(x), full)
+
+
 # ---- original Hydra / Medusa checkpoints, written by replicas of their modules -----------------
 class OrigResBlock(nn.Module):
     def __init__(self, H, num_condition=0):
@@ -116,6 +140,8 @@ def test_original_hydra_checkpoint(model, tmp_path, arch, grounded):
         x = torch.randn(2, 7, H, generator=g)
         ref = orig.prefix_embeding_layer(inputs_embeds=x).last_hidden_state
         assert_close_rel(d.prefix.forward_full(x), ref, 1e-5, "prefix layer")
+        rows = torch.tensor([[6, 0, 4, 4]]).expand(x.shape[0], 4)
+        assert_close_rel(d.prefix.forward_at(x, rows), ref[:, [6, 0, 4, 4]], 1e-5, "prefix layer at rows")
         cache = d.start(model, 2, 16)  # the cached path gives the same, in two chunks
         a = d.prefix(x[:, :4], cache)
         cache.advance(4)

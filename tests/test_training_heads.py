@@ -9,6 +9,7 @@ from hydra_kernels.generate import generate
 from hydra_kernels.training.evaluate import UNRANKED, head_ranks, split_ranks, topk_accuracy
 from hydra_kernels.training.tree_search import grow_tree, path_frequencies, replay_accept_lengths, time_tree_sizes
 from hydra_kernels.tree import Tree
+from helpers import assert_close_rel
 from test_llama_vs_transformers import make_hf
 
 
@@ -125,6 +126,52 @@ def test_bad_training_arguments(tiny):
         train_drafter(model, hk.new_drafter(model, "hydra", num_heads=1), data, distill_weight=2.0)
 
 
+def test_prefix_batches_draw_positions_uniformly(tiny):
+    """Hydra++ trains on whole sequences (its prefix layer attends over their past): a sequence is drawn
+    in proportion to its trainable positions, so every trainable position is (nearly) equally likely,
+    as for heads without a prefix layer, whatever the sequence lengths."""
+    from hydra_kernels.training.heads import _Batcher
+
+    model, _, data = tiny  # sequences of 30, 17 and 41 tokens
+    data = data.train_from([0, 0, 35])  # trainable: 29, 16 and 6 positions (q >= 1, and q >= 35 in the third)
+    d = hk.new_drafter(model, "hydra++", num_heads=2)
+    b = _Batcher(data, d, positions=4, seqs_per_step=1, gen=torch.Generator().manual_seed(0))
+    counts = torch.zeros(data.num_tokens)
+    with torch.no_grad():
+        for _ in range(1500):
+            q, hidden_at = b.sample("cpu", torch.float32)
+            counts[q] += 1
+    trainable = b.ok
+    assert counts[~trainable].sum() == 0
+    freq = counts[trainable] / counts.sum()
+    n = int(trainable.sum())
+    # ~118 hits per position: a rtol of 0.35 is ~4 standard deviations
+    assert n == 51 and torch.allclose(freq, torch.full_like(freq, 1 / n), rtol=0.35), freq * n
+    with pytest.raises(ValueError, match="no trainable position"):
+        _Batcher(data.train_from([40, 40, 50]), d, positions=4, seqs_per_step=1, gen=torch.Generator())
+
+
+def test_prefix_batches_read_the_prefix_layer_over_the_whole_past(tiny):
+    """The rows a Hydra++ step reads (p = q-1-d, several sequences, one drawn twice possibly) equal the
+    prefix layer run over each whole sequence (trained weights: random, so the past matters)."""
+    from hydra_kernels.training.heads import _Batcher, _sequence_bounds
+    from test_drafters import randomise
+
+    model, _, data = tiny
+    for final_norm in (True, False):
+        d = randomise(hk.new_drafter(model, "hydra++", num_heads=3, prefix_final_norm=final_norm), 8)
+        b = _Batcher(data, d, positions=10, seqs_per_step=4, gen=torch.Generator().manual_seed(1))
+        starts, ends = _sequence_bounds(data)
+        with torch.no_grad():
+            full = torch.cat([d.prefix.forward_full(data.hidden[s:e][None])[0] for s, e in zip(starts, ends)])
+            for _ in range(5):
+                q, hidden_at = b.sample("cpu", torch.float32)
+                assert q.numel() == 12  # 4 sequences x ceil(10 / 4)
+                for dd in range(3):
+                    p = q[b.before[q] >= dd + 1] - 1 - dd
+                    assert_close_rel(hidden_at(p), full[p], 1e-5, f"rows of head {dd}")
+
+
 def test_head_ranks_follow_the_teacher_forced_path(tiny):
     model, seqs, data = tiny
     torch.manual_seed(1)
@@ -175,8 +222,9 @@ def test_time_tree_sizes_rows(tiny):
         assert r["expected_tokens_per_step"] >= 1.0
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
-def test_replay_equals_real_speculative_decoding(tiny, kind):
+@pytest.mark.parametrize("kind,prefix_final_norm", [("medusa", True), ("hydra", True), ("hydra++", True),
+                                                  ("hydra++", False)])
+def test_replay_equals_real_speculative_decoding(tiny, kind, prefix_final_norm):
     """Tokens per step replayed from head ranks on plain greedy answers (how eval_heads reports larger
     trees) equal real speculative decoding's accept lengths, step by step."""
     model, seqs, _ = tiny
@@ -186,7 +234,7 @@ def test_replay_equals_real_speculative_decoding(tiny, kind):
     full = [p + a for p, a in zip(prompts, plain)]
     data = compute_hidden_states(model, full, progress=False, dtype=torch.float32)
     torch.manual_seed(4)
-    d = hk.new_drafter(model, kind, num_heads=3)
+    d = hk.new_drafter(model, kind, num_heads=3, prefix_final_norm=prefix_final_norm)
     train_drafter(model, d, data, steps=40, lr=1e-2, positions_per_step=32, progress=False)  # some acceptance
     starts = [len(p) - 1 for p in prompts]
     blocks = split_ranks(head_ranks(model, d, full, starts, max_rank=4, data=data), full, starts)

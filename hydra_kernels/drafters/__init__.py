@@ -11,17 +11,19 @@ from .heads import Drafter, DraftHead, ResBlock
 
 
 def new_drafter(model, kind: str = "hydra", num_heads: int = 4, num_layers: int = 1, *, lm_head: str = "tied",
-                lm_head_bias: bool = False, draft_vocab=None) -> Drafter:
+                lm_head_bias: bool = False, draft_vocab=None, prefix_final_norm: bool = True) -> Drafter:
     """An untrained drafter for `model` (same device and dtype). kind: "medusa", "hydra" or "hydra++".
     lm_head "tied" reuses the base model's LM head (small checkpoints, cheap training).
     draft_vocab: token ids the heads may propose (e.g. hk.training.draft_vocabulary's most frequent
-    tokens); their LM head then reads only those rows. None: the whole vocabulary."""
+    tokens); their LM head then reads only those rows. None: the whole vocabulary.
+    prefix_final_norm (Hydra++): False drops the prefix layer's final RMSNorm, so the fresh drafter's heads
+    see exactly the base h (DrafterConfig.prefix_final_norm)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     mc = model.config
     cfg = DrafterConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=mc.hidden_size,
                         vocab_size=mc.vocab_size, grounded=kind != "medusa", prefix_layer=kind == "hydra++",
-                        lm_head=lm_head, lm_head_bias=lm_head_bias,
+                        prefix_final_norm=prefix_final_norm, lm_head=lm_head, lm_head_bias=lm_head_bias,
                         draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
                         base_config=mc.to_hf_dict(include_extra=False) if kind == "hydra++" else None)
     drafter = Drafter(cfg).to(model.device, model.dtype).eval()

@@ -14,6 +14,9 @@ class DrafterConfig:
     vocab_size: int
     grounded: bool = True  # Hydra: head d sees cat(h, E(root), E(x1..x_{d-1})); Medusa: h only
     prefix_layer: bool = False  # Hydra++: one extra decoder layer over the committed hidden states
+    # The prefix layer's output: True (original Hydra++) RMS-normed, which rescales each token's h to unit
+    # RMS; False: h plus what the layer adds (no final norm), so a fresh layer hands the heads exactly h.
+    prefix_final_norm: bool = True
     lm_head: str = "tied"  # "tied" (the base model's LM head), "per_head", or "shared" (one for all heads)
     lm_head_bias: bool = False
     shared_resblocks: bool = False  # original checkpoints: a head's repeated ResBlocks are one module

@@ -88,7 +88,7 @@ class Drafter(nn.Module):
         V = cfg.draft_vocab_size or cfg.vocab_size
         self.shared_lm_head = (nn.Linear(cfg.hidden_size, V, bias=cfg.lm_head_bias)
                                if cfg.lm_head == "shared" else None)
-        self.prefix = PrefixLayer(cfg.base_config) if cfg.prefix_layer else None
+        self.prefix = PrefixLayer(cfg.base_config, cfg.prefix_final_norm) if cfg.prefix_layer else None
         # draft index -> token id (None: the identity over the whole vocabulary)
         self.register_buffer("draft_vocab", torch.arange(V) if cfg.draft_vocab_size else None)
         self._tied_slice, self._tied_key = None, None

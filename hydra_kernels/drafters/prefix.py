@@ -1,10 +1,11 @@
-"""Hydra++'s prefix layer: one Llama decoder layer (+ final norm) run over the base model's committed
-hidden states, with its own static KV buffer; its output at the last position is the heads' h."""
+"""Hydra++'s prefix layer: one Llama decoder layer (+ final norm, optional) run over the base model's
+committed hidden states, with its own static KV buffer; its output at the last position is the heads' h."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
@@ -15,20 +16,23 @@ from ..model.rope import RopeCache
 
 
 class PrefixLayer(nn.Module):
-    def __init__(self, base_config: dict):
+    def __init__(self, base_config: dict, final_norm: bool = True):
+        """final_norm: True (the original Hydra++: a one-layer LlamaModel) normalises the output; False
+        returns the residual stream h + attention + MLP, so a layer whose output projections are zero is
+        exactly the identity and the heads keep h's per-token scale (the tied LM head's confidence)."""
         super().__init__()
         cfg = LlamaConfig.from_hf_dict(base_config)
         self.config = dataclasses.replace(cfg, num_layers=1)
         self.block = TransformerBlock(self.config)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if final_norm else torch.nn.Identity()
         self._rope = RopeCache(self.config)
 
     @torch.no_grad()
     def init_identity(self, model) -> None:
         """Start as (almost) the identity on the base hidden states: the base model's last layer's
         weights, but its two output projections (attention wo, MLP w2) zeroed, so the residual stream
-        passes h through untouched; the final RMSNorm (weight 1) only rescales each token's h, which
-        keeps its direction (and the argmax of the tied LM head). The heads see h from the first
+        passes h through untouched; the final RMSNorm (weight 1), if any, only rescales each token's h,
+        which keeps its direction (and the argmax of the tied LM head). The heads see h from the first
         training step; attention over the past is learned from there. Copying the last layer whole
         instead scrambles h at the start (measured: worse head-1 accuracy)."""
         self.block.load_state_dict(model.layers[-1].state_dict())
@@ -37,7 +41,8 @@ class PrefixLayer(nn.Module):
         for b in (self.block.attention.wo.bias, self.block.feed_forward.w2.bias):
             if b is not None:
                 b.zero_()
-        self.norm.weight.fill_(1.0)
+        if isinstance(self.norm, RMSNorm):
+            self.norm.weight.fill_(1.0)
 
     def check_model(self, model) -> None:
         a, b = self.config, model.config
@@ -57,6 +62,24 @@ class PrefixLayer(nn.Module):
         pos = torch.arange(L, device=x.device).expand(B, L)
         cos, sin = self._rope(pos, L, x.dtype)
         return self.norm(run_blocks([self.block], x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v)))
+
+    def forward_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """No cache (training): x [B, L, H] base hidden states of positions 0..L-1, rows [B, m] positions
+        -> outputs [B, m, H] at those positions, equal to forward_full(x)[b, rows[b]]. Keys and values are
+        computed for every position, but the attention output, wo and the MLP only for the m rows: the
+        MLP and wo are ~85% of the layer's FLOPs, so training reads few rows of many sequences cheaply."""
+        B, L, _ = x.shape
+        pos = torch.arange(L, device=x.device)
+        cos, sin = self._rope(pos.expand(B, L), L, x.dtype)
+        blk = self.block
+        q, k, v = blk.attention.qkv(blk.attention_norm(x), cos, sin)  # [B, L, H*, D]
+        bidx = torch.arange(B, device=x.device)[:, None]
+        q = q[bidx, rows]  # [B, m, Hq, D]
+        mask = pos[None, None, :] <= rows[:, :, None]  # [B, m, L]: key j is in row i's past
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2])
+        h = x[bidx, rows] + blk.attention.wo(o.transpose(1, 2).flatten(2))
+        return self.norm(h + blk.feed_forward(blk.ffn_norm(h)))
 
     def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """x [B, T, H] base hidden states appended after cache.seqlens (causal among themselves) ->
