@@ -91,10 +91,11 @@ class _Batcher:
             x[i, :n] = d.hidden[int(self.starts[s]): int(self.starts[s]) + n].to(device, dtype)
             local[i, : r.numel()] = r - self.starts[s]
         out = self.drafter.prefix.forward_at(x, local.to(device)).flatten(0, 1)  # [k*m, H]
-        row_of = {}  # data position -> row of out (a sequence drawn twice: either draw's row, they are equal)
-        for i, r in enumerate(need):
-            row_of.update(zip(r.tolist(), range(i * m, i * m + r.numel())))
-        return torch.cat(qs), lambda p: out[torch.tensor([row_of[j] for j in p.tolist()], device=device)]
+        # data position -> row of out, looked up by binary search (a sequence drawn twice gives a position two
+        # rows; they hold equal values, either serves)
+        positions, order = torch.cat(need).sort()
+        rows = torch.cat([torch.arange(i * m, i * m + r.numel()) for i, r in enumerate(need)])[order]
+        return torch.cat(qs), lambda p: out[rows[torch.searchsorted(positions, p)].to(device)]
 
 
 def run_fingerprint(model, drafter, data: HiddenStates, settings: dict) -> str:
