@@ -82,15 +82,18 @@ def test_tree_attention_native_is_a_cpu_kernel_only():
 
 @pytest.mark.parametrize("M,N,K,bias", [(1, 960, 576, False), (7, 100, 37, True), (16, 3072, 576, False),
                                         (13, 576, 1536, True), (33, 65, 64, True), (6, 64, 1, False)])
-def test_packed_linear_equals_linear(M, N, K, bias):
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+def test_packed_linear_equals_linear(M, N, K, bias, storage):
+    """fp32 storage computes x W^T + b; bf16 storage (draft heads) computes it for W rounded to bf16
+    (round to nearest even), accumulated in fp32: both to fp32 accuracy against fp64."""
     gen = torch.Generator().manual_seed(M * N + K)
     w = torch.randn(K, N, generator=gen).t()  # [N, K] input-major view, as CPU models may hold it
     b = torch.randn(N, generator=gen) if bias else None
     x = torch.randn(M, K, generator=gen)
-    packed = ops.pack_linear_weight(w)
-    assert packed.shape == ((N + 63) // 64, K, 64)
+    packed = ops.pack_linear_weight(w) if storage is torch.float32 else ops.pack_linear_weight(w, storage)
+    assert packed.shape == ((N + 63) // 64, K, 64) and packed.dtype == storage
     y = ops.packed_linear(x, packed, N, b)
-    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    ref = x.double() @ w.to(storage).double().T + (b.double() if bias else 0)
     assert y.shape == (M, N) and y.dtype == torch.float32
     assert_close_rel(y, ref, RTOL[torch.float32], "packed_linear")
     # a row's result does not depend on the rows beside it: bit for bit (1-token step vs tree step)
@@ -105,6 +108,10 @@ def test_packed_linear_checks_its_inputs():
         ops.packed_linear(torch.randn(2, 32), packed, 200, None)
     with pytest.raises(RuntimeError, match="weight must be fp32"):
         ops.pack_linear_weight(torch.randn(70, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="dtype must be torch.float32 or torch.bfloat16"):
+        ops.pack_linear_weight(torch.randn(70, 32), torch.float16)
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        ops.packed_linear(torch.randn(2, 32), packed.half(), 70, None)
 
 
 def test_linear_module_uses_packed_weights_only_for_small_m_inference():

@@ -15,6 +15,7 @@ from ..ops.backend import op_backend
 from ..model.llama import Llama
 from ..tree import Tree
 from .config import DrafterConfig
+from .cpu_packed import packed_draft_heads
 from .prefix import PrefixLayer
 
 
@@ -196,16 +197,22 @@ class Drafter(nn.Module):
         node that has children, top-k over the vocabulary, children take their rank's token."""
         backend_of = lambda op: op_backend(op, backend, h.device)  # noqa: E731  (ops without this backend use "auto")
         B = h.shape[0]
+        packed = packed_draft_heads(self, model, h, backend, B * max((len(p.parents) for p in tree.plans), default=1))
         tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
         tokens[:, 0] = root
         for d, plan in enumerate(tree.plans):
             if self.config.grounded:
                 path = tree.ancestors[plan.parents, : d + 1]  # [n_parents, d+1] node ids, root first
-                hidden = self.hydra_hidden(model, d, h, tokens[:, path], backend_of("hydra_first_layer"))
-                top = self.topk_from_hidden(model, d, hidden, plan.topk, backend_of("lm_head_topk"))  # [B, n_p, k]
-                tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
+                if packed is not None:  # CPU: bf16 packed weights, x = cat(h, E(path)) built once
+                    x = torch.cat([h[:, None, :].expand(B, path.shape[0], h.shape[-1]),
+                                   model.tok_embeddings.weight[tokens[:, path]].flatten(2)], dim=-1)
+                    top = self.token_ids(packed.topk(d, packed.run_blocks(d, x), plan.topk))
+                else:
+                    hidden = self.hydra_hidden(model, d, h, tokens[:, path], backend_of("hydra_first_layer"))
+                    top = self.topk_from_hidden(model, d, hidden, plan.topk, backend_of("lm_head_topk"))
+                tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]  # top [B, n_p, k]
             else:  # Medusa: one distribution per depth, the same for every parent
-                top = self.topk_tokens(model, d, h, plan.topk, backend_of("lm_head_topk"))  # [B, k]
+                top = self._medusa_topk(model, d, h, plan.topk, backend, packed)  # [B, k]
                 tokens[:, plan.children] = top[:, plan.child_rank]
         return tokens
 
@@ -214,7 +221,15 @@ class Drafter(nn.Module):
         column tree.flat_source[t]; ops.tree_inputs builds the tree tokens from it on the device)."""
         if self.config.grounded:
             raise ValueError("medusa_candidates is for path-independent (Medusa) heads; Hydra heads use draft()")
-        return torch.cat([self.topk_tokens(model, d, h, plan.topk, op_backend("lm_head_topk", backend, h.device)) for d, plan in enumerate(tree.plans)], dim=1)
+        packed = packed_draft_heads(self, model, h, backend, h.shape[0])
+        return torch.cat([self._medusa_topk(model, d, h, plan.topk, backend, packed)
+                          for d, plan in enumerate(tree.plans)], dim=1)
+
+    def _medusa_topk(self, model: Llama, head: int, h: torch.Tensor, k: int, backend: str, packed) -> torch.Tensor:
+        """Medusa head `head`'s k best token ids from h [B, H] -> [B, k] (packed CPU weights when given)."""
+        if packed is not None:
+            return self.token_ids(packed.topk(head, packed.run_blocks(head, h), k))
+        return self.topk_tokens(model, head, h, k, op_backend("lm_head_topk", backend, h.device))
 
     # ---- the hidden state h the heads start from ------------------------------------------------
     def start(self, model: Llama, batch_size: int, max_seq_len: int):
