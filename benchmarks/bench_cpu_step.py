@@ -3,7 +3,7 @@ on input-major weights (the same model with the packed copies switched off), int
 --reps. A step is model.step over T chain tokens after a --context-token prefill, plus the greedy LM
 head; both layouts' hidden states are checked against each other first.
 
-    python benchmarks/bench_cpu_step.py [--reps 9] [--context 300]
+    python benchmarks/bench_cpu_step.py [--reps 9] [--context 300] [--sizes 1 6 16]
 
 What it shows: whether a T-node verify step costs about one single-token step (weights streamed once,
 the condition for speculative decoding to pay off on a CPU) or T times more compute than it should.
@@ -30,6 +30,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--sizes", type=int, nargs="+", default=list(TREE_SIZES), help="tree sizes T to time")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, _ = hk.load_model(device="cpu")
@@ -40,9 +41,10 @@ def main(argv=None) -> list[dict]:
         return contextlib.nullcontext() if packed else packed_kernel_off(model)
 
     C, V = args.context, model.config.vocab_size
-    cache = model.new_kv_cache(1, C + max(TREE_SIZES) + 1)
+    sizes = args.sizes
+    cache = model.new_kv_cache(1, C + max(sizes) + 1)
     model.prefill(torch.randint(0, V, (1, C)), torch.tensor([C], dtype=torch.int32), cache)
-    toks = torch.randint(0, V, (1, max(TREE_SIZES)))
+    toks = torch.randint(0, V, (1, max(sizes)))
     hs = []
     for on in (True, False):
         with path(on):
@@ -52,14 +54,14 @@ def main(argv=None) -> list[dict]:
         raise AssertionError(f"packed and MKL hidden states differ by {err:.3g} (relative to max)")
     times: dict = {}
     for _ in range(args.reps):
-        for T in TREE_SIZES:
+        for T in sizes:
             for on in (True, False):
                 with path(on):
                     t0 = time.perf_counter()
                     model.greedy_tokens(model.step(toks[:, :T], cache, kv_len=C + T))
                     times.setdefault((T, on), []).append(time.perf_counter() - t0)
     rows = [{"T": T, "packed_ms": 1e3 * statistics.median(times[(T, True)]),
-             "mkl_ms": 1e3 * statistics.median(times[(T, False)])} for T in TREE_SIZES]
+             "mkl_ms": 1e3 * statistics.median(times[(T, False)])} for T in sizes]
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, context {C}; ms per step "
           f"(median of {args.reps}); packed vs MKL hidden states agree to {err:.1e}")
     print("| T | packed (default) | MKL input-major |\n|---|---|---|")

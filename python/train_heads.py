@@ -11,6 +11,8 @@ The shipped heads (hydra + medusa; 2026-11-22, this 2-core CPU, ~41 min for all 
         --self-only --kinds hydra hydra++ medusa --positions 512 --seqs-per-step 6 --bf16 --out runs/heads_self
     .venv/bin/python python/ship_heads.py --src runs/heads_self --dst runs/ship
     .venv/bin/python python/eval_heads.py --heads runs/ship --out runs/eval_self --heldout 16  # search + table
+    # the shipped CPU trees (3 nodes) come from re-searching on the current dev CPU (2026-11-23, AMD EPYC):
+    .venv/bin/python python/eval_heads.py --heads runs/ship --kinds medusa hydra --out runs/eval_cur --time-prompts 8
     .venv/bin/python python/ship_heads.py --src runs/ship --package hydra medusa
 
 Writes runs/heads/<kind>/ (drafter dirs), runs/heads/training_loss.{csv,png}; base hidden states and
