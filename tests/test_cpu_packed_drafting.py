@@ -129,8 +129,7 @@ def test_packed_drafter_copies_repack():
     with torch.no_grad():
         d.draft(model, h, torch.tensor([1]), hk.tree.default_tree(6, depth=2))
         d2 = copy.deepcopy(d)
-        with torch.no_grad():
-            d2.heads[1].blocks[0].linear.weight.zero_()
+        d2.heads[1].blocks[0].linear.weight.zero_()
         tree = hk.tree.default_tree(6, depth=2)
         assert torch.equal(d2.draft(model, h, torch.tensor([1]), tree),
                            d2.draft(model, h, torch.tensor([1]), tree, backend="reference"))

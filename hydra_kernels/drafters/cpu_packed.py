@@ -78,9 +78,9 @@ class PackedDraftHeads:
             else:
                 self.lm.append(_Packed(lm.weight, lm.bias))
 
-    def run_blocks(self, head: int, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Head `head`'s ResBlocks from schedule position `start` on x [..., in] -> [..., H]."""
-        for packed, kind in self.blocks[head][start:]:
+    def run_blocks(self, head: int, x: torch.Tensor) -> torch.Tensor:
+        """Head `head`'s ResBlocks on its input x [..., in] -> [..., H]."""
+        for packed, kind in self.blocks[head]:
             y = packed(x)
             if kind == "first":
                 lin, res = y.chunk(2, dim=-1)
@@ -99,9 +99,9 @@ class PackedDraftHeads:
 
 def _weights_key(drafter, model) -> tuple:
     # what identifies the packed copies: every parameter's storage and version (training in place and
-    # .data = ... both change one of them), the tied LM head's, and the draft vocabulary's
+    # .data = ... both change one of them), the tied LM head's, the draft vocabulary's, the storage dtype
     w = model.output.weight
-    key = [(p.data_ptr(), p._version) for p in drafter.parameters()]
+    key = [DRAFT_PACK_DTYPE] + [(p.data_ptr(), p._version) for p in drafter.parameters()]
     key.append((w.data_ptr(), w._version))
     if drafter.draft_vocab is not None:
         key.append((drafter.draft_vocab.data_ptr(), drafter.draft_vocab._version))
