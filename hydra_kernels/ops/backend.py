@@ -8,7 +8,8 @@ only some device types for an op (e.g. native tree_attention is a CPU kernel; Tr
 from __future__ import annotations
 
 import os
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
@@ -66,17 +67,22 @@ def resolve(op: str, backend: str, device: torch.device) -> Callable:
     return _IMPLS.get(op, {})[resolved_name(op, backend, device)]
 
 
+def _auto_name(op: str, device: torch.device) -> str:
+    """The fastest available implementation of `op` on `device`: native, then Triton (CUDA), then reference."""
+    order = ("native", "triton", "reference") if device.type == "cuda" else ("native", "reference")
+    for name in order:
+        if has_impl(op, name, device) and _usable(name, device):
+            return name
+    raise ValueError(f"no implementation of {op} usable on {device}")
+
+
 def resolved_name(op: str, backend: str, device: torch.device) -> str:
     """Which backend `resolve` picks for `op` ("auto" made concrete), or a ValueError."""
     impls = _IMPLS.get(op, {})
     if backend == "auto":
         backend = os.environ.get("HYDRA_KERNELS_BACKEND", "auto")
     if backend == "auto":
-        order = ("native", "triton", "reference") if device.type == "cuda" else ("native", "reference")
-        for name in order:
-            if has_impl(op, name, device) and _usable(name, device):
-                return name
-        raise ValueError(f"no implementation of {op} usable on {device}")
+        return _auto_name(op, device)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {('auto',) + BACKENDS}, got {backend!r}")
     if backend not in impls:
@@ -89,13 +95,39 @@ def resolved_name(op: str, backend: str, device: torch.device) -> str:
     return backend
 
 
-def op_backend(op: str, backend: str, device: torch.device | None = None) -> str:
-    """The backend to use for `op` when a whole decode runs with `backend` (on `device`): the same one
-    where the op has it, else "auto" (e.g. backend="native" has no lm_head_topk; the best available
-    one runs)."""
-    if backend == "auto" or has_impl(op, backend, device):
-        return backend
-    return "auto"
+@dataclass(frozen=True)
+class BackendPlan:
+    """Which implementation every op uses for one run on one device, decided once (plan_backends) at
+    the top of generate() and handed down: nothing below looks at the backend string again.
+
+    ops: op name -> a concrete backend ("reference" | "triton" | "native") that implements it there.
+    packed_linear: fp32 CPU linears of at most MAX_PACKED_ROWS rows (the base model's projections and
+    LM head, the draft heads) run the native packed kernel (model/packed_linear.py); False: F.linear.
+    """
+
+    requested: str
+    device_type: str
+    ops: Mapping[str, str]
+    packed_linear: bool
+
+    def __getitem__(self, op: str) -> str:
+        return self.ops[op]
+
+
+def plan_backends(backend: str, device: torch.device, *, packed_weights: bool = False) -> BackendPlan:
+    """Resolve `backend` for every registered op on `device` (a ValueError, before any work, when it
+    cannot run there). An op without an implementation of the requested backend (e.g. "native" has no
+    lm_head_topk) takes the "auto" choice for it. packed_weights: the model holds packed CPU weights
+    (Llama.use_packed_cpu_weights); they are used with "auto" and "native"."""
+    check_usable(backend, device)
+    requested = os.environ.get("HYDRA_KERNELS_BACKEND", "auto") if backend == "auto" else backend
+    check_usable(requested, device)
+    chosen = {}
+    for op in sorted(_IMPLS):
+        use_requested = requested != "auto" and has_impl(op, requested, device)
+        chosen[op] = resolved_name(op, requested, device) if use_requested else _auto_name(op, device)
+    packed = packed_weights and device.type == "cpu" and requested in ("auto", "native")
+    return BackendPlan(requested, device.type, chosen, packed)
 
 
 def check_usable(backend: str, device: torch.device) -> None:
