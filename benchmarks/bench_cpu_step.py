@@ -34,7 +34,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, _ = hk.load_model(device="cpu")
-    if model.output._packed is None:
+    if not model.has_packed_weights:
         sys.exit("the packed kernel is unavailable here (extension not built or no AVX-512): nothing to compare")
 
     def path(packed: bool):

@@ -109,6 +109,89 @@ class Tree:
         return cls(json.loads(Path(path).read_text()))
 
 
+class TreeBatch:
+    """A tree per sequence for one step (EAGLE-2's confidence-ranked trees, n-gram matches of varying
+    length), padded to a common T; the verify forward, the acceptance ops and commit_kv take it where
+    they take a static Tree (same attribute names, one more leading batch dimension).
+
+    parents int64 [B, T] (-1: root and padding), depths int64 [B, T] (padding: 0), mask bool [B, T, T]
+    ancestor-or-self (a padded node sees only itself), paths int64 [B, P, D+1] leaf paths (-1 padded; a
+    sequence with fewer leaves gets [0, -1, ...] rows, which accept nothing), valid bool [B, T].
+    Padded nodes lie on no path, so they are never accepted; their K/V rows are written and dropped.
+    """
+
+    def __init__(self, parents: torch.Tensor, valid: torch.Tensor | None = None):
+        """parents int [B, T]: node i's parent index (< i; -1 for the root, node 0, and for padded nodes);
+        valid bool [B, T] (default: every node). Built on parents' device, without a host read there."""
+        if parents.dim() != 2 or parents.dtype.is_floating_point or parents.shape[1] < 1:
+            raise ValueError(f"parents must be an integer [B, T] tensor with T >= 1, got {parents.dtype} {tuple(parents.shape)}")
+        B, T = parents.shape
+        dev = parents.device
+        parents = parents.long()
+        valid = torch.ones(B, T, dtype=torch.bool, device=dev) if valid is None else valid.bool()
+        if parents.device.type == "cpu":  # a cheap structural check where it costs no device sync
+            node = torch.arange(T)
+            bad = valid[:, 1:] & ((parents[:, 1:] < 0) | (parents[:, 1:] >= node[1:]))
+            if bool(bad.any()) or not bool(valid[:, 0].all()):
+                raise ValueError("every valid non-root node needs a parent with a smaller index, and node 0 (the root) must be valid")
+            par_ok = valid.gather(1, parents[:, 1:].clamp(min=0))
+            if bool((valid[:, 1:] & ~par_ok).any()):
+                raise ValueError("a valid node has a padded parent")
+        parents = torch.where(valid, parents, torch.full_like(parents, -1))
+        parents[:, 0] = -1
+        # ancestor-or-self mask, one depth level at a time: anc holds each node's ancestor k levels up
+        mask = torch.zeros(B, T, T, dtype=torch.bool, device=dev)
+        bidx = torch.arange(B, device=dev)[:, None]
+        node = torch.arange(T, device=dev).expand(B, T)
+        mask[bidx, node, node] = True
+        depths = torch.zeros(B, T, dtype=torch.long, device=dev)
+        anc = parents
+        for _ in range(T - 1):  # at most T-1 levels; padded and root nodes stop at once
+            up = anc >= 0
+            mask[bidx.expand(B, T)[up], node[up], anc[up]] = True
+            depths += up.long()
+            anc = torch.where(up, parents.gather(1, anc.clamp(min=0)), anc)
+        self.parents, self.depths, self.mask, self.valid = parents, depths, mask, valid
+        self.num_nodes = T
+        D = int(depths.max()) if T > 1 else 0  # one host read per built tree (its paths' width)
+        self.depth = D
+        # leaves: valid nodes no valid node names as parent
+        has_child = torch.zeros(B, T, dtype=torch.bool, device=dev)
+        has_child[bidx.expand(B, T)[valid & (parents >= 0)], parents[valid & (parents >= 0)]] = True
+        leaf = valid & ~has_child  # [B, T]
+        P = int(leaf.sum(1).max())
+        # each leaf's path from the root: ancestors ordered by depth, leaf last
+        order = torch.argsort((~leaf).long() * T + node, dim=1, stable=True)[:, :P]  # leaves first, by index
+        is_leaf = leaf.gather(1, order)  # [B, P]
+        anc_mask = mask[bidx, order]  # [B, P, T] ancestors-or-self of each leaf
+        lvl = torch.where(anc_mask, depths[:, None, :], torch.full_like(anc_mask, D + 1, dtype=torch.long))
+        paths = torch.full((B, P, D + 1), -1, dtype=torch.long, device=dev)
+        # node j sits at column depths[j] of the leaf's path
+        b3, p3, j3 = torch.nonzero(anc_mask & is_leaf[:, :, None], as_tuple=True)
+        paths[b3, p3, lvl[b3, p3, j3]] = j3
+        paths[:, :, 0] = 0  # padding rows: just the root
+        self.paths = paths
+
+    @classmethod
+    def from_parent_lists(cls, parent_lists: Sequence[Sequence[int]], device=None) -> "TreeBatch":
+        """One parent list per sequence (node 0 first with parent -1), of any lengths; padded to the longest."""
+        B, T = len(parent_lists), max(len(p) for p in parent_lists)
+        parents = torch.full((B, T), -1, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b, p in enumerate(parent_lists):
+            parents[b, : len(p)] = torch.tensor(list(p), dtype=torch.long)
+            valid[b, : len(p)] = True
+        return cls(parents.to(device), valid.to(device))
+
+    @classmethod
+    def from_tree(cls, tree: "Tree", batch_size: int) -> "TreeBatch":
+        """The static tree repeated for every sequence (its per-sequence form)."""
+        return cls(tree.parents[None].expand(batch_size, -1).clone())
+
+    def __repr__(self) -> str:
+        return f"TreeBatch(batch={self.parents.shape[0]}, num_nodes={self.num_nodes}, depth={self.depth})"
+
+
 def chain(depth: int) -> Tree:
     """The trivial tree: one path of top-1 guesses, [[0], [0, 0], ...]."""
     return Tree([[0] * d for d in range(1, depth + 1)])

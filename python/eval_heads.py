@@ -223,7 +223,7 @@ def main(argv=None):
     # the median over prompts of its tokens/s relative to plain decoding on the same prompt.
     sub = prompts[:: args.subset_every]
     decoders = {"plain (ours, default: packed kernel)": lambda p, m=n: generate(model, [p], max_new_tokens=m).sequences[0]}
-    if model.output._packed is not None:
+    if model.has_packed_weights:
         # the same plain decoding on MKL with input-major weights (the layout without the packed kernel),
         # for comparison: the packed kernel must not be slower at M = 1
         def plain_mkl(p, m=n):

@@ -69,14 +69,14 @@ def test_prefix_layer_without_final_norm(model, tmp_path):
     d = hk.new_drafter(model, kind="hydra++", num_heads=2, prefix_final_norm=False)
     x = torch.randn(2, 9, 72, generator=torch.Generator().manual_seed(6))
     assert torch.equal(d.prefix.forward_full(x), x)
-    assert torch.equal(d.prefix(x, d.start(model, 2, 16)), x)
+    assert torch.equal(d.prefix(x, d.prefix.new_cache(2, 16, model), model.plan()), x)
     randomise(d, 7)
     full = d.prefix.forward_full(x)
     assert (full - x).abs().max() > 0.1  # the layer now changes h
-    cache = d.start(model, 2, 16)
-    a = d.prefix(x[:, :4], cache)
+    cache, plan = d.prefix.new_cache(2, 16, model), model.plan()
+    a = d.prefix(x[:, :4], cache, plan)
     cache.advance(4)
-    assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache)], 1), full, 1e-5, "prefix layer without norm, cached")
+    assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache, plan)], 1), full, 1e-5, "prefix layer without norm, cached")
     rows = torch.tensor([[0, 8, 3], [5, 5, 0]])  # any positions, repeats included
     assert_close_rel(d.prefix.forward_at(x, rows), full[torch.arange(2)[:, None], rows], 1e-5, "forward_at")
     d.save(tmp_path)
@@ -142,10 +142,10 @@ def test_original_hydra_checkpoint(model, tmp_path, arch, grounded):
         assert_close_rel(d.prefix.forward_full(x), ref, 1e-5, "prefix layer")
         rows = torch.tensor([[6, 0, 4, 4]]).expand(x.shape[0], 4)
         assert_close_rel(d.prefix.forward_at(x, rows), ref[:, [6, 0, 4, 4]], 1e-5, "prefix layer at rows")
-        cache = d.start(model, 2, 16)  # the cached path gives the same, in two chunks
-        a = d.prefix(x[:, :4], cache)
+        cache, plan = d.prefix.new_cache(2, 16, model), model.plan()  # the cached path gives the same, in two chunks
+        a = d.prefix(x[:, :4], cache, plan)
         cache.advance(4)
-        assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache)], 1), ref, 1e-5, "prefix layer, cached")
+        assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache, plan)], 1), ref, 1e-5, "prefix layer, cached")
 
 
 def test_original_medusa_checkpoint(model, tmp_path):
@@ -219,19 +219,19 @@ def test_save_bf16_with_trees_roundtrip(tmp_path):
 def test_shipped_heads_registry_and_errors(tmp_path, monkeypatch):
     """load_drafter() reads the package's heads dir: the preferred shipped kind, a named kind, clear
     errors when a kind (or everything) is missing or the model is not the embedded default."""
-    import hydra_kernels.drafters as drafters
+    import hydra_kernels.drafters.registry as drafters
 
     monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
-    with pytest.raises(FileNotFoundError, match="no shipped 'hydra' heads; shipped: none"):
+    with pytest.raises(FileNotFoundError, match="no shipped 'hydra' drafter; shipped: none"):
         hk.load_drafter()
     model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
     for kind in ("medusa", "hydra"):
         hk.new_drafter(model, kind, num_heads=2).save(tmp_path / drafters.SHIPPED_MODEL / kind, dtype=torch.bfloat16)
     assert sorted(drafters.shipped_drafters()) == ["hydra", "medusa"]
     assert hk.load_drafter().kind == "hydra" and hk.load_drafter(kind="medusa").kind == "medusa"
-    with pytest.raises(FileNotFoundError, match=r"no shipped 'hydra\+\+' heads; shipped: \['hydra', 'medusa'\]"):
+    with pytest.raises(FileNotFoundError, match=r"no shipped 'hydra\+\+' drafter; shipped: \['hydra', 'medusa'\]"):
         hk.load_drafter(kind="hydra++")
     with pytest.raises(ValueError, match="only used with path=None"):
         hk.load_drafter(tmp_path, kind="hydra")
-    with pytest.raises(ValueError, match="shipped heads are for the embedded SmolLM2"):
+    with pytest.raises(ValueError, match="shipped drafters are for the embedded SmolLM2"):
         hk.load_drafter(model=model)

@@ -136,7 +136,7 @@ def test_cpu_verify_step_is_bit_identical_to_single_token_steps(smollm2, prompts
     model, _ = smollm2
     if model.device.type != "cpu" or not packed_linear_available():
         pytest.skip("the bit-identity holds on the packed CPU path (AVX-512 with the built extension)")
-    assert model.output._packed is not None, "load_model should pack CPU fp32 weights by default"
+    assert model.has_packed_weights, "load_model should pack CPU fp32 weights by default"
     p = prompts[0]
     chain = torch.tensor([p[-7:]])  # 7 real tokens, fed after the rest of the prompt
     prefix = torch.tensor([p[:-7]])

@@ -94,7 +94,7 @@ def test_typical_at_temperature_zero_is_greedy(model, drafters):
 def test_failure_mid_speculation_keeps_tokens(model, drafters, monkeypatch):
     d = drafters["medusa"]
     full = generate(model, PROMPTS, drafter=d, tree=TREE, max_new_tokens=30, eos_token_id=[])
-    real, calls = d.medusa_candidates, []
+    real, calls = d.propose, []
 
     def failing(*a, **k):
         calls.append(1)
@@ -102,7 +102,7 @@ def test_failure_mid_speculation_keeps_tokens(model, drafters, monkeypatch):
             raise RuntimeError("boom")
         return real(*a, **k)
 
-    monkeypatch.setattr(d, "medusa_candidates", failing)
+    monkeypatch.setattr(d, "propose", failing)
     with pytest.raises(GenerationError) as err:
         generate(model, PROMPTS, drafter=d, tree=TREE, max_new_tokens=30, eos_token_id=[])
     got = err.value.output

@@ -44,6 +44,17 @@ class PrefixLayer(nn.Module):
         if isinstance(self.norm, RMSNorm):
             self.norm.weight.fill_(1.0)
 
+    def load_hf_layer(self, sd: dict[str, torch.Tensor]) -> None:
+        """Weights of a one-layer transformers LlamaModel (the original Hydra++ prefix_embeding_layer.*,
+        embed_tokens ignored) -> this layer and its final norm, strictly by name."""
+        from ..model.loading import hf_to_ours
+
+        hf = {"model." + k: v for k, v in sd.items() if not k.startswith("embed_tokens")}
+        ours = hf_to_ours(self.config, {**hf, "model.embed_tokens.weight": torch.zeros(1)},
+                          allow_missing={"tok_embeddings.weight", "output.weight"})
+        self.block.load_state_dict({k[len("layers.0."):]: v for k, v in ours.items() if k.startswith("layers.0.")})
+        self.norm.load_state_dict({"weight": ours["norm.weight"]})
+
     def check_model(self, model) -> None:
         a, b = self.config, model.config
         shape = lambda c: (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size)
@@ -81,9 +92,9 @@ class PrefixLayer(nn.Module):
         h = x[bidx, rows] + blk.attention.wo(o.transpose(1, 2).flatten(2))
         return self.norm(h + blk.feed_forward(blk.ffn_norm(h)))
 
-    def forward(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache, backends) -> torch.Tensor:
         """x [B, T, H] base hidden states appended after cache.seqlens (causal among themselves) ->
-        normed outputs [B, T, H]. Writes K/V rows [seqlens, seqlens + T); the caller moves seqlens by
+        normed outputs [B, T, H]; attention through the run's backends["tree_attention"]. Writes K/V rows [seqlens, seqlens + T); the caller moves seqlens by
         the number of valid rows (the rest is overwritten next time)."""
         B, T, _ = x.shape
         dev = x.device
@@ -96,6 +107,6 @@ class PrefixLayer(nn.Module):
 
         def attend(i, q, k, v):
             kv[0][:, bidx, rows] = torch.stack((k, v))
-            return ops.tree_attention(q, kv[0, 0], kv[0, 1], cache.seqlens, causal)
+            return ops.tree_attention(q, kv[0, 0], kv[0, 1], cache.seqlens, causal, backend=backends["tree_attention"])
 
         return self.norm(run_blocks([self.block], x, cos, sin, attend))

@@ -16,6 +16,7 @@ from .. import ops
 from .config import LlamaConfig
 from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerBlock, run_blocks
+from ..ops.backend import plan_backends
 from .packed_linear import Linear, packed_linear_available
 from .rope import RopeCache
 
@@ -82,15 +83,26 @@ class Llama(nn.Module):
                 mod.pack_cpu()
         return True
 
-    def greedy_tokens(self, h: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    @property
+    def has_packed_weights(self) -> bool:
+        """Does this model run its small-M CPU linears on the packed kernel (use_packed_cpu_weights)?"""
+        return self.output.packed_on
+
+    def plan(self, backends=None):
+        """The BackendPlan of a call: the caller's, else "auto" resolved once for this model."""
+        if backends is None or isinstance(backends, str):
+            return plan_backends(backends or "auto", self.device, packed_weights=self.has_packed_weights)
+        return backends
+
+    def greedy_tokens(self, h: torch.Tensor, backends=None) -> torch.Tensor:
         """argmax of the LM head for final hidden states h [..., H] -> token ids [...] (first maximum on
         ties). Plain decoding and tree verification both pick tokens here, through one code path.
-        backend "auto"/"native" on a packed CPU model: the native packed kernel (logits of <= 64 rows, a
+        On packed CPU weights (backends.packed_linear): the native packed kernel (logits of <= 64 rows, a
         few MB); otherwise ops.lm_head_topk with k = 1 (the fused kernel on "triton": no logits)."""
-        packed = self.output._packed is not None and backend in ("auto", "native")
-        if self.output.bias is not None or packed:
+        backends = self.plan(backends)
+        if self.output.bias is not None or backends.packed_linear:
             return self.output(h).argmax(dim=-1)
-        return ops.lm_head_topk(h, self.output.weight, 1, backend=backend)[1][..., 0]  # no [.., V] logits
+        return ops.lm_head_topk(h, self.output.weight, 1, backend=backends["lm_head_topk"])[1][..., 0]  # no [.., V] logits
 
     @staticmethod
     def expected_keys(config: LlamaConfig) -> set[str]:
@@ -129,7 +141,8 @@ class Llama(nn.Module):
         """Full causal forward, no cache: input_ids [B, L] -> logits [B, L, V]."""
         return self.output(self.hidden_states(input_ids))
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False):
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False,
+                backends=None):
         """Prefill an empty cache with a right-padded ragged batch.
 
         tokens [B, L] (sequence b is real in [0, lengths[b]), padding after); lengths int [B] on the
@@ -158,7 +171,7 @@ class Llama(nn.Module):
 
     def step(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
              depths: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, kv_len: int | None = None,
-             backend: str = "auto"):
+             backends=None):
         """Append T tokens per sequence after the committed prefix and run them through the model.
 
         tokens [B, T] (tree nodes in BFS order, node 0 the root); tree_mask bool [T, T] ancestor-or-self
@@ -171,6 +184,7 @@ class Llama(nn.Module):
         """
         B, T = tokens.shape
         dev = tokens.device
+        backend = self.plan(backends)["tree_attention"]
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril_()
         if depths is None:

@@ -6,7 +6,7 @@ from typing import NamedTuple
 import torch
 
 from . import reference
-from .backend import BACKENDS, native_available, op_backend, register, resolve, triton_available
+from .backend import BACKENDS, native_available, register, resolve, triton_available
 
 __all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
            "native_available", "triton_available", "reference"]

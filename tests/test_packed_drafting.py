@@ -1,4 +1,4 @@
-"""Drafting through the packed CPU kernel (hydra_kernels/drafters/cpu_packed.py).
+"""Drafting through the packed CPU kernel (the draft heads' Linear layers on a packed_linear plan).
 
 The panels hold the head weights rounded to bf16, accumulated in fp32. On heads whose weights are bf16
 values already, the packed path therefore computes the definition's logits up to fp32 summation order,
@@ -12,9 +12,8 @@ import pytest
 import torch
 
 import hydra_kernels as hk
-from hydra_kernels.drafters.cpu_packed import PackedDraftHeads, packed_draft_heads
 from hydra_kernels.generate import generate
-from hydra_kernels.model.packed_linear import packed_kernel_off, packed_linear_available
+from hydra_kernels.model.packed_linear import packed_linear_available
 from helpers import RTOL, assert_close_rel
 from test_drafters import randomise
 from test_llama_vs_transformers import make_hf
@@ -44,80 +43,115 @@ def drafter_for(model, kind, lm_head, seed=1):
     return to_bf16_values(randomise(d, seed)).eval()
 
 
+def packed_calls(monkeypatch) -> list:
+    """Counts the draft heads' calls of the packed kernel (the heads' Linear layers and the tied slice)."""
+    import hydra_kernels.drafters.draft_heads as dh
+    import hydra_kernels.model.packed_linear as pl
+
+    calls = []
+    for mod in (dh, pl):
+        real = mod.packed_linear
+
+        def spy(x, packed, n, bias=None, _real=real):
+            calls.append(x.shape)
+            return _real(x, packed, n, bias)
+
+        monkeypatch.setattr(mod, "packed_linear", spy)
+    return calls
+
+
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
 @pytest.mark.parametrize("lm_head", ["tied", "per_head"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_packed_draft_equals_reference_draft(packed_model, kind, lm_head, B):
+def test_packed_draft_equals_reference_draft(packed_model, kind, lm_head, B, monkeypatch):
     model = packed_model
     d = drafter_for(model, kind, lm_head)
     tree = hk.tree.default_tree(15, depth=3)
     g = torch.Generator().manual_seed(B)
     h = torch.randn(B, model.config.hidden_size, generator=g)
     root = torch.randint(0, model.config.vocab_size, (B,), generator=g)
+    calls = packed_calls(monkeypatch)
     with torch.no_grad():
-        assert packed_draft_heads(d, model, h, "auto", rows=B * 4) is not None
-        ref = d.draft(model, h, root, tree, backend="reference")
+        ref = d.draft(model, h, root, tree, "reference")
+        assert not calls  # the reference plan never touches the packed kernel
         got = d.draft(model, h, root, tree)  # auto on a packed CPU model: the packed path
+        assert calls
         assert torch.equal(got, ref)
         if kind == "medusa":
-            assert torch.equal(d.medusa_candidates(model, h, tree), d.medusa_candidates(model, h, tree, backend="reference"))
+            assert torch.equal(d.candidates(model, h, tree, model.plan()), d.candidates(model, h, tree, model.plan("reference")))
 
 
 def test_packed_heads_compute_the_head_logits(packed_model):
     """Head outputs and logits of the packed path against Drafter.logits, to fp32 accuracy."""
     model = packed_model
     d = drafter_for(model, "hydra", "tied")
-    packed = PackedDraftHeads(d, model)
+    plan = model.plan()
+    d.use_packed_cpu_weights(True)
     H = model.config.hidden_size
     x = torch.randn(5, 3 * H, generator=torch.Generator().manual_seed(0))  # head 1's input: h, E(root), E(x1)
     with torch.no_grad():
         ref = d.logits(model, 1, x)
-        got = packed.lm[1](packed.run_blocks(1, x))
+        hidden = d.heads[1].infer(x, plan)
+        from hydra_kernels.drafters.draft_heads import DRAFT_PACK_DTYPE
+        from hydra_kernels.ops.packed_linear import pack_linear_weight, packed_linear
+
+        got = packed_linear(hidden, pack_linear_weight(d.tied_lm_weight(model), DRAFT_PACK_DTYPE), ref.shape[-1])
     assert_close_rel(got, ref, RTOL[torch.float32], "packed head 1 logits")
 
 
-def test_packed_heads_follow_weight_changes(packed_model):
+def test_packed_heads_follow_weight_changes(packed_model, monkeypatch):
     model = packed_model
     d = drafter_for(model, "hydra", "tied")
     tree = hk.tree.default_tree(10, depth=3)
     h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     root = torch.tensor([4, 9])
+    lin = d.heads[0].blocks[0].linear
     with torch.no_grad():
         d.draft(model, h, root, tree)
-        first = d.__dict__["_cpu_packed"][1]
+        first = lin.packed_weight()
         d.draft(model, h, root, tree)
-        assert d.__dict__["_cpu_packed"][1] is first  # unchanged weights: packed once
+        assert lin.packed_weight() is first  # unchanged weights: packed once
         randomise(d.heads[0], 9)
         to_bf16_values(d.heads[0])  # in-place change of head 0's weights
-        assert torch.equal(d.draft(model, h, root, tree), d.draft(model, h, root, tree, backend="reference"))
-        assert d.__dict__["_cpu_packed"][1] is not first
+        assert torch.equal(d.draft(model, h, root, tree), d.draft(model, h, root, tree, "reference"))
+        d.draft(model, h, root, tree)
+        assert lin.packed_weight() is not first
 
 
-def test_packed_path_only_where_it_applies(packed_model):
+def test_packed_path_only_where_it_applies(packed_model, monkeypatch):
     model = packed_model
     d = drafter_for(model, "hydra", "tied")
+    tree = hk.tree.default_tree(10, depth=3)
+    root = torch.tensor([4, 9])
     h = torch.randn(2, model.config.hidden_size)
+    calls = packed_calls(monkeypatch)
+
+    def drafted_packed(backend, hh=h, r=root, n_rows_ok=True):
+        calls.clear()
+        d.draft(model, hh, r, tree, backend)
+        return bool(calls) and all(s.numel() <= 64 * s[-1] for s in calls)
+
     with torch.no_grad():
-        assert packed_draft_heads(d, model, h, "native", rows=8) is not None
-        assert packed_draft_heads(d, model, h, "reference", rows=8) is None
-        assert packed_draft_heads(d, model, h, "triton", rows=8) is None
-        assert packed_draft_heads(d, model, h, "auto", rows=65) is None  # beyond the small-M kernel's rows
-        assert packed_draft_heads(d, model, h.double(), "auto", rows=8) is None
+        assert drafted_packed("native") and drafted_packed("auto")
+        assert not drafted_packed("reference")
+        wide = torch.randn(70, model.config.hidden_size)  # 70 sequences: beyond the small-M kernel's rows
+        assert not drafted_packed("auto", wide, torch.ones(70, dtype=torch.long))
     with torch.enable_grad():
-        assert packed_draft_heads(d, model, h, "auto", rows=8) is None
-    with torch.no_grad(), packed_kernel_off(model):  # the model steps on F.linear: drafting does too
-        assert packed_draft_heads(d, model, h, "auto", rows=8) is None
+        assert not drafted_packed("auto")
+    with torch.no_grad():
+        assert not drafted_packed(model.plan("auto").__class__("auto", "cpu", model.plan().ops, False))
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])
-def test_generate_through_packed_drafting_is_lossless(packed_model, kind):
+def test_generate_through_packed_drafting_is_lossless(packed_model, kind, monkeypatch):
     model = packed_model
     d = drafter_for(model, kind, "tied", seed=2)
     prompts = [[5, 9, 2, 44, 7], [3, 1]]
     plain = generate(model, prompts, max_new_tokens=20)
+    calls = packed_calls(monkeypatch)
     spec = generate(model, prompts, drafter=d, tree=hk.tree.default_tree(15, depth=3), max_new_tokens=20)
     assert spec.sequences == plain.sequences
-    assert "_cpu_packed" in d.__dict__  # the packed path drafted
+    assert any(s[-1] == model.config.hidden_size * 2 or s[-1] == model.config.hidden_size for s in calls)
 
 
 def test_packed_drafter_copies_repack():
@@ -132,4 +166,4 @@ def test_packed_drafter_copies_repack():
         d2.heads[1].blocks[0].linear.weight.zero_()
         tree = hk.tree.default_tree(6, depth=2)
         assert torch.equal(d2.draft(model, h, torch.tensor([1]), tree),
-                           d2.draft(model, h, torch.tensor([1]), tree, backend="reference"))
+                           d2.draft(model, h, torch.tensor([1]), tree, "reference"))

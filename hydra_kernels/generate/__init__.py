@@ -1,4 +1,5 @@
-"""generate(): the decoding loop engines import. ``python -m hydra_kernels.generate`` is its CLI.
+"""generate(): the decoding loop engines import. ``python -m hydra_kernels.generate`` is its CLI
+(hydra_kernels/cli.py, run from __main__.py).
 
 One step = one base-model forward after the prefill. Plain decoding feeds the last token and emits
 one; speculative decoding (drafter given) verifies a tree and emits root + accepted tokens. The host
@@ -12,10 +13,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from .emit import Emitter
-from .model.llama import Llama
-from .ops.backend import check_usable, op_backend
-from .sampling import next_tokens
+from ..drafters.protocol import Drafter
+from ..emit import Emitter
+from ..model.llama import Llama
+from ..ops.backend import plan_backends
+from ..sampling import next_tokens
+from ..speculative import speculative_loop
 
 ACCEPTANCE_KINDS = ("greedy", "typical")
 
@@ -125,20 +128,12 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         if tree is not None:
             raise ValueError("tree is only used with a drafter; pass tree=None for plain decoding")
     else:
-        from .drafters import Drafter
-        from .tree import as_tree, default_tree
-
         if not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hydra_kernels Drafter (hk.new_drafter / hk.load_drafter), got {type(drafter)}")
         if acceptance == "greedy" and temperature > 0:
             raise ValueError("greedy acceptance is for temperature 0; use acceptance='typical' to sample")
         drafter.check_model(model)
-        if tree is None:  # the tree searched for this device class with these heads, else the prior default
-            trees = getattr(drafter, "trees", {})
-            tree_obj = trees.get(device.type) or default_tree(depth=min(4, drafter.num_heads))
-        else:
-            tree_obj = as_tree(tree)
-        tree_obj.check_heads(drafter.num_heads)
+        tree_obj = drafter.resolve_tree(tree, device.type)  # validated; bounds every step's proposal
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
     needed = max(lens) + max_new_tokens
     if needed > cfg.max_position_embeddings:
@@ -154,7 +149,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             f"KV buffer too small: max_seq_len={S} rows, but the longest prompt ({max(lens)} tokens) + "
             f"max_new_tokens ({max_new_tokens}){tree_part} needs {needed}; raise max_seq_len or lower max_new_tokens"
         )
-    check_usable(backend, device)  # an unusable backend fails here, before any work
+    backends = plan_backends(backend, device, packed_weights=model.has_packed_weights)  # fails here, before any work
     eos = _eos_set(model, eos_token_id)
     gen = None
     if temperature > 0:
@@ -170,18 +165,16 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     emitter = Emitter(B, max_new_tokens, eos, streamer)
     out = GenerateOutput(sequences=emitter.sequences, accept_lengths=emitter.accept_lengths)
 
-    head_backend = op_backend("lm_head_topk", backend, device)
-
     def pick(h):  # final hidden states [N, H] -> next tokens [N]
         if temperature == 0.0:  # greedy: the same argmax path as verification (Llama.greedy_tokens)
-            return model.greedy_tokens(h, head_backend)
+            return model.greedy_tokens(h, backends)
         return next_tokens(model.output(h), temperature, top_k, top_p, gen)
 
     t0 = time.perf_counter()
     t1 = None
     try:
         with torch.inference_mode():
-            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None)
+            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None, backends=backends)
             last = hidden if drafter is None else hidden[torch.arange(B, device=device), lengths.long() - 1]
             nxt = pick(last)
             for b, t in enumerate(nxt.tolist()):
@@ -189,14 +182,12 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             t1 = time.perf_counter()
             out.prefill_s = t1 - t0
             if drafter is None:
-                _plain_loop(model, cache, nxt, emitter, pick, op_backend("tree_attention", backend, device), max(lens), out)
+                _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out)
             elif not emitter.all_done:
-                from .speculative import speculative_loop
-
-                speculative_loop(model, drafter, tree_obj.to(device), cache, hidden, lengths, nxt, emitter,
+                speculative_loop(model, drafter, tree_obj, cache, hidden, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-                                 generator=gen, backend=backend, host_seqlens=list(lens), stats=out)
+                                 generator=gen, backends=backends, host_seqlens=list(lens), stats=out)
     except Exception as exc:
         _finish_timing(out, t0, t1)
         n = sum(map(len, out.sequences))
@@ -205,11 +196,11 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     return out
 
 
-def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backend, kv_len: int, out: GenerateOutput) -> None:
+def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int, out: GenerateOutput) -> None:
     """One token per step: feed the last token, commit its row, pick the next."""
     while not emitter.all_done:
         kv_len += 1  # host-side bound on every seqlens[b] + 1
-        hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backend=backend)  # [B, 1, H]
+        hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backends=backends)  # [B, 1, H]
         cache.advance(1)
         nxt = pick(hidden[:, -1])
         out.num_steps += 1
@@ -224,8 +215,3 @@ def _finish_timing(out: GenerateOutput, t0: float, t1: float | None) -> None:
     else:
         out.decode_s = now - t1
 
-
-if __name__ == "__main__":
-    from .cli import main
-
-    main()

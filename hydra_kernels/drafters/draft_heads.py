@@ -1,0 +1,278 @@
+"""What the head families (Medusa, Hydra, Hydra++) share: ResBlocks, a head, the LM head over the
+draft vocabulary, the hidden state the heads start from, and our checkpoint format.
+
+Head d (0-based) proposes the tokens at depth d+1 of a static tree (Medusa-format choices). The
+families differ only in a head's input: Medusa's head sees h, the drafter's hidden state for the last
+committed position; Hydra's sees cat(h, E(root), E(x1), ..., E(x_d)). Hydra++ adds a prefix decoder
+layer that turns the base model's hidden states into h (drafters/prefix.py).
+
+On the CPU (a run whose BackendPlan has packed_linear) the heads' Linear layers and the tied LM-head
+slice run the native packed small-M kernel with bf16 panels, the way model/packed_linear.py runs the
+base model: a CPU drafting step is bound by reading weights (a Hydra head's first block is 2.7-6.6 MB
+in fp32 for SmolLM2; the draft LM-head slice, 16k x 576, 38 MB in fp32, is read at every depth), and in
+bf16 the slice (19 MB) stays in a 32 MB L3 across depths. Measured on the 2-core dev CPU: draft 11 ->
+2.2 ms per step. Drafting precision never changes what generate() emits (verification is the base
+model's); it can only change which guesses are proposed (the heads train under bf16 autocast).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..model.kv_cache import KVCache
+from ..model.packed_linear import MAX_PACKED_ROWS, Linear
+from ..ops.packed_linear import pack_linear_weight, packed_linear
+from ..tree import Tree, as_tree, default_tree
+from ..weight_cache import DerivedCache
+from .config import DrafterConfig
+from .prefix import PrefixLayer
+from .protocol import Drafter
+
+# storage of the heads' packed CPU panels (fp32 accumulation); torch.float32 keeps fp32 weights (same kernel)
+DRAFT_PACK_DTYPE = torch.bfloat16
+
+
+def _draft_linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
+    return Linear(in_features, out_features, bias=bias, pack_dtype=DRAFT_PACK_DTYPE)
+
+
+class ResBlock(nn.Module):
+    """y = R x + SiLU(W x + b); R is the identity when widths match, else a learned projection
+    (Hydra's first block maps (d+2)H -> H). W starts at zero so a fresh block is R x + SiLU(b)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.linear = _draft_linear(in_features, out_features)
+        self.res_connection = _draft_linear(in_features, out_features) if in_features != out_features else None
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x):
+        res = x if self.res_connection is None else self.res_connection(x)
+        return res + F.silu(self.linear(x))
+
+    def infer(self, x, backends):
+        """Inference: on packed CPU weights the module itself; else an H -> H block as the fused
+        ops.resblock (matmul, bias, SiLU, residual in one launch for all nodes of a depth)."""
+        if self.res_connection is None and not self.linear.packed_on:
+            return ops.resblock(x, self.linear.weight, self.linear.bias, backend=backends["resblock"])
+        return self(x)
+
+
+class DraftHead(nn.Module):
+    """ResBlocks applied in `schedule` order (a repeated index = one shared module), then its LM head
+    (None: the drafter's shared or tied one)."""
+
+    def __init__(self, cfg: DrafterConfig, index: int):
+        super().__init__()
+        H, L = cfg.hidden_size, cfg.num_layers
+        in_features = H * (index + 2) if cfg.grounded else H
+        if not cfg.shared_resblocks:
+            self.blocks = nn.ModuleList([ResBlock(in_features, H)] + [ResBlock(H, H) for _ in range(L - 1)])
+            self.schedule = list(range(L))
+        elif in_features != H:  # Hydra original: a first block, then one block repeated L-1 times
+            self.blocks = nn.ModuleList([ResBlock(in_features, H)] + ([ResBlock(H, H)] if L > 1 else []))
+            self.schedule = [0] + [1] * (L - 1)
+        else:  # Medusa original: one block repeated L times
+            self.blocks = nn.ModuleList([ResBlock(H, H)])
+            self.schedule = [0] * L
+        V = cfg.draft_vocab_size or cfg.vocab_size
+        self.lm_head = _draft_linear(H, V, bias=cfg.lm_head_bias) if cfg.lm_head == "per_head" else None
+
+    def hidden(self, x):
+        """Training path (autograd through the modules): x [..., in_features] -> [..., H]."""
+        for i in self.schedule:
+            x = self.blocks[i](x)
+        return x
+
+    def infer(self, x, backends, first: int = 0):
+        """Inference path: the blocks of schedule[first:] on x [..., in] -> [..., H]."""
+        for i in self.schedule[first:]:
+            x = self.blocks[i].infer(x, backends)
+        return x
+
+
+@dataclass
+class HeadState:
+    """A run's drafting state: the hidden state h [B, H] the next draft starts from, the static tree,
+    the Hydra++ prefix layer's KV buffer."""
+
+    model: object
+    backends: object
+    tree: Tree
+    prefix_cache: KVCache | None
+    h: torch.Tensor | None = None
+
+
+class HeadDrafter(Drafter):
+    """All heads of one drafter (Medusa / Hydra / Hydra++ subclass it), plus the Hydra++ prefix layer.
+    `trees` maps a device type ("cpu", "cuda") to the tree searched for it, saved with the heads."""
+
+    config_class = DrafterConfig
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.heads = nn.ModuleList(DraftHead(cfg, i) for i in range(cfg.num_heads))
+        V = cfg.draft_vocab_size or cfg.vocab_size
+        self.shared_lm_head = _draft_linear(cfg.hidden_size, V, bias=cfg.lm_head_bias) if cfg.lm_head == "shared" else None
+        self.prefix = PrefixLayer(cfg.base_config, cfg.prefix_final_norm) if cfg.prefix_layer else None
+        # draft index -> token id (None: the identity over the whole vocabulary)
+        self.register_buffer("draft_vocab", torch.arange(V) if cfg.draft_vocab_size else None)
+        self._tied_slice = DerivedCache()  # the base LM head's rows of the draft vocabulary
+        self._tied_packed = DerivedCache()  # the same rows packed for the CPU kernel
+        self.trees: dict[str, Tree] = {}
+
+    @property
+    def kind(self) -> str:
+        return self.config.kind
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    # ---- checks before any work -----------------------------------------------------------------
+    def check_model(self, model) -> None:
+        mc = model.config
+        if self.vocab_size != mc.vocab_size:
+            raise ValueError(f"drafter vocab ({self.vocab_size}) does not match the model's ({mc.vocab_size}): "
+                             "these heads were trained for another model")
+        if self.hidden_size != mc.hidden_size:
+            raise ValueError(f"drafter hidden size ({self.hidden_size}) does not match the model's "
+                             f"({mc.hidden_size}): these heads were trained for another model")
+        if self.prefix is not None:
+            self.prefix.check_model(model)
+        p = next(self.parameters(), None)
+        if p is not None and (p.device != model.device or p.dtype != model.dtype):
+            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
+                             "call drafter.to(model.device, model.dtype)")
+
+    def resolve_tree(self, tree, device_type: str) -> Tree:
+        """None: the tree searched for this device class with these heads (self.trees), else the prior
+        default; otherwise a Tree, Medusa-format choices, a JSON file, "default" or "chain-N"."""
+        if tree is None:
+            t = self.trees.get(device_type) or default_tree(depth=min(4, self.num_heads))
+        else:
+            t = as_tree(tree)
+        t.check_heads(self.num_heads)
+        return t
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> HeadState:
+        self.use_packed_cpu_weights(backends.packed_linear)
+        cache = self.prefix.new_cache(batch_size, max_seq_len, model) if self.prefix is not None else None
+        return HeadState(model, backends, tree.to(model.device), cache)
+
+    def after_prefill(self, state: HeadState, hidden, lengths) -> None:
+        out = hidden if self.prefix is None else self.prefix(hidden, state.prefix_cache, state.backends)
+        if state.prefix_cache is not None:
+            state.prefix_cache.seqlens.copy_(lengths)
+        state.h = _at(out, lengths.long() - 1)
+
+    def after_step(self, state: HeadState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
+        out = accepted_hidden if self.prefix is None else self.prefix(accepted_hidden, state.prefix_cache, state.backends)
+        if state.prefix_cache is not None:
+            state.prefix_cache.advance(accept_lengths.to(state.prefix_cache.seqlens.dtype))
+        state.h = _at(out, (accept_lengths.long() - 1).clamp(min=0))
+
+    def draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends=None) -> torch.Tensor:
+        """The tokens of `tree` [B, T] (node 0 = root [B]) drafted from h [B, H], outside a run (tests,
+        evaluation); backends: a BackendPlan, a backend name or None ("auto")."""
+        backends = model.plan(backends)
+        self.use_packed_cpu_weights(backends.packed_linear)
+        return self._draft(model, h, root, tree, backends)
+
+    def use_packed_cpu_weights(self, on: bool) -> None:
+        """Run this drafter's Linear layers (and the tied LM-head slice) on the packed CPU kernel, or not."""
+        for m in self.modules():
+            if isinstance(m, Linear) and m.packed_on != on:
+                m.pack_cpu(on)
+
+    # ---- heads -----------------------------------------------------------------------------------
+    def logits(self, model, head: int, x: torch.Tensor) -> torch.Tensor:
+        """Head `head` on inputs x [..., in_features] -> logits [..., Vd] over the draft vocabulary
+        (column j is token draft_vocab[j]; the whole vocabulary when draft_vocab is None). Training
+        and evaluation path (autograd)."""
+        hidden = self.heads[head].hidden(x)
+        lm = self.heads[head].lm_head or self.shared_lm_head
+        if lm is not None:
+            return lm(hidden)
+        return F.linear(hidden, self.tied_lm_weight(model))
+
+    def tied_lm_weight(self, model) -> torch.Tensor:
+        """The base model's LM head rows of the draft vocabulary [Vd, H], gathered once and kept until
+        the model's weight or the vocabulary changes. On the CPU the slice is stored input-major like
+        the model's weights: the small-M GEMV streams it ~2x faster."""
+        w = model.output.weight
+        if self.draft_vocab is None:
+            return w
+
+        def gather():
+            with torch.no_grad():
+                s = w.index_select(0, self.draft_vocab)
+                return s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
+
+        return self._tied_slice.get((w, self.draft_vocab), gather)
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary indices -> token ids."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def head_topk(self, model, head: int, hidden: torch.Tensor, k: int, backends) -> torch.Tensor:
+        """Head output [..., H] -> token ids of its k best guesses [..., k]. The tied LM head runs the
+        fused ops.lm_head_topk (no logits written), or on packed CPU weights the packed kernel."""
+        lm = self.heads[head].lm_head or self.shared_lm_head
+        if lm is not None:
+            idx = lm(hidden).topk(k, dim=-1).indices
+        elif (backends.packed_linear and hidden.is_cpu and hidden.dtype is torch.float32 and not torch.is_grad_enabled()
+              and hidden.numel() <= MAX_PACKED_ROWS * hidden.shape[-1]):  # the rule of model/packed_linear.Linear
+            w = self.tied_lm_weight(model)
+            panels = self._tied_packed.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
+                                           extra=(DRAFT_PACK_DTYPE,))
+            logits = packed_linear(hidden, panels, w.shape[0])
+            idx = logits.argmax(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
+        else:
+            idx = ops.lm_head_topk(hidden, self.tied_lm_weight(model), k, backend=backends["lm_head_topk"])[1]
+        return self.token_ids(idx)
+
+    # ---- our checkpoint format --------------------------------------------------------------------
+    @classmethod
+    def new(cls, model, kind: str, num_heads: int = 4, num_layers: int = 1, *, lm_head: str = "tied",
+            lm_head_bias: bool = False, draft_vocab=None, prefix_final_norm: bool = True) -> "HeadDrafter":
+        """An untrained drafter of `kind` for `model` (same device and dtype); see hk.new_drafter."""
+        mc = model.config
+        cfg = DrafterConfig(num_heads=num_heads, num_layers=num_layers, hidden_size=mc.hidden_size,
+                            vocab_size=mc.vocab_size, grounded=kind != "medusa", prefix_layer=kind == "hydra++",
+                            prefix_final_norm=prefix_final_norm, lm_head=lm_head, lm_head_bias=lm_head_bias,
+                            draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
+                            base_config=mc.to_hf_dict(include_extra=False) if kind == "hydra++" else None)
+        drafter = cls(cfg).to(model.device, model.dtype).eval()
+        if draft_vocab is not None:
+            ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=model.device)
+            if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
+                raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
+            drafter.draft_vocab.copy_(ids)
+        if drafter.prefix is not None:
+            drafter.prefix.init_identity(model)
+        return drafter
+
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        from .checkpoint import save_ours
+
+        save_ours(self, path, dtype)
+
+
+def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, L, H], index [B] -> x[b, index[b]] [B, H]."""
+    return x[torch.arange(x.shape[0], device=x.device), index]

@@ -1,0 +1,104 @@
+"""Hydra and Hydra++: sequentially dependent heads. Head d sees cat(h, E(root), E(x1), ..., E(x_d)):
+h first, then the input embeddings of the path from the root to the node it extends, so the tree is
+drafted depth by depth, each depth's nodes in one head call. Hydra++ adds a prefix decoder layer over
+the base model's hidden states (drafters/prefix.py) and deeper heads.
+
+Original format (github.com/zankner/Hydra): config.json with hydra_num_heads, hydra_num_layers,
+hydra_head_arch ("mlp" | "prefix-mlp"), grounded_heads; hydra_lm_head.pt holding
+hydra_mlp.{i}.{j}.(linear|res_connection).*, hydra_lm_head.{i}[.1].weight/bias and, for prefix-mlp,
+prefix_embeding_layer.* (a one-layer LlamaModel). A head's repeated ResBlocks are one module object.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from .. import ops
+from ..tree import Tree
+from .checkpoint import fill_head, resblock_schedule
+from .config import DrafterConfig
+from .draft_heads import HeadDrafter, HeadState
+from .medusa import MedusaDrafter
+from .protocol import Proposal
+
+
+class HydraDrafter(HeadDrafter):
+    kinds = ("hydra", "hydra++")
+
+    def first_block(self, model, head: int, h: torch.Tensor, path_tokens: torch.Tensor, backends) -> torch.Tensor:
+        """Head `head`'s first ResBlock on nodes given by their paths: h [B, H], path_tokens
+        [B, n, head+1] (root first) -> [B, n, H]. On packed CPU weights the concatenated input is built
+        once for the module; elsewhere ops.hydra_first_layer gathers the embeddings by id, no concat."""
+        blk = self.heads[head].blocks[self.heads[head].schedule[0]]
+        if blk.linear.packed_on:
+            B, n = path_tokens.shape[:2]
+            x = torch.cat([h[:, None, :].expand(B, n, h.shape[-1]),
+                           model.tok_embeddings.weight[path_tokens].flatten(2)], dim=-1)  # [B, n, (head+2)H]
+            return blk(x)
+        return ops.hydra_first_layer(h, path_tokens, model.tok_embeddings.weight, blk.linear.weight, blk.linear.bias,
+                                     blk.res_connection.weight, blk.res_connection.bias,
+                                     backend=backends["hydra_first_layer"])
+
+    def _draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends) -> torch.Tensor:
+        """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root). One head call per depth for every
+        node that has children; children take their rank's token of the parent's top-k."""
+        B = h.shape[0]
+        tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
+        tokens[:, 0] = root
+        for d, plan in enumerate(tree.plans):
+            path = tree.ancestors[plan.parents, : d + 1]  # [n_parents, d+1] node ids, root first
+            hidden = self.heads[d].infer(self.first_block(model, d, h, tokens[:, path], backends), backends, first=1)
+            top = self.head_topk(model, d, hidden, plan.topk, backends)  # [B, n_parents, k]
+            tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
+        return tokens
+
+    def propose(self, state: HeadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
+        return Proposal(self._draft(state.model, state.h, root, state.tree, state.backends), state.tree)
+
+    # ---- the original Hydra format ----------------------------------------------------------------
+    @staticmethod
+    def recognizes(cfg_dict: dict) -> bool:
+        return "hydra_num_heads" in cfg_dict
+
+    @classmethod
+    def load_original(cls, path: Path, cfg_dict: dict, model=None) -> HeadDrafter:
+        n, L = cfg_dict["hydra_num_heads"], cfg_dict["hydra_num_layers"]
+        arch = cfg_dict.get("hydra_head_arch", "mlp")
+        if arch not in ("mlp", "prefix-mlp"):
+            raise NotImplementedError(f"hydra_head_arch {arch!r} is not supported (only 'mlp' and 'prefix-mlp')")
+        grounded = bool(cfg_dict.get("grounded_heads", True))
+        sd = torch.load(path / "hydra_lm_head.pt", map_location="cpu", weights_only=True)
+        lm_key = "hydra_lm_head.{}.1" if arch == "prefix-mlp" else "hydra_lm_head.{}"  # Dropout at index 0
+        V, H = sd[lm_key.format(0) + ".weight"].shape
+        blocks = {i: {} for i in range(n)}
+        for k, v in sd.items():
+            m = re.fullmatch(r"hydra_mlp\.(\d+)\.(\d+)\.(linear|res_connection)\.(weight|bias)", k)
+            if m:
+                blocks[int(m[1])].setdefault(int(m[2]), {})[f"{m[3]}.{m[4]}"] = v
+        shared = max(len(resblock_schedule(blocks[i])[0]) for i in range(n)) < L
+        cfg = DrafterConfig(num_heads=n, num_layers=L, hidden_size=H, vocab_size=V, grounded=grounded,
+                            prefix_layer=arch == "prefix-mlp", lm_head="per_head",
+                            lm_head_bias=lm_key.format(0) + ".bias" in sd, shared_resblocks=shared,
+                            base_config=_base_config(cfg_dict, model) if arch == "prefix-mlp" else None)
+        drafter = (cls if grounded else MedusaDrafter)(cfg)  # grounded_heads False: Medusa heads (+ prefix)
+        for i in range(n):
+            fill_head(drafter, i, blocks[i])
+            lm = drafter.heads[i].lm_head
+            lm.weight.data.copy_(sd[lm_key.format(i) + ".weight"])
+            if lm.bias is not None:
+                lm.bias.data.copy_(sd[lm_key.format(i) + ".bias"])
+        if drafter.prefix is not None:
+            prefix = {k[len("prefix_embeding_layer."):]: v for k, v in sd.items() if k.startswith("prefix_embeding_layer.")}
+            drafter.prefix.load_hf_layer(prefix)
+        return drafter
+
+
+def _base_config(cfg_dict: dict, model) -> dict:
+    if model is not None:
+        return model.config.to_hf_dict(include_extra=False)
+    if "num_attention_heads" in cfg_dict and "hidden_size" in cfg_dict:
+        return {"model_type": "llama", **cfg_dict}
+    raise ValueError("this Hydra checkpoint has a prefix layer but its config.json lacks the base model's "
+                     "Llama fields; pass the base model: hk.load_drafter(path, model=model)")

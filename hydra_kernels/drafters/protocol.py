@@ -1,0 +1,79 @@
+"""The Drafter protocol: what the decoding loop (speculative.py) knows of any drafting method.
+
+A family (Medusa, Hydra, EAGLE, n-gram, ...) is one module under drafters/ with a class that
+implements these methods, plus its registry entry (drafters/registry.py). The loop calls, per run:
+
+    tree  = drafter.resolve_tree(tree_arg, device_type)     # before any work: validated, bounds the KV rows
+    state = drafter.start(model, B, max_seq_len, tree, backends)
+    drafter.after_prefill(state, hidden [B, L, H], lengths [B])
+    loop:  p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
+           ... verify (p.tree), commit ...
+           drafter.after_step(state, accepted_hidden [B, K+1, H], accepted_tokens [B, K+1], accept_lengths [B])
+
+Everything stays on the device: no method may read a device tensor on the host inside a step (the
+base model's forward of the step is the only thing the host waits for).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..tree import Tree, TreeBatch
+
+
+class Proposal(NamedTuple):
+    """One step's draft. tokens int64 [B, T], node 0 = the root (the token the base model already
+    chose); tree: a static Tree shared by the batch or a TreeBatch (a tree per sequence, padded to
+    T); positions int64 [B, T] = seqlens[b] + depth, when the drafter built them on the device (else
+    the model derives them from the tree's depths)."""
+
+    tokens: torch.Tensor
+    tree: Tree | TreeBatch
+    positions: torch.Tensor | None = None
+
+
+class Drafter(nn.Module):
+    """Base class of every drafting family. Subclasses set `kinds` (the registry names they serve)
+    and implement the methods below; `kind` names this instance's family."""
+
+    kinds: tuple[str, ...] = ()
+
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    def check_model(self, model) -> None:
+        """A clear ValueError, before any work, when this drafter cannot serve `model`."""
+        raise NotImplementedError
+
+    def resolve_tree(self, tree, device_type: str) -> Tree:
+        """The run's tree from generate()'s `tree` argument (None: the drafter's choice for this device
+        class). Validated here, before any work. For a drafter that proposes its own tree each step, the
+        returned tree bounds every proposal (at most its node count and depth)."""
+        raise NotImplementedError
+
+    def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> Any:
+        """Allocate what the drafter keeps across the run's steps (its KV buffer, n-gram tables, the
+        hidden state its next draft starts from); `backends` is the run's BackendPlan."""
+        raise NotImplementedError
+
+    def after_prefill(self, state, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
+        """hidden [B, L, H]: the base model's final-normed states of the right-padded prompts; lengths [B]."""
+        raise NotImplementedError
+
+    def propose(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
+        """root int64 [B] (the base model's next token, at position seqlens[b]); seqlens int32 [B] the
+        base model's committed lengths (read-only) -> this step's draft."""
+        raise NotImplementedError
+
+    def after_step(self, state, accepted_hidden: torch.Tensor, accepted_tokens: torch.Tensor,
+                   accept_lengths: torch.Tensor) -> None:
+        """The step's committed tokens: accepted_hidden [B, K+1, H] and accepted_tokens [B, K+1] along
+        the accepted path (root first), valid up to accept_lengths[b] (0 for a finished sequence)."""
+        raise NotImplementedError
+
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """Write the drafter in its own format, which hk.load_drafter(path) recognises."""
+        raise NotImplementedError

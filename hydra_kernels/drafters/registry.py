@@ -1,0 +1,113 @@
+"""The drafter families by kind, and the checkpoint formats each one recognises.
+
+hk.new_drafter(model, kind=...) and hk.load_drafter(path) go through here; a new family is one module
+under drafters/ plus its entry in FAMILIES.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .checkpoint import FORMAT, load_ours
+from .config import DrafterConfig
+from .hydra import HydraDrafter
+from .medusa import MedusaDrafter
+from .protocol import Drafter
+
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter)
+KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
+# kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
+_EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
+
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "heads"
+SHIPPED_MODEL = "smollm2-135m-instruct"  # the embedded default (hk.load_model())
+# load_drafter() takes the first shipped kind in this order; only the best measured kind is shipped
+# besides Medusa (python/eval_heads.py decides; python/ship_heads.py --package writes the package)
+SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
+
+
+def family(kind: str) -> type[Drafter]:
+    """The class serving `kind` (ValueError naming the known kinds otherwise)."""
+    for cls in FAMILIES:
+        if kind in cls.kinds:
+            return cls
+    if kind in _EXTRA_KINDS:
+        return _EXTRA_KINDS[kind]
+    raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+
+
+def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
+    """An untrained drafter of `kind` for `model` (same device and dtype).
+
+    Head kinds ("medusa", "hydra", "hydra++") take num_heads=4, num_layers=1 (ResBlocks per head),
+    lm_head "tied" (reuses the base model's LM head: small checkpoints, cheap training) | "per_head" |
+    "shared", lm_head_bias, draft_vocab (token ids the heads may propose, e.g.
+    hk.training.draft_vocabulary's most frequent; their LM head then reads only those rows),
+    prefix_final_norm (Hydra++: False drops the prefix layer's final RMSNorm, so the fresh drafter's
+    heads see exactly the base h)."""
+    cls = family(kind)
+    if kind not in cls.kinds:
+        raise ValueError(f"kind {kind!r} comes only from original checkpoints; new drafters: {KINDS}")
+    return cls.new(model, kind, **options)
+
+
+def shipped_drafters() -> dict[str, Path]:
+    """kind -> directory of the heads shipped inside the package for the embedded default model."""
+    root = SHIPPED_DIR / SHIPPED_MODEL
+    return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").exists()} if root.is_dir() else {}
+
+
+def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
+    """Load a drafter, recognising its format: ours (any kind), an original Hydra checkpoint dir or
+    original Medusa heads (also vLLM's layout). model (optional): moves the drafter to its device/dtype
+    and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter shipped for the
+    embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters() (default: the best
+    measured one). A head drafter's `trees` holds the tree searched per device class; generate(tree=None)
+    uses it."""
+    if path is None:
+        shipped = shipped_drafters()
+        kind = kind or next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
+        if kind not in shipped:
+            raise FileNotFoundError(f"no shipped {kind!r} drafter; shipped: {sorted(shipped) or 'none'} "
+                                    "(train your own with python/train_heads.py, or pass a checkpoint directory)")
+        path = shipped[kind]
+        if model is not None and (model.config.vocab_size, model.config.hidden_size) != (49152, 576):
+            raise ValueError("the shipped drafters are for the embedded SmolLM2-135M-Instruct (vocab 49152, hidden 576); "
+                             "pass the path of a drafter trained for this model")
+    elif kind is not None:
+        raise ValueError("kind selects among the shipped drafters; it is only used with path=None")
+    drafter = _load_dir(Path(path), model)
+    drafter.eval()
+    if model is not None:
+        drafter.to(model.device, model.dtype)
+    return drafter
+
+
+def _load_dir(path: Path, model) -> Drafter:
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json: expected a drafter directory")
+    try:
+        cfg_dict = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    if cfg_dict.get("format") == FORMAT:
+        kind = cfg_dict.get("kind") or _kind_of_fields(cfg_dict)
+        drafter = load_ours(family(kind), path, cfg_dict)
+    else:
+        cls = next((c for c in FAMILIES if hasattr(c, "recognizes") and c.recognizes(cfg_dict)), None)
+        if cls is None:
+            raise ValueError(f"{cfg_file} is neither a hydra_kernels drafter (format {FORMAT!r}) nor a checkpoint "
+                             "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads)")
+        drafter = cls.load_original(path, cfg_dict, model)
+    if hasattr(drafter, "trees"):
+        from ..tree import Tree
+
+        drafter.trees = {f.stem[len("tree_"):]: Tree.load(f) for f in sorted(path.glob("tree_*.json"))}
+    return drafter
+
+
+def _kind_of_fields(cfg_dict: dict) -> str:
+    """Head checkpoints written before "kind" was recorded: the kind their config fields describe."""
+    fields = {k: v for k, v in cfg_dict.items() if k not in ("format", "version", "kind")}
+    return DrafterConfig(**fields).kind

@@ -1,0 +1,131 @@
+"""Trees per sequence through the whole step: a test drafter proposes a random valid tree for every
+sequence at every step (different sizes, padded to a common T), and speculative decoding must still
+emit exactly the plain greedy tokens, on the real model and on every backend.
+
+The drafter is an oracle with noise: it knows the plain greedy continuation, puts it on one random
+branch of each tree (cut off at a random depth, sometimes corrupted) and random tokens elsewhere, so
+long paths are accepted, rejected part-way and tied. It also writes the right next token into padded
+nodes, which must never be accepted.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.drafters import Drafter, Proposal
+from hydra_kernels.generate import generate
+from hydra_kernels.tree import TreeBatch
+from test_llama_vs_transformers import make_hf
+
+
+class OracleTreeDrafter(Drafter):
+    kinds = ("test-oracle-trees",)
+
+    def __init__(self, prompts, continuations, max_nodes=9, max_depth=4, seed=0):
+        super().__init__()
+        self.prompts, self.continuations = prompts, continuations
+        self.max_nodes, self.max_depth, self.seed = max_nodes, max_depth, seed
+        self.sizes_seen: set[tuple[int, ...]] = set()
+        self.max_accepted = 0
+
+    @property
+    def kind(self):
+        return "test-oracle-trees"
+
+    def check_model(self, model):
+        pass
+
+    def resolve_tree(self, tree, device_type):
+        assert tree is None
+        return hk.tree.chain(self.max_depth) if self.max_nodes == self.max_depth + 1 else _bound(self.max_nodes, self.max_depth)
+
+    def start(self, model, batch_size, max_seq_len, tree, backends):
+        return {"done": [0] * batch_size, "rng": random.Random(self.seed), "V": model.config.vocab_size}
+
+    def after_prefill(self, state, hidden, lengths):
+        state["done"] = [1] * len(state["done"])  # the first token came from the prefill
+
+    def after_step(self, state, accepted_hidden, accepted_tokens, accept_lengths):
+        for b, n in enumerate(accept_lengths.tolist()):
+            state["done"][b] += n
+            self.max_accepted = max(self.max_accepted, n)
+
+    def propose(self, state, root, seqlens):
+        rng, V = state["rng"], state["V"]
+        B = root.shape[0]
+        parent_lists, token_lists = [], []
+        for b in range(B):
+            T = rng.randint(1, self.max_nodes)
+            parents, depth = [-1], [0]
+            for i in range(1, T):
+                cands = [j for j in range(i) if depth[j] < self.max_depth]
+                p = rng.choice(cands)
+                parents.append(p)
+                depth.append(depth[p] + 1)
+            # the oracle branch: a random leaf-ward walk from the root, each node holding the true token
+            truth = self.continuations[b][state["done"][b]:]
+            toks = [int(root[b])] + [rng.randrange(V) for _ in range(T - 1)]
+            node, d = 0, 0
+            while True:
+                kids = [j for j in range(T) if parents[j] == node]
+                if not kids or d >= len(truth) or rng.random() < 0.15:
+                    break
+                node, d = rng.choice(kids), d + 1
+                toks[node] = truth[d - 1] if rng.random() > 0.1 else rng.randrange(V)
+            parent_lists.append(parents)
+            token_lists.append(toks)
+        tree = TreeBatch.from_parent_lists(parent_lists, device=root.device)
+        Tpad = tree.num_nodes
+        tokens = torch.empty(B, Tpad, dtype=torch.long)
+        for b, toks in enumerate(token_lists):
+            truth = self.continuations[b][state["done"][b]:] + [0] * Tpad
+            tokens[b] = torch.tensor(toks + [truth[0]] * (Tpad - len(toks)))  # padded: the right next token
+        self.sizes_seen.add(tuple(len(t) for t in token_lists))
+        return Proposal(tokens.to(root.device), tree)
+
+
+def _bound(nodes, depth):
+    """A static tree with `nodes` nodes and depth `depth`: the bound on every proposal (KV rows)."""
+    choices = [[0] * d for d in range(1, depth + 1)]
+    r = 1
+    while len(choices) + 1 < nodes:
+        choices.append([r])
+        r += 1
+    return hk.Tree(choices)
+
+
+def run_oracle(model, prompts, n, backend, seed=0, batch_sizes=None):
+    plain = generate(model, prompts, max_new_tokens=n, eos_token_id=[], backend=backend).sequences
+    d = OracleTreeDrafter(prompts, plain, seed=seed)
+    out = generate(model, prompts, drafter=d, max_new_tokens=n, eos_token_id=[], backend=backend)
+    return plain, out, d
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+
+
+@pytest.mark.parametrize("backend", ["reference", "native", "triton"])
+def test_random_per_sequence_trees_are_lossless_tiny_model(tiny, backend):
+    if backend == "native" and not hk.ops.native_available():
+        pytest.skip("extension not built")
+    prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [40, 41, 40, 41, 40]]
+    for seed in range(3):
+        plain, out, d = run_oracle(tiny, prompts, 30, backend, seed)
+        assert out.sequences == plain, f"seed {seed}"
+        assert len(d.sizes_seen) > 1 and any(len(set(s)) > 1 for s in d.sizes_seen)  # ragged trees happened
+        assert d.max_accepted >= 3  # long paths were accepted
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_random_per_sequence_trees_are_lossless_real_model(smollm2, backend):
+    model, tok = smollm2
+    texts = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    plain, out, d = run_oracle(model, prompts, 40, backend, seed=1)
+    assert out.sequences == plain
+    assert out.mean_accepted_tokens > 1.5 and d.max_accepted >= 3
