@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "hydra_kernels.h"
+#include "tree_buffer.h"
 
 namespace hydra_kernels {
 
@@ -35,14 +36,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_verify_cuda(co
                                                                                   const at::Tensor& paths) {
   check_greedy_verify(target, tokens, paths);
   const c10::cuda::CUDAGuard guard(tokens.device());
-  at::Tensor tg = i64(target), tk = i64(tokens), pt = i64(paths);
-  const int64_t B = tk.size(0), D1 = pt.size(1);
+  at::Tensor tg = i64(target), tk = i64(tokens);
+  const TreeBuffer tree = tree_buffer(paths, 2, at::kLong);  // [P, D1] shared or [B, P, D1]
+  const int64_t B = tk.size(0), P = paths.size(-2), D1 = paths.size(-1);
   auto opts = tk.options();
   at::Tensor len = at::empty({B}, opts), acc = at::empty({B, D1}, opts), root = at::empty({B}, opts),
              last = at::empty({B}, opts);
-  hk_greedy_verify_cuda(tg.data_ptr<int64_t>(), tk.data_ptr<int64_t>(), B, tk.size(1), pt.data_ptr<int64_t>(),
-                        pt.size(0), D1, len.data_ptr<int64_t>(), acc.data_ptr<int64_t>(), root.data_ptr<int64_t>(),
-                        last.data_ptr<int64_t>(), stream());
+  hk_greedy_verify_cuda(tg.data_ptr<int64_t>(), tk.data_ptr<int64_t>(), B, tk.size(1), tree.t.data_ptr<int64_t>(),
+                        tree.batch_stride, P, D1, len.data_ptr<int64_t>(), acc.data_ptr<int64_t>(),
+                        root.data_ptr<int64_t>(), last.data_ptr<int64_t>(), stream());
   return {len, acc, root, last};
 }
 
@@ -51,12 +53,13 @@ std::tuple<at::Tensor, at::Tensor> tree_inputs_cuda(const at::Tensor& root, cons
                                                     const at::Tensor& seqlens) {
   check_tree_inputs(root, cand, source, depths, seqlens);
   const c10::cuda::CUDAGuard guard(root.device());
-  at::Tensor r = i64(root), c = i64(cand), src = i64(source), d = i64(depths), s = i64(seqlens);
+  at::Tensor r = i64(root), c = i64(cand), src = i64(source), s = i64(seqlens);
+  const TreeBuffer depth = tree_buffer(depths, 1, at::kLong);  // [T] shared or [B, T]
   const int64_t B = r.size(0), T = src.size(0);
   at::Tensor tokens = at::empty({B, T}, r.options()), positions = at::empty({B, T}, r.options());
   hk_tree_inputs_cuda(r.data_ptr<int64_t>(), c.data_ptr<int64_t>(), c.size(1), src.data_ptr<int64_t>(),
-                      d.data_ptr<int64_t>(), s.data_ptr<int64_t>(), B, T, tokens.data_ptr<int64_t>(),
-                      positions.data_ptr<int64_t>(), stream());
+                      depth.t.data_ptr<int64_t>(), depth.batch_stride, s.data_ptr<int64_t>(), B, T,
+                      tokens.data_ptr<int64_t>(), positions.data_ptr<int64_t>(), stream());
   return {tokens, positions};
 }
 

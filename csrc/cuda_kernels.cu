@@ -28,14 +28,17 @@ __global__ void commit_kv_kernel(uint32_t* __restrict__ kv, int64_t B, int64_t S
 
 // greedy_verify: one block per sequence. Thread p walks leaf path p while each token equals the
 // target after its parent; the block keeps the longest (lowest p on ties) with one atomicMax on
-// key = length * 65536 + (65535 - p), then thread 0 writes the outputs.
+// key = length * 65536 + (65535 - p), then thread 0 writes the outputs. Sequence b's leaf paths start at
+// paths + b * paths_bstride (0: one tree for the batch).
 __global__ void greedy_verify_kernel(const int64_t* __restrict__ target, const int64_t* __restrict__ tokens,
-                                     int64_t T, const int64_t* __restrict__ paths, int64_t P, int64_t D1,
-                                     int64_t* accept_len, int64_t* accept_idx, int64_t* next_root, int64_t* last_node) {
+                                     int64_t T, const int64_t* __restrict__ all_paths, int64_t paths_bstride,
+                                     int64_t P, int64_t D1, int64_t* accept_len, int64_t* accept_idx,
+                                     int64_t* next_root, int64_t* last_node) {
   __shared__ unsigned long long best_key;
   const int64_t b = blockIdx.x;
   const int64_t* tgt = target + b * T;
   const int64_t* tok = tokens + b * T;
+  const int64_t* paths = all_paths + b * paths_bstride;
   if (threadIdx.x == 0) best_key = 0;
   __syncthreads();
   for (int64_t p = threadIdx.x; p < P; p += blockDim.x) {
@@ -59,13 +62,13 @@ __global__ void greedy_verify_kernel(const int64_t* __restrict__ target, const i
 
 __global__ void tree_inputs_kernel(const int64_t* __restrict__ root, const int64_t* __restrict__ cand, int64_t C,
                                    const int64_t* __restrict__ source, const int64_t* __restrict__ depths,
-                                   const int64_t* __restrict__ seqlens, int64_t B, int64_t T, int64_t* tokens,
-                                   int64_t* positions) {
+                                   int64_t depths_bstride, const int64_t* __restrict__ seqlens, int64_t B, int64_t T,
+                                   int64_t* tokens, int64_t* positions) {
   const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= B * T) return;
   const int64_t b = i / T, t = i % T;
   tokens[i] = t == 0 ? root[b] : cand[b * C + source[t]];
-  positions[i] = seqlens[b] + depths[t];
+  positions[i] = seqlens[b] + depths[b * depths_bstride + t];
 }
 
 }  // namespace
@@ -79,18 +82,20 @@ extern "C" void hk_commit_kv_cuda(uint32_t* kv, int64_t n_planes, int64_t B, int
 }
 
 extern "C" void hk_greedy_verify_cuda(const int64_t* target, const int64_t* tokens, int64_t B, int64_t T,
-                                      const int64_t* paths, int64_t P, int64_t D1, int64_t* accept_len,
-                                      int64_t* accept_idx, int64_t* next_root, int64_t* last_node, void* stream) {
+                                      const int64_t* paths, int64_t paths_bstride, int64_t P, int64_t D1,
+                                      int64_t* accept_len, int64_t* accept_idx, int64_t* next_root, int64_t* last_node,
+                                      void* stream) {
   const int threads = P >= 128 ? 128 : 32;
-  greedy_verify_kernel<<<(unsigned)B, threads, 0, (cudaStream_t)stream>>>(target, tokens, T, paths, P, D1, accept_len,
-                                                                         accept_idx, next_root, last_node);
+  greedy_verify_kernel<<<(unsigned)B, threads, 0, (cudaStream_t)stream>>>(target, tokens, T, paths, paths_bstride, P,
+                                                                         D1, accept_len, accept_idx, next_root,
+                                                                         last_node);
 }
 
 extern "C" void hk_tree_inputs_cuda(const int64_t* root, const int64_t* candidates, int64_t C, const int64_t* source,
-                                    const int64_t* depths, const int64_t* seqlens, int64_t B, int64_t T,
-                                    int64_t* tokens, int64_t* positions, void* stream) {
+                                    const int64_t* depths, int64_t depths_bstride, const int64_t* seqlens, int64_t B,
+                                    int64_t T, int64_t* tokens, int64_t* positions, void* stream) {
   const int threads = 256;
   const int64_t n = B * T;
   tree_inputs_kernel<<<(unsigned)((n + threads - 1) / threads), threads, 0, (cudaStream_t)stream>>>(
-      root, candidates, C, source, depths, seqlens, B, T, tokens, positions);
+      root, candidates, C, source, depths, depths_bstride, seqlens, B, T, tokens, positions);
 }

@@ -13,16 +13,20 @@ extern "C" {
 void hk_commit_kv_cuda(uint32_t* kv, int64_t n_planes, int64_t B, int64_t S, int64_t row_words,
                        const int64_t* seqlens, const int64_t* idx, int64_t k1, const int64_t* lens, void* stream);
 
-// One block per sequence. target, tokens: [B][T]; paths: [P][D1] (-1 padded).
-// Outputs: accept_len [B], accept_idx [B][D1] (-1 after the length), next_root [B], last_node [B].
-void hk_greedy_verify_cuda(const int64_t* target, const int64_t* tokens, int64_t B, int64_t T,
-                           const int64_t* paths, int64_t P, int64_t D1, int64_t* accept_len, int64_t* accept_idx,
-                           int64_t* next_root, int64_t* last_node, void* stream);
+// Tree buffers of a batch: sequence b's at ptr + b * batch_stride (0: one tree shared by the batch).
 
-// tokens[b, 0] = root[b]; tokens[b, t] = candidates[b, source[t]] (t >= 1); positions[b, t] = seqlens[b] + depths[t].
+// One block per sequence. target, tokens: [B][T]; sequence b's leaf paths: [P][D1] (-1 padded) at
+// paths + b * paths_bstride. Outputs: accept_len [B], accept_idx [B][D1] (-1 after the length),
+// next_root [B], last_node [B].
+void hk_greedy_verify_cuda(const int64_t* target, const int64_t* tokens, int64_t B, int64_t T,
+                           const int64_t* paths, int64_t paths_bstride, int64_t P, int64_t D1, int64_t* accept_len,
+                           int64_t* accept_idx, int64_t* next_root, int64_t* last_node, void* stream);
+
+// tokens[b, 0] = root[b]; tokens[b, t] = candidates[b, source[t]] (t >= 1);
+// positions[b, t] = seqlens[b] + depths[b * depths_bstride + t].
 void hk_tree_inputs_cuda(const int64_t* root, const int64_t* candidates, int64_t C, const int64_t* source,
-                         const int64_t* depths, const int64_t* seqlens, int64_t B, int64_t T, int64_t* tokens,
-                         int64_t* positions, void* stream);
+                         const int64_t* depths, int64_t depths_bstride, const int64_t* seqlens, int64_t B, int64_t T,
+                         int64_t* tokens, int64_t* positions, void* stream);
 
 #ifdef __cplusplus
 }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "hydra_kernels.h"
+#include "tree_buffer.h"
 
 namespace hydra_kernels {
 
@@ -36,9 +37,11 @@ void check_greedy_verify(const at::Tensor& target, const at::Tensor& tokens, con
   TORCH_CHECK(tokens.dim() == 2 && target.sizes() == tokens.sizes(),
               "greedy_verify: target_tokens and tree_tokens must both be [B, T], got ", target.sizes(), " and ",
               tokens.sizes());
-  TORCH_CHECK(paths.dim() == 2 && paths.size(1) >= 1 && paths.scalar_type() == at::kLong,
-              "greedy_verify: paths must be int64 [P, D+1], got ", paths.scalar_type(), " ", paths.sizes());
-  TORCH_CHECK(paths.size(0) < 65536, "greedy_verify: at most 65535 leaf paths");
+  TORCH_CHECK((paths.dim() == 2 || (paths.dim() == 3 && paths.size(0) == tokens.size(0))) && paths.size(-1) >= 1 &&
+                  paths.scalar_type() == at::kLong,
+              "greedy_verify: paths must be int64 [P, D+1] (one tree) or [B, P, D+1] (a tree per sequence), got ",
+              paths.scalar_type(), " ", paths.sizes());
+  TORCH_CHECK(paths.size(-2) < 65536, "greedy_verify: at most 65535 leaf paths");
   TORCH_CHECK(target.device() == tokens.device() && paths.device() == tokens.device(),
               "greedy_verify: all inputs must be on one device");
 }
@@ -47,8 +50,11 @@ void check_tree_inputs(const at::Tensor& root, const at::Tensor& cand, const at:
                        const at::Tensor& depths, const at::Tensor& seqlens) {
   TORCH_CHECK(root.dim() == 1 && cand.dim() == 2 && cand.size(0) == root.size(0),
               "tree_inputs: root must be [B] and candidates [B, C], got ", root.sizes(), " and ", cand.sizes());
-  TORCH_CHECK(source.dim() == 1 && depths.dim() == 1 && source.size(0) == depths.size(0),
-              "tree_inputs: node_source and depths must both be [T], got ", source.sizes(), " and ", depths.sizes());
+  const int64_t T = source.size(-1);
+  TORCH_CHECK(source.dim() == 1 && ((depths.dim() == 1 && depths.size(0) == T) ||
+                                    (depths.dim() == 2 && depths.size(0) == root.size(0) && depths.size(1) == T)),
+              "tree_inputs: node_source must be [T] and depths [T] (one tree) or [B, T] (a tree per sequence), got ",
+              source.sizes(), " and ", depths.sizes());
   TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) == root.size(0), "tree_inputs: cache_seqlens must be [B]");
   for (const at::Tensor* t : {&cand, &source, &depths, &seqlens})
     TORCH_CHECK(t->device() == root.device(), "tree_inputs: all inputs must be on ", root.device());
@@ -90,12 +96,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_verify_cpu(con
                                                                                  const at::Tensor& tokens,
                                                                                  const at::Tensor& paths) {
   check_greedy_verify(target, tokens, paths);
-  const int64_t B = tokens.size(0), T = tokens.size(1), P = paths.size(0), D1 = paths.size(1);
-  auto tgt = as_i64(target), tok = as_i64(tokens), pth = as_i64(paths);
+  const int64_t B = tokens.size(0), T = tokens.size(1), P = paths.size(-2), D1 = paths.size(-1);
+  auto tgt = as_i64(target), tok = as_i64(tokens);
+  const TreeBuffer tree = tree_buffer(paths, 2, at::kLong);  // [P, D1] shared or [B, P, D1]
   auto opts = tokens.options().dtype(at::kLong);
   at::Tensor accept_len = at::empty({B}, opts), next_root = at::empty({B}, opts), last = at::empty({B}, opts);
   at::Tensor accept_idx = at::full({B, D1}, -1, opts);
   for (int64_t b = 0; b < B; ++b) {
+    const int64_t* pth = tree.t.data_ptr<int64_t>() + b * tree.batch_stride;  // this sequence's leaf paths
     int64_t best = 0, best_len = -1;
     for (int64_t p = 0; p < P; ++p) {  // accepted prefix of leaf path p; the first longest wins
       const int64_t* path = &pth[p * D1];
@@ -118,7 +126,9 @@ std::tuple<at::Tensor, at::Tensor> tree_inputs_cpu(const at::Tensor& root, const
                                                    const at::Tensor& seqlens) {
   check_tree_inputs(root, cand, source, depths, seqlens);
   const int64_t B = root.size(0), T = source.size(0), C = cand.size(1);
-  auto r = as_i64(root), c = as_i64(cand), src = as_i64(source), d = as_i64(depths), s = as_i64(seqlens);
+  auto r = as_i64(root), c = as_i64(cand), src = as_i64(source), s = as_i64(seqlens);
+  const TreeBuffer depth = tree_buffer(depths, 1, at::kLong);  // [T] shared or [B, T]
+  const int64_t* d = depth.t.data_ptr<int64_t>();
   auto opts = root.options().dtype(at::kLong);
   at::Tensor tokens = at::empty({B, T}, opts), positions = at::empty({B, T}, opts);
   int64_t* tk = tokens.data_ptr<int64_t>();
@@ -128,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor> tree_inputs_cpu(const at::Tensor& root, const
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       tk[b * T + t] = t == 0 ? r[b] : c[b * C + src[t]];
-      ps[b * T + t] = s[b] + d[t];
+      ps[b * T + t] = s[b] + d[b * depth.batch_stride + t];
     }
   return {tokens, positions};
 }

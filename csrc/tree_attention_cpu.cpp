@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "tree_buffer.h"
 
 namespace hydra_kernels {
 namespace {
@@ -44,10 +45,11 @@ void check_tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
               "tree_attention: q, k_cache, v_cache must share a dtype");
   const int64_t T = q.size(1);
   TORCH_CHECK(T <= k.size(1), "tree_attention: T=", T, " tree tokens do not fit a cache of ", k.size(1), " rows");
-  TORCH_CHECK(tree_mask.dim() == 2 && tree_mask.size(0) == T && tree_mask.size(1) == T &&
+  const bool shared = tree_mask.dim() == 2, per_seq = tree_mask.dim() == 3 && tree_mask.size(0) == q.size(0);
+  TORCH_CHECK((shared || per_seq) && tree_mask.size(-2) == T && tree_mask.size(-1) == T &&
                   tree_mask.scalar_type() == at::kBool,
-              "tree_attention: tree_mask must be bool [T, T] = [", T, ", ", T, "], got ", tree_mask.scalar_type(), " ",
-              tree_mask.sizes());
+              "tree_attention: tree_mask must be bool [T, T] = [", T, ", ", T, "] (one tree) or [B, T, T] = [", q.size(0),
+              ", ", T, ", ", T, "] (a tree per sequence), got ", tree_mask.scalar_type(), " ", tree_mask.sizes());
   TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) == q.size(0) &&
                   (seqlens.scalar_type() == at::kInt || seqlens.scalar_type() == at::kLong),
               "tree_attention: cache_seqlens must be int32/int64 [B]");
@@ -56,12 +58,12 @@ void check_tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 // allowed[b, 0, i, j]: j < seqlens[b] (committed prefix), or j - seqlens[b] = node n in [0, T) with
-// tree_mask[i, n] (ancestor-or-self). Rows past the tree stay masked.
+// tree_mask[(b,) i, n] (ancestor-or-self). Rows past the tree stay masked.
 at::Tensor key_mask(const at::Tensor& seqlens, const at::Tensor& tree_mask, int64_t B, int64_t T, int64_t S) {
   at::Tensor allowed = at::empty({B, 1, T, S}, tree_mask.options());
-  at::Tensor tm = tree_mask.contiguous();
+  const TreeBuffer tm = tree_buffer(tree_mask, 2, at::kBool);  // [T, T] shared or [B, T, T]
+  const bool* tmp = tm.t.data_ptr<bool>();
   at::Tensor sl = seqlens.to(at::kLong).contiguous();
-  const bool* tmp = tm.data_ptr<bool>();
   const int64_t* s = sl.data_ptr<int64_t>();
   bool* out = allowed.data_ptr<bool>();
   for (int64_t b = 0; b < B; ++b) {
@@ -71,7 +73,7 @@ at::Tensor key_mask(const at::Tensor& seqlens, const at::Tensor& tree_mask, int6
     for (int64_t i = 0; i < T; ++i) {
       bool* row = out + (b * T + i) * S;
       std::memset(row, 1, static_cast<size_t>(len));
-      std::memcpy(row + len, tmp + i * T, static_cast<size_t>(T));
+      std::memcpy(row + len, tmp + b * tm.batch_stride + i * T, static_cast<size_t>(T));
       std::memset(row + len + T, 0, static_cast<size_t>(S - len - T));
     }
   }
@@ -187,9 +189,10 @@ at::Tensor tree_attention_fp32(const at::Tensor& q_in, const at::Tensor& k, cons
                                const at::Tensor& tree_mask, double scale) {
   const at::Tensor q = q_in.contiguous();
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2), G = Hq / Hkv;
-  const at::Tensor tm = tree_mask.contiguous();
+  const TreeBuffer tm = tree_buffer(tree_mask, 2, at::kBool);  // [T, T] shared (batch stride 0) or [B, T, T]
   const at::Tensor sl = seqlens.to(at::kLong).contiguous();
-  const bool* mp = tm.data_ptr<bool>();
+  const bool* mp = tm.t.data_ptr<bool>();
+  const int64_t mb = tm.batch_stride;
   const int64_t* lens = sl.data_ptr<int64_t>();
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
@@ -216,8 +219,9 @@ at::Tensor tree_attention_fp32(const at::Tensor& q_in, const at::Tensor& k, cons
         const int64_t len = lens[b];
         for (int64_t j = 0; j < len; ++j) key_rows[j] = j;
         L = len;
+        const bool* mrow = mp + b * mb + i * T;  // node i's ancestors-or-self in sequence b's tree
         for (int64_t n = 0; n < T; ++n)
-          if (mp[i * T + n]) key_rows[L++] = len + n;
+          if (mrow[n]) key_rows[L++] = len + n;
         cached_bi = bi;
       }
       RowArgs a{qp + r * D, kp + b * sb + (h / G) * sh, vp + b * sb + (h / G) * sh, ss, key_rows.data(), L, D,

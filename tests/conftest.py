@@ -12,6 +12,57 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
+from helpers import DEV  # noqa: E402
+
+
+# ---- backends: one test per op, run once per backend -----------------------------------------------
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "backends(*names, op=None): run the test (which takes a `backend` argument) once per named "
+        "backend; one that cannot run `op` here is skipped, saying why")
+    config.addinivalue_line(
+        "markers", "requires(backend, op=None): skip the test (which takes no `backend`) where that backend "
+        "cannot run here")
+
+
+def why_backend_cannot_run(backend: str, op: str | None = None) -> str | None:
+    """Why `backend` cannot run `op` on the test device (helpers.DEV) on this machine, or None. The one
+    place the test suite decides to skip a backend."""
+    from hydra_kernels.ops.backend import has_impl, native_available, triton_available
+
+    dev = torch.device(DEV)
+    if backend == "triton" and not triton_available(dev):
+        return "Triton needs triton installed and CUDA, or TRITON_INTERPRET=1 on the CPU"
+    if backend == "native" and not native_available():
+        return "the extension hydra_kernels._C is not built"
+    if op is not None and not has_impl(op, backend, dev):
+        return f"{op} has no {backend} implementation for {dev.type} tensors"
+    return None
+
+
+def pytest_generate_tests(metafunc):
+    """A test taking `backend` runs once per backend its `backends` marker names (module- or test-level)."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("backends")
+    if marker is None:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid} takes `backend`: mark it @pytest.mark.backends(...)")
+    op = marker.kwargs.get("op")
+    params = []
+    for name in marker.args:
+        why = why_backend_cannot_run(name, op)
+        params.append(pytest.param(name, id=name, marks=[pytest.mark.skip(reason=why)] if why else []))
+    metafunc.parametrize("backend", params)
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("requires")
+    if marker is not None:
+        why = why_backend_cannot_run(*marker.args, **marker.kwargs)
+        if why:
+            pytest.skip(why)
+
+
 
 @pytest.fixture(scope="session")
 def smollm2():

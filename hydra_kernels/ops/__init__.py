@@ -1,4 +1,11 @@
-"""Public ops. Each checks its inputs, then dispatches to a backend (see ops/backend.py)."""
+"""Public ops. Each checks its inputs, then dispatches to a backend (see ops/backend.py).
+
+The tree ops take one tree for the whole batch (tree_mask [T, T], depths [T], paths [P, D+1]: a static
+tree) or a tree per sequence padded to a common T (tree_mask [B, T, T], depths [B, T], paths
+[B, P, D+1]: dynamic trees; a padded node sees only itself, has depth 0 and lies on no leaf path, so it
+is never accepted; a sequence with fewer leaves has [0, -1, ..., -1] rows). Every backend reads the
+shared form in place with batch stride 0 (no per-step expansion or copy).
+"""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -48,13 +55,15 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
     k_cache, v_cache : [B, S_max, Hkv, D] with the tree's K/V already written at rows
         [cache_seqlens[b], cache_seqlens[b] + T). Hq % Hkv == 0 (GQA).
     cache_seqlens : int32/int64 [B], committed prefix length of each sequence.
-    tree_mask : bool [T, T], tree_mask[i, j] when node j is an ancestor of node i or i itself.
+    tree_mask : bool [T, T] (one tree for the batch) or [B, T, T] (a tree per sequence, padded to a common
+        T; a padded node i has only tree_mask[b, i, i]): tree_mask[(b,) i, j] when node j is an ancestor
+        of node i or i itself.
     sm_scale : softmax scale, default D ** -0.5.
 
     Returns
     -------
-    [B, T, Hq, D] in q's dtype: node i attends to keys [0, seqlens[b]) and to tree keys j with
-    tree_mask[i, j].
+    [B, T, Hq, D] in q's dtype: node i of sequence b attends to keys [0, seqlens[b]) and to tree keys j
+    with tree_mask[(b,) i, j].
     """
     _check(q.dim() == 4, f"q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
     B, T, Hq, D = q.shape
@@ -67,8 +76,9 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
     _check(T <= k_cache.shape[1], f"T={T} tree tokens do not fit a cache of {k_cache.shape[1]} rows")
     _check(q.dtype == k_cache.dtype == v_cache.dtype,
            f"q, k_cache, v_cache must share a dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    _check(tuple(tree_mask.shape) == (T, T) and tree_mask.dtype == torch.bool,
-           f"tree_mask must be bool [T, T] = [{T}, {T}], got {tree_mask.dtype} {tuple(tree_mask.shape)}")
+    _check(tuple(tree_mask.shape) in ((T, T), (B, T, T)) and tree_mask.dtype == torch.bool,
+           f"tree_mask must be bool [T, T] = [{T}, {T}] (one tree) or [B, T, T] = [{B}, {T}, {T}] (a tree per "
+           f"sequence), got {tree_mask.dtype} {tuple(tree_mask.shape)}")
     _check(tuple(cache_seqlens.shape) == (B,) and cache_seqlens.dtype in (torch.int32, torch.int64),
            f"cache_seqlens must be int32/int64 [B] = [{B}], got {cache_seqlens.dtype} "
            f"{tuple(cache_seqlens.shape)}")
@@ -156,24 +166,32 @@ def resblock(x, weight, bias=None, *, backend="auto"):
     return fn(x, weight, bias)
 
 
+def _check_paths(paths, B: int, T: int, device) -> None:
+    """paths: int64 leaf paths [P, D+1] (one tree) or [B, P, D+1] (a tree per sequence), -1 padded."""
+    _check(paths.dtype == torch.long and paths.dim() in (2, 3) and paths.shape[-1] >= 1
+           and (paths.dim() == 2 or paths.shape[0] == B),
+           f"paths must be int64 [P, D+1] leaf paths (Tree.paths) or [B={B}, P, D+1] (a tree per sequence), "
+           f"got {paths.dtype} {tuple(paths.shape)}")
+    _check(paths.device == device, f"paths on {paths.device}, the tree's other inputs on {device}")
+    if paths.device.type == "cpu":  # on a GPU this read would sync the host inside every step: skip it there
+        top = int(paths.max())
+        _check(top < T, f"paths index node {top} but the tree has {T} nodes")
+
+
 def _check_tree_inputs(tree_tokens, paths):
     _check(tree_tokens.dim() == 2 and not tree_tokens.dtype.is_floating_point,
            f"tree_tokens must be integer [B, T], got {tree_tokens.dtype} {tuple(tree_tokens.shape)}")
-    _check(paths.dim() == 2 and paths.dtype == torch.long and paths.shape[1] >= 1,
-           f"paths must be int64 [P, D+1] leaf paths (Tree.paths), got {paths.dtype} {tuple(paths.shape)}")
-    if paths.device.type == "cpu":  # on a GPU this read would sync the host inside every step: skip it there
-        top = int(paths.max())
-        _check(top < tree_tokens.shape[1], f"paths index node {top} but the tree has {tree_tokens.shape[1]} nodes")
-    _check(paths.device == tree_tokens.device, f"paths on {paths.device}, tree_tokens on {tree_tokens.device}")
+    _check_paths(paths, tree_tokens.shape[0], tree_tokens.shape[1], tree_tokens.device)
 
 
 def greedy_verify(target_tokens, tree_tokens, paths, *, backend="auto") -> Verification:
     """Greedy acceptance of one step's tree.
 
     target_tokens [B, T]: the base model's argmax after each tree node; tree_tokens [B, T]: the drafted
-    tokens (node 0 = root); paths [P, D+1]: the tree's leaf paths (Tree.paths, -1 padded).
-    Node j is accepted when tree_tokens[j] == target_tokens[parent(j)] and its parent is accepted; the
-    longest accepted path wins (first in `paths` on a tie) and next_root = target_tokens[last node].
+    tokens (node 0 = root); paths int64 [P, D+1]: the tree's leaf paths (Tree.paths, -1 padded), or
+    [B, P, D+1], a tree per sequence. Node j is accepted when tree_tokens[j] == target_tokens[parent(j)]
+    and its parent is accepted; the longest accepted path wins (first in `paths` on a tie) and
+    next_root = target_tokens[last node]. Returns a Verification (accept_indices [B, D+1]).
     """
     _check_tree_inputs(tree_tokens, paths)
     _check(target_tokens.shape == tree_tokens.shape,
@@ -186,8 +204,9 @@ def typical_verify(logits, tree_tokens, paths, *, temperature, posterior_thresho
                    generator=None, backend="auto") -> Verification:
     """Typical acceptance (Medusa's criterion) of one step's tree; see reference.typical_verify.
 
-    logits [B, T, V]: base logits after each node; temperature > 0; the next root is sampled with
-    `generator` from the distribution after the last accepted node.
+    logits [B, T, V]: base logits after each node; tree_tokens [B, T]; paths int64 [P, D+1] or
+    [B, P, D+1] (a tree per sequence); temperature > 0; the next root is sampled with `generator` from
+    the distribution after the last accepted node.
     """
     _check_tree_inputs(tree_tokens, paths)
     _check(logits.dim() == 3 and logits.shape[:2] == tree_tokens.shape,
@@ -214,13 +233,14 @@ def lm_head_sample_stats(x, weight, temperature, seed, *, backend="auto"):
 def typical_accept(lse, entropy, child_logits, samples, paths, *, posterior_threshold=0.09, posterior_alpha=0.3,
                    backend="auto") -> Verification:
     """Typical acceptance from LM-head statistics (no [B, T, V] logits): lse, entropy, child_logits
-    (reference.child_logits), samples, all [B, T]; paths [P, D+1]. Same acceptance as typical_verify;
-    the next root is samples[b, last accepted node]. One Triton launch for the batch."""
+    (reference.child_logits), samples, all [B, T]; paths int64 [P, D+1] or [B, P, D+1] (a tree per
+    sequence). Same acceptance as typical_verify; the next root is samples[b, last accepted node].
+    One Triton launch for the batch."""
     _check(lse.dim() == 2 and lse.shape == entropy.shape == child_logits.shape == samples.shape,
            f"lse, entropy, child_logits, samples must all be [B, T], got {tuple(lse.shape)}, {tuple(entropy.shape)}, "
            f"{tuple(child_logits.shape)}, {tuple(samples.shape)}")
-    _check(paths.dim() == 2 and not paths.dtype.is_floating_point, "paths must be an integer [P, D+1] tensor")
     _check(int(lse.shape[1]) >= 1, "need at least the root")
+    _check_paths(paths, lse.shape[0], lse.shape[1], lse.device)
     fn = resolve("typical_accept", backend, lse.device)
     return Verification(*fn(lse, entropy, child_logits, samples, paths, posterior_threshold, posterior_alpha))
 
@@ -253,14 +273,16 @@ def tree_inputs(root, candidates, node_source, depths, cache_seqlens, *, backend
     """The verify step's inputs from the drafter's candidates, on the device.
 
     root [B]; candidates [B, C] (the drafter's per-depth top-k tokens, concatenated); node_source int64
-    [T] (index into candidates of each node; node 0 ignored: it is the root); depths [T];
-    cache_seqlens [B]. Returns tokens int64 [B, T] (node 0 = root, node t = candidates[b,
-    node_source[t]]) and positions int64 [B, T] = seqlens[b] + depths[t].
+    [T] (index into candidates of each node; node 0 ignored: it is the root); depths [T] (one tree) or
+    [B, T] (a tree per sequence); cache_seqlens [B]. Returns tokens int64 [B, T] (node 0 = root, node
+    t = candidates[b, node_source[t]]) and positions int64 [B, T] = seqlens[b] + depths[(b,) t].
     """
     _check(root.dim() == 1 and candidates.dim() == 2 and candidates.shape[0] == root.shape[0],
            f"root must be [B] and candidates [B, C], got {tuple(root.shape)} and {tuple(candidates.shape)}")
-    _check(node_source.dim() == 1 and node_source.shape == depths.shape,
-           f"node_source and depths must both be [T], got {tuple(node_source.shape)} and {tuple(depths.shape)}")
+    B, T = root.shape[0], node_source.shape[-1]
+    _check(node_source.dim() == 1 and tuple(depths.shape) in ((T,), (B, T)),
+           f"node_source must be [T] and depths [T] or [B, T] = [{B}, {T}], got {tuple(node_source.shape)} and "
+           f"{tuple(depths.shape)}")
     _check(tuple(cache_seqlens.shape) == tuple(root.shape), f"cache_seqlens must be [B], got {tuple(cache_seqlens.shape)}")
     fn = resolve("tree_inputs", backend, root.device)
     return fn(root, candidates, node_source, depths, cache_seqlens)

@@ -31,7 +31,7 @@ def _register() -> bool:
 
     @torch.library.register_fake("hydra_kernels::greedy_verify")
     def _(target_tokens, tree_tokens, paths):
-        B, D1 = tree_tokens.shape[0], paths.shape[1]
+        B, D1 = tree_tokens.shape[0], paths.shape[-1]  # paths [P, D+1] or [B, P, D+1]
         new = lambda *s: tree_tokens.new_empty(s, dtype=torch.long)
         return new(B), new(B, D1), new(B), new(B)
 

@@ -1,34 +1,50 @@
 """Pure-PyTorch definitions of every op. Kernels are tested against these; they favour clarity.
 
 Attention math is done in fp32 whatever the input dtype; outputs come back in the input dtype.
+
+Tree buffers come in two forms: one tree shared by the batch (tree_mask [T, T], parents / depths [T],
+paths [P, D+1]) or one tree per sequence, padded to a common T (tree_mask [B, T, T], parents / depths
+[B, T], paths [B, P, D+1]). A padded node has parent -1, depth 0, only itself in its mask row, and lies on
+no leaf path (a sequence with fewer leaves has [0, -1, ..., -1] rows: just the root), so it is never
+accepted. Every function here takes either form.
 """
 from __future__ import annotations
 
 import torch
 
 
+def per_sequence(x: torch.Tensor, batch: int, inner_dims: int) -> torch.Tensor:
+    """A tree buffer shared by the batch (inner_dims dims) or one per sequence ([B, ...]) -> [B, ...]
+    (the shared one as an expanded view: no copy)."""
+    return x.expand(batch, *x.shape[x.dim() - inner_dims:])
+
+
 def tree_key_mask(cache_seqlens: torch.Tensor, tree_mask: torch.Tensor, s_max: int) -> torch.Tensor:
     """allowed[b, i, j]: may tree node i of sequence b attend to cache row j?  -> bool [B, T, S_max].
 
     Row j is the committed prefix when j < seqlens[b]; it is tree node j - seqlens[b] when that lies in
-    [0, T), allowed when tree_mask[i, j - seqlens[b]] (ancestor-or-self); every other row is masked.
+    [0, T), allowed when tree_mask[b, i, j - seqlens[b]] (ancestor-or-self); every other row is masked.
+    tree_mask: bool [T, T] (shared) or [B, T, T] (per sequence).
     """
-    T = tree_mask.shape[0]
+    B, T = cache_seqlens.shape[0], tree_mask.shape[-1]
+    masks = per_sequence(tree_mask, B, 2)  # [B, T, T]
     pos = torch.arange(s_max, device=cache_seqlens.device)
     start = cache_seqlens.long()[:, None]  # [B, 1]
     rel = pos[None, :] - start  # [B, S]: index into the tree, valid where 0 <= rel < T
     in_prefix = rel < 0
     in_tree = (rel >= 0) & (rel < T)
     node = torch.arange(T, device=tree_mask.device)
-    tree_allowed = tree_mask[node[None, :, None], rel.clamp(0, T - 1)[:, None, :]]  # [B, T, S]
+    bidx = torch.arange(B, device=tree_mask.device)
+    tree_allowed = masks[bidx[:, None, None], node[None, :, None], rel.clamp(0, T - 1)[:, None, :]]  # [B, T, S]
     return in_prefix[:, None, :] | (in_tree[:, None, :] & tree_allowed)
 
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None):
     """out[b, i, h] = softmax_j(scale * q[b,i,h] . k[b,j,h//G]) v[b,j,h//G] over allowed rows j.
 
-    q [B, T, Hq, D]; k_cache, v_cache [B, S_max, Hkv, D]; cache_seqlens int [B]; tree_mask bool [T, T].
-    GQA: query head h reads KV head h // (Hq // Hkv). Returns [B, T, Hq, D] in q's dtype.
+    q [B, T, Hq, D]; k_cache, v_cache [B, S_max, Hkv, D]; cache_seqlens int [B]; tree_mask bool [T, T]
+    (shared) or [B, T, T] (per sequence). GQA: query head h reads KV head h // (Hq // Hkv).
+    Returns [B, T, Hq, D] in q's dtype.
     """
     B, T, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -74,36 +90,38 @@ def resblock(x, weight, bias):
 
 
 # ---- verification -------------------------------------------------------------------------------
+def _node_values(x, nodes):
+    """x [B, T] read at node indices nodes [B, P, D] (>= 0) -> [B, P, D]: x[b, nodes[b, p, d]]."""
+    return x.gather(1, nodes.flatten(1)).view(nodes.shape)
+
+
 def _select_path(paths, accepted, score, next_tokens_fn):
     """Shared tail of the verifiers.
 
-    paths [P, D+1] node indices (-1 padding); accepted [B, P] accepted drafted nodes along each path;
+    paths [B, P, D+1] node indices (-1 padding); accepted [B, P] accepted drafted nodes along each path;
     score [B, P] tie-break among the longest (higher wins; first path on equal scores).
     Returns (accept_lengths [B], accept_indices [B, D+1] (-1 after the length), next_root [B], last_node [B]).
     """
     longest = accepted == accepted.max(dim=1, keepdim=True).values
     best = torch.where(longest, score, torch.full_like(score, float("-inf"))).argmax(dim=1)  # first max
     accept_len = accepted.gather(1, best[:, None])[:, 0] + 1  # + the root
-    idx = paths[best]  # [B, D+1]
+    idx = paths[torch.arange(paths.shape[0], device=paths.device), best]  # [B, D+1]
     pos = torch.arange(idx.shape[1], device=idx.device)
     idx = torch.where(pos[None, :] < accept_len[:, None], idx, torch.full_like(idx, -1))
     last = idx.gather(1, (accept_len - 1)[:, None])[:, 0]
     return accept_len, idx, next_tokens_fn(last), last
 
 
-def _path_tokens(tree_tokens, paths):
-    """[B, P, D+1] token of each path element (padding reads node 0; masked by `valid`)."""
-    return tree_tokens[:, paths.clamp(min=0)]
-
-
 def greedy_verify(target_tokens, tree_tokens, paths):
     """Greedy acceptance. Node j is accepted when its token equals the base argmax after its parent and
-    its parent is accepted; the longest accepted root path wins; next root = base argmax after its last
-    node. target_tokens [B, T] (base argmax after each node), tree_tokens [B, T], paths [P, D+1]."""
-    valid = (paths >= 0)[None, :, 1:]
-    tok = _path_tokens(tree_tokens, paths)
-    tgt = target_tokens[:, paths.clamp(min=0)]
-    match = (tok[:, :, 1:] == tgt[:, :, :-1]) & valid  # [B, P, D]
+    its parent is accepted; the longest accepted root path wins (the first in `paths` on a tie); next
+    root = base argmax after its last node. target_tokens [B, T] (base argmax after each node),
+    tree_tokens [B, T], paths [P, D+1] (shared) or [B, P, D+1] (per sequence), -1 padded."""
+    paths = per_sequence(paths, tree_tokens.shape[0], 2)  # [B, P, D+1]
+    nodes = paths.clamp(min=0)  # padding reads node 0; masked by `valid`
+    tok, tgt = _node_values(tree_tokens, nodes), _node_values(target_tokens, nodes)
+    valid = paths[:, :, 1:] >= 0
+    match = (tok[:, :, 1:] == tgt[:, :, :-1]) & valid  # [B, P, D]: node matches the target after its parent
     accepted = match.long().cumprod(dim=-1).sum(dim=-1)  # [B, P]
     score = torch.zeros_like(accepted, dtype=torch.float32)
     return _select_path(paths, accepted, score, lambda last: target_tokens.gather(1, last[:, None])[:, 0])
@@ -114,18 +132,20 @@ def typical_verify(logits, tree_tokens, paths, temperature, posterior_threshold=
     """Typical acceptance (Medusa). With p = softmax(logits / temperature) after the parent, node j is
     accepted when p(token_j) > min(posterior_threshold, posterior_alpha * exp(-entropy(p))) and its
     parent is accepted. Among the longest accepted paths, the highest summed log p wins; the next root
-    is sampled from p after the last accepted node. logits [B, T, V] (base logits after each node)."""
+    is sampled from p after the last accepted node. logits [B, T, V] (base logits after each node);
+    paths [P, D+1] or [B, P, D+1]."""
+    B = logits.shape[0]
+    paths = per_sequence(paths, B, 2)  # [B, P, D+1]
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, T, V]
     probs = logp.exp()
     entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [B, T]; 0 log 0 = 0
     threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)  # [B, T]
-    B = logits.shape[0]
-    parent = paths[:, :-1].clamp(min=0)  # [P, D]
-    child_tok = _path_tokens(tree_tokens, paths)[:, :, 1:]  # [B, P, D]
+    parent = paths[:, :, :-1].clamp(min=0)  # [B, P, D]
+    child_tok = _node_values(tree_tokens, paths[:, :, 1:].clamp(min=0))  # [B, P, D]
     bidx = torch.arange(B, device=logits.device)[:, None, None]
-    lp = logp[bidx, parent[None], child_tok]  # [B, P, D] log p(child | parent)
-    valid = (paths >= 0)[None, :, 1:]
-    ok = (lp.exp() > threshold[:, parent]) & valid
+    lp = logp[bidx, parent, child_tok]  # [B, P, D] log p(child | parent)
+    valid = paths[:, :, 1:] >= 0
+    ok = (lp.exp() > _node_values(threshold, parent)) & valid
     accepted_mask = ok.long().cumprod(dim=-1)
     accepted = accepted_mask.sum(dim=-1)
     score = (lp * accepted_mask).sum(dim=-1)
@@ -151,21 +171,26 @@ def lm_head_sample_stats(x, weight, temperature, seed):
 
 def child_logits(hidden, weight, tree_tokens, parents, temperature):
     """z of each node's own token under its parent's distribution: [B, T] with
-    out[b, j] = hidden[b, parents[j]] . weight[tree_tokens[b, j]] / temperature (node 0: 0)."""
-    par = parents.clamp(min=0)
-    out = (hidden[:, par].float() * weight[tree_tokens].float()).sum(-1) / temperature
-    return out.masked_fill(parents[None, :] < 0, 0.0)
+    out[b, j] = hidden[b, parents[b, j]] . weight[tree_tokens[b, j]] / temperature (root and padded nodes,
+    parent -1: 0). hidden [B, T, H]; weight [V, H]; parents [T] (shared) or [B, T] (per sequence)."""
+    B, T, H = hidden.shape
+    parents = per_sequence(parents, B, 1)  # [B, T]
+    h_parent = hidden.gather(1, parents.clamp(min=0)[:, :, None].expand(B, T, H))  # [B, T, H]
+    out = (h_parent.float() * weight[tree_tokens].float()).sum(-1) / temperature
+    return out.masked_fill(parents < 0, 0.0)
 
 
 def typical_accept(lse, entropy, child_logits, samples, paths, posterior_threshold=0.09, posterior_alpha=0.3):
     """typical_verify from statistics instead of logits: lse, entropy [B, T] of each node's next-token
     distribution (lm_head_sample_stats), child_logits [B, T] (child_logits()), samples [B, T] a token
-    drawn after each node. Same acceptance, tie rules and outputs; the next root is samples[b, last]."""
+    drawn after each node; paths [P, D+1] or [B, P, D+1]. Same acceptance, tie rules and outputs; the
+    next root is samples[b, last]."""
     B = lse.shape[0]
-    parent = paths[:, :-1].clamp(min=0)  # [P, D]
-    lp = child_logits.float()[:, paths[:, 1:].clamp(min=0)] - lse.float()[:, parent]  # [B, P, D] log p(child)
-    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy.float()), max=posterior_threshold)[:, parent]
-    ok = (lp.exp() > threshold) & (paths >= 0)[None, :, 1:]
+    paths = per_sequence(paths, B, 2)  # [B, P, D+1]
+    parent = paths[:, :, :-1].clamp(min=0)  # [B, P, D]
+    lp = _node_values(child_logits.float(), paths[:, :, 1:].clamp(min=0)) - _node_values(lse.float(), parent)
+    threshold = torch.clamp(posterior_alpha * torch.exp(-entropy.float()), max=posterior_threshold)  # [B, T]
+    ok = (lp.exp() > _node_values(threshold, parent)) & (paths[:, :, 1:] >= 0)  # lp: [B, P, D] log p(child)
     accepted_mask = ok.long().cumprod(dim=-1)
     accepted = accepted_mask.sum(dim=-1)
     score = (lp * accepted_mask).sum(dim=-1)
@@ -192,8 +217,9 @@ def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths):
 # ---- step inputs --------------------------------------------------------------------------------
 def tree_inputs(root, candidates, node_source, depths, cache_seqlens):
     """tokens [B, T]: node 0 = root, node t = candidates[b, node_source[t]]; positions [B, T] =
-    seqlens[b] + depths[t]. candidates [B, C]: the drafter's per-depth top-k, concatenated."""
+    seqlens[b] + depths[b, t]. candidates [B, C]: the drafter's per-depth top-k, concatenated;
+    node_source [T]; depths [T] (shared tree) or [B, T] (per sequence)."""
     tokens = candidates[:, node_source.clamp(min=0)]
     tokens[:, 0] = root
-    positions = cache_seqlens.long()[:, None] + depths.long()[None, :]
+    positions = cache_seqlens.long()[:, None] + depths.long()  # [B, 1] + [T] or [B, T]
     return tokens, positions

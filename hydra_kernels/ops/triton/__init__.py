@@ -1,4 +1,5 @@
-"""Triton kernels, one file per op, registered as the "triton" backend.
+"""Triton kernels, one file per op (ops/triton/<op>.py; what they share: common.py), registered as the
+"triton" backend.
 
 Kernel modules are imported on first use: Triton fixes interpreter mode (TRITON_INTERPRET=1, how the
 CPU tier runs them) when a kernel is decorated, so importing them late lets the environment decide.
@@ -24,7 +25,7 @@ if importlib.util.find_spec("triton") is not None:
     register("greedy_verify", "triton", _lazy("greedy_verify", "greedy_verify"))
     register("tree_attention", "triton", _lazy("tree_attention", "tree_attention"))
     register("lm_head_topk", "triton", _lazy("lm_head_topk", "lm_head_topk"))
-    register("hydra_first_layer", "triton", _lazy("hydra_head", "hydra_first_layer"))
+    register("hydra_first_layer", "triton", _lazy("hydra_first_layer", "hydra_first_layer"))
     register("resblock", "triton", _lazy("resblock", "resblock"))
-    register("lm_head_sample_stats", "triton", _lazy("typical", "lm_head_sample_stats"))
-    register("typical_accept", "triton", _lazy("typical", "typical_accept"))
+    register("lm_head_sample_stats", "triton", _lazy("lm_head_sample_stats", "lm_head_sample_stats"))
+    register("typical_accept", "triton", _lazy("typical_accept", "typical_accept"))

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import pow2
+
 
 @triton.jit
 def _commit_kv_kernel(kv_ptr, seqlens_ptr, idx_ptr, lens_ptr, B, S, row_elems, k1,
@@ -38,7 +40,7 @@ def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths):
     row_elems = kv_cache.shape[4] * kv_cache.shape[5]
     k1 = accept_indices.shape[1]
     idx = accept_indices.to(torch.int64).contiguous()
-    block_cols = min(1024, triton.next_power_of_2(row_elems))
+    block_cols = min(1024, pow2(row_elems))
     grid = (triton.cdiv(row_elems, block_cols), B, L2)
     _commit_kv_kernel[grid](kv_cache, cache_seqlens.to(torch.int64), idx, accept_lengths.to(torch.int64), B, S,
-                            row_elems, k1, BLOCK_ROWS=triton.next_power_of_2(k1), BLOCK_COLS=block_cols)
+                            row_elems, k1, BLOCK_ROWS=pow2(k1), BLOCK_COLS=block_cols)

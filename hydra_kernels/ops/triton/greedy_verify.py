@@ -2,7 +2,9 @@
 
 Tile [paths, depth]: a path element is accepted while its token equals the target after its parent;
 a path's accepted length is its first rejection; the winner maximises key = length * 65536 +
-(65535 - path) (longest, then the first path), matching the reference's tie rule.
+(65535 - path) (longest, then the first path), matching the reference's tie rule. Sequence b reads its
+leaf paths at paths + b * s_pb: s_pb = 0 for one tree shared by the batch, P * (D+1) for a tree per
+sequence.
 """
 from __future__ import annotations
 
@@ -10,24 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def path_tile(paths_ptr, P, D1, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The [paths, depth] tile of node ids (-1 padding) and each element's parent (the previous one)."""
-    p = tl.arange(0, BLOCK_P)
-    d = tl.arange(0, BLOCK_D)
-    in_p = p < P
-    in_d = d < D1
-    node = tl.load(paths_ptr + p[:, None] * D1 + d[None, :], mask=in_p[:, None] & in_d[None, :], other=-1)
-    parent = tl.load(paths_ptr + p[:, None] * D1 + d[None, :] - 1,
-                     mask=in_p[:, None] & in_d[None, :] & (d[None, :] >= 1), other=0)
-    return p, d, in_p, in_d, node, parent
+from .common import path_tile, pow2, tree_buffer
 
 
 @triton.jit
-def _greedy_verify_kernel(target_ptr, tokens_ptr, paths_ptr, T, P, D1, len_ptr, acc_ptr, root_ptr, last_ptr,
+def _greedy_verify_kernel(target_ptr, tokens_ptr, paths_ptr, s_pb, T, P, D1, len_ptr, acc_ptr, root_ptr, last_ptr,
                           BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    paths_ptr += b * s_pb  # this sequence's tree
     p, d, in_p, in_d, node, parent = path_tile(paths_ptr, P, D1, BLOCK_P, BLOCK_D)
     tok = tl.load(tokens_ptr + b * T + tl.maximum(node, 0))
     tgt = tl.load(target_ptr + b * T + tl.maximum(parent, 0))
@@ -47,15 +39,15 @@ def _greedy_verify_kernel(target_ptr, tokens_ptr, paths_ptr, T, P, D1, len_ptr, 
 
 
 def greedy_verify(target_tokens, tree_tokens, paths):
-    """Same contract as reference.greedy_verify (at most 65535 leaf paths)."""
+    """Same contract as reference.greedy_verify (paths [P, D+1] or [B, P, D+1]; at most 65535 leaf paths)."""
     B, T = tree_tokens.shape
-    P, D1 = paths.shape
+    P, D1 = paths.shape[-2:]
     if P >= 65536:
         raise ValueError("greedy_verify (triton): at most 65535 leaf paths")
+    paths, s_pb = tree_buffer(paths, 2)
     dev = tree_tokens.device
-    new = lambda *s: torch.empty(s, dtype=torch.long, device=dev)
+    new = lambda *s: torch.empty(s, dtype=torch.long, device=dev)  # noqa: E731
     out = (new(B), new(B, D1), new(B), new(B))
     _greedy_verify_kernel[(B,)](target_tokens.to(torch.int64).contiguous(), tree_tokens.to(torch.int64).contiguous(),
-                                paths.contiguous(), T, P, D1, *out,
-                                BLOCK_P=triton.next_power_of_2(P), BLOCK_D=triton.next_power_of_2(D1))
+                                paths, s_pb, T, P, D1, *out, BLOCK_P=pow2(P), BLOCK_D=pow2(D1))
     return out

@@ -12,32 +12,11 @@ k = 1 (argmax), so argmax ties resolve to the lowest token id, as torch.argmax d
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
-    """x[offs_n] @ W[offs_v]^T over H in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V]; columns past V are -inf."""
-    n_ok = offs_n < N
-    v_ok = offs_v < V
-    acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        x = tl.load(x_ptr + offs_n[:, None].to(tl.int64) * s_xn + offs_h[None, :], mask=n_ok[:, None] & h_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * s_wv + offs_h[None, :] * s_wh,
-                    mask=v_ok[:, None] & h_ok[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
-    return tl.where(v_ok[None, :], acc, float("-inf"))
+from .common import as_rows, ieee_dots, logits_tile, row_block, vocab_block
 
 
 @triton.jit
@@ -63,25 +42,15 @@ def _lm_head_topk_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, N, V, H, s_xn, s_wv, s_
 def lm_head_topk(x: torch.Tensor, weight: torch.Tensor, k: int, *, block_v: int | None = None):
     """Same contract as reference.lm_head_topk."""
     lead = x.shape[:-1]
-    H = x.shape[-1]
-    V = weight.shape[0]
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    N = x2.shape[0]
-    BLOCK_N = 16 if N <= 16 else 32 if N <= 32 else 64
-    # GPU: 128-wide vocabulary tiles (many programs stream the weight); Triton's interpreter (the CPU
-    # tier) pays per program, so it gets few wide tiles -- same math, ~8x faster tests
-    BLOCK_V = block_v or (4096 if os.environ.get("TRITON_INTERPRET") == "1" else 128)
-    BLOCK_H = 64
+    x2 = as_rows(x)  # [N, H]
+    (N, H), V = x2.shape, weight.shape[0]
+    BLOCK_N, BLOCK_V, BLOCK_H = row_block(N), block_v or vocab_block(V), 64
     n_tiles = triton.cdiv(V, BLOCK_V)
     vals = torch.empty(N, n_tiles, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(N, n_tiles, k, dtype=torch.int64, device=x.device)
-    # fp32 keeps fp32 products; the interpreter (Triton 3.9) computes bf16 dots wrongly: upcast there
-    ieee = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     _lm_head_topk_kernel[(n_tiles, triton.cdiv(N, BLOCK_N))](
         x2, weight, vals, idx, N, V, H, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles,
-        K=k, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee)
+        K=k, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee_dots(x.dtype))
     vals, idx = vals.view(N, n_tiles * k), idx.view(N, n_tiles * k)
     if k == 1:
         pick = vals.argmax(dim=1, keepdim=True)  # first maximum: lowest tile, so lowest token id

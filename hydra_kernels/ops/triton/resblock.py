@@ -10,13 +10,11 @@ Grid: (output tiles of H, row blocks of R).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .lm_head_topk import logits_tile
+from .common import as_rows, ieee_dots, logits_tile, row_block
 
 
 @triton.jit
@@ -40,18 +38,14 @@ def _resblock_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, H, s_xr, s_wo, s_wk, s_or,
 
 def resblock(x, weight, bias):
     """Same contract as reference.resblock."""
-    H = x.shape[-1]
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    R = x2.shape[0]
+    x2 = as_rows(x)  # [R, H]
+    R, H = x2.shape
     out = torch.empty(R, H, dtype=x.dtype, device=x.device)
     if R == 0:
         return out.view(x.shape)
-    BLOCK_R = 16 if R <= 16 else 32 if R <= 32 else 64
-    BLOCK_O, BLOCK_K = 64, 64
-    ieee = x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    BLOCK_R, BLOCK_O, BLOCK_K = row_block(R), 64, 64
     _resblock_kernel[(triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R))](
         x2, weight, bias if bias is not None else x2, out, R, H, x2.stride(0), weight.stride(0), weight.stride(1),
-        out.stride(0), HAS_B=bias is not None, BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, IEEE=ieee)
+        out.stride(0), HAS_B=bias is not None, BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
+        IEEE=ieee_dots(x.dtype))
     return out.view(x.shape)

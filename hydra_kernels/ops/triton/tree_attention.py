@@ -8,7 +8,9 @@ T * G queries, and the QK^T / PV products are real matmuls (tensor cores) even f
 B * Hkv programs cannot fill a GPU (SmolLM2 batch 1: 3), so the prefix is cut into splits, each
 program producing a partial (normalised output, log-sum-exp); one extra split per (sequence, KV
 head) handles the tree block, the only place the ancestor mask applies (as bits: tree_mask row t is
-ceil(T/32) int32 words). A second kernel merges the splits with log-sum-exp weights.
+ceil(T/32) int32 words; sequence b's mask at bits + b * s_mb, s_mb = 0 when one tree serves the batch,
+so a shared tree is packed once, never expanded). A second kernel merges the splits with log-sum-exp
+weights.
 
 Grid of the first kernel: (M tiles, prefix splits + 1, B * Hkv). Softmax runs in base 2 (exp2) with
 the scale folded into log2(e) * sm_scale.
@@ -16,11 +18,12 @@ the scale folded into log2(e) * sm_scale.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from .common import ieee_dots, row_block, tree_buffer
 
 _LOG2E = 1.4426950408889634
 
@@ -48,7 +51,7 @@ def _attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr):
 
 @triton.jit
 def _tree_attention_split_kernel(
-        q_ptr, k_ptr, v_ptr, seqlens_ptr, bits_ptr, po_ptr, plse_ptr,
+        q_ptr, k_ptr, v_ptr, seqlens_ptr, bits_ptr, s_mb, po_ptr, plse_ptr,
         s_qb, s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh,
         T, G, Hkv, W, M_PAD, D, split_size, n_prefix_splits, qk_scale,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
@@ -91,7 +94,7 @@ def _tree_attention_split_kernel(
             k = tl.load(k_base + rows[:, None] * s_ks + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_base + rows[:, None] * s_vs + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             both = m_ok[:, None] & n_ok[None, :]
-            word = tl.load(bits_ptr + t[:, None] * W + offs_n[None, :] // 32, mask=both, other=0)
+            word = tl.load(bits_ptr + b * s_mb + t[:, None] * W + offs_n[None, :] // 32, mask=both, other=0)
             allowed = both & (((word >> (offs_n[None, :] % 32)) & 1) != 0)
             m_i, l_i, acc = _attend_tile(q, k, v, allowed, m_i, l_i, acc, qk_scale, IEEE)
 
@@ -135,12 +138,12 @@ def _tree_attention_merge_kernel(po_ptr, plse_ptr, o_ptr, s_ob, s_ot, s_oh, T, G
 
 
 def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
-    """bool [T, T] -> int32 [T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is tree_mask[i, j]."""
-    T = tree_mask.shape[0]
+    """bool [..., T, T] -> int32 [..., T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is tree_mask[..., i, j]."""
+    T = tree_mask.shape[-1]
     W = (T + 31) // 32
-    padded = torch.zeros(T, W * 32, dtype=torch.int64, device=tree_mask.device)
-    padded[:, :T] = tree_mask.to(torch.int64)
-    words = (padded.view(T, W, 32) << torch.arange(32, device=tree_mask.device)).sum(-1)
+    padded = torch.zeros(*tree_mask.shape[:-1], W * 32, dtype=torch.int64, device=tree_mask.device)
+    padded[..., :T] = tree_mask.to(torch.int64)
+    words = (padded.view(*tree_mask.shape[:-1], W, 32) << torch.arange(32, device=tree_mask.device)).sum(-1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
 
 
@@ -152,8 +155,9 @@ def _num_sms(device: torch.device) -> int:
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None, *, split_size: int | None = None,
                    block_m: int | None = None, block_n: int | None = None):
-    """Same contract as reference.tree_attention (any head_dim up to 256; tiles pad it to a power of two).
-    split_size / block_m / block_n: tuning overrides (tests use them to force several splits)."""
+    """Same contract as reference.tree_attention (tree_mask [T, T] or [B, T, T]; any head_dim up to 256:
+    tiles pad it to a power of two). split_size / block_m / block_n: tuning overrides (tests use them to
+    force several splits)."""
     B, T, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -164,7 +168,7 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None,
         q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     scale = D**-0.5 if sm_scale is None else sm_scale
     M = T * G
-    BLOCK_M = block_m or (16 if M <= 16 else 32 if M <= 32 else 64)
+    BLOCK_M = block_m or row_block(M)
     BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
     m_tiles = triton.cdiv(M, BLOCK_M)
     M_PAD = m_tiles * BLOCK_M
@@ -177,19 +181,17 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None,
     n_prefix = max(1, triton.cdiv(S, split_size))
     n_total = n_prefix + 1
     dev = q.device
-    bits = pack_tree_mask(tree_mask)
+    mask, _ = tree_buffer(tree_mask, 2)  # [T, T] shared (packed once, read with batch stride 0) or [B, T, T]
+    bits, s_mb = tree_buffer(pack_tree_mask(mask), 2)  # int32 [T, W] or [B, T, W]
     po = torch.empty(B * Hkv * n_total * M_PAD, BLOCK_D, dtype=torch.float32, device=dev)
     plse = torch.empty(B * Hkv * n_total * M_PAD, dtype=torch.float32, device=dev)
     out = torch.empty_like(q)
-    # fp32 keeps fp32 products (no TF32) to match the fp32 reference. Triton's interpreter (3.9)
-    # computes bf16 tl.dot wrongly, so on the CPU tier bf16 tiles are upcast (fp16 runs as on the GPU).
-    ieee = q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
     _tree_attention_split_kernel[(m_tiles, n_total, B * Hkv)](
-        q, k_cache, v_cache, cache_seqlens, bits, po, plse,
+        q, k_cache, v_cache, cache_seqlens, bits, s_mb, po, plse,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        T, G, Hkv, bits.shape[1], M_PAD, D, split_size, n_prefix, scale * _LOG2E,
-        BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee)
+        T, G, Hkv, bits.shape[-1], M_PAD, D, split_size, n_prefix, scale * _LOG2E,
+        BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee_dots(q.dtype))
     _tree_attention_merge_kernel[(m_tiles, B * Hkv)](
         po, plse, out, out.stride(0), out.stride(1), out.stride(2), T, G, Hkv, M_PAD, D, n_total,
         BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M)

@@ -1,83 +1,17 @@
-"""The extension's CPU kernels for the model's hot path: tree_attention (the fp32 row kernel; other
-dtypes ATen's flash kernel behind our key mask) and the packed small-M linear, against the reference
-definitions on fresh random inputs with awkward shapes, poisoned outputs where the op writes into a
-buffer."""
+"""The native small-M packed linear (csrc/packed_linear_cpu.cpp: pack_linear_weight / packed_linear, the
+CPU model's and draft heads' linears) against fp64 matmuls on fresh random inputs with awkward shapes;
+the Linear module that uses it; the CPU feature check that decides its AVX-512 path."""
 import platform
 from pathlib import Path
 
 import pytest
 import torch
 
-import hydra_kernels as hk
 from hydra_kernels.model.packed_linear import MAX_PACKED_ROWS, Linear, packed_kernel_off
-from hydra_kernels.ops import reference
-from helpers import RTOL, assert_close_rel, random_parents, tree_from_parents
+from helpers import RTOL, assert_close_rel
 
-pytestmark = pytest.mark.skipif(not hk.ops.native_available(), reason="hydra_kernels._C is not built")
+pytestmark = pytest.mark.requires("native")
 ops = torch.ops.hydra_kernels
-
-
-@pytest.mark.parametrize("B,T,Hq,Hkv,D,seqlens", [(1, 1, 9, 3, 64, [37]), (3, 7, 8, 2, 128, [0, 50, 129]),
-                                                  (2, 33, 8, 1, 64, [5, 70]), (1, 128, 4, 4, 64, [20]),
-                                                  (3, 16, 9, 3, 64, [3, 96, 41]), (2, 3, 6, 2, 40, [9, 1])])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_attention_native_equals_reference(B, T, Hq, Hkv, D, seqlens, dtype):
-    gen = torch.Generator().manual_seed(B * 1000 + T)
-    mask, _ = tree_from_parents(random_parents(T, gen))
-    S = max(seqlens) + T + 5
-    kv = torch.randn(2, B, S + 4, Hkv, D, generator=gen).to(dtype)  # row-limited views, as the model passes
-    k, v = kv[0, :, :S], kv[1, :, :S]
-    q = torch.randn(B, Hq, T, D, generator=gen).to(dtype).transpose(1, 2)  # non-contiguous q
-    sl = torch.tensor(seqlens, dtype=torch.int32)
-    out = hk.ops.tree_attention(q, k, v, sl, mask, backend="native")
-    ref = reference.tree_attention(q.float(), k.float(), v.float(), sl, mask)
-    assert out.shape == q.shape and out.dtype == dtype
-    assert_close_rel(out.float(), ref, RTOL[dtype], f"native tree_attention {dtype}")
-
-
-@pytest.mark.parametrize("Hq,Hkv,D,seqlens", [(9, 3, 64, [41, 0]), (4, 1, 40, [7, 130])])
-def test_tree_attention_native_fp32_rows_do_not_depend_on_the_rest_of_the_tree(Hq, Hkv, D, seqlens):
-    """fp32 rows are computed one at a time over (prefix, ancestors-or-self): node i's output with the
-    whole tree equals, bit for bit, its output when the step holds only nodes 0..i (its ancestors come
-    first in BFS order; i = 0 is a 1-token decoding step)."""
-    gen = torch.Generator().manual_seed(7)
-    T = 9
-    mask, _ = tree_from_parents(random_parents(T, gen))
-    B = len(seqlens)
-    S = max(seqlens) + T + 3
-    k, v = torch.randn(2, B, S, Hkv, D, generator=gen)
-    q = torch.randn(B, T, Hq, D, generator=gen)
-    sl = torch.tensor(seqlens, dtype=torch.int32)
-    full = ops.tree_attention(q, k, v, sl, mask)
-    for i in range(T):
-        part = ops.tree_attention(q[:, : i + 1].contiguous(), k, v, sl, mask[: i + 1, : i + 1].contiguous())
-        assert torch.equal(part[:, i], full[:, i]), f"node {i}"
-    assert_close_rel(full, reference.tree_attention(q, k, v, sl, mask), RTOL[torch.float32], "fp32 rows")
-
-
-def test_tree_attention_native_ignores_rows_past_the_tree_and_checks_inputs():
-    gen = torch.Generator().manual_seed(0)
-    mask, _ = tree_from_parents(random_parents(5, gen))
-    k, v = torch.randn(2, 20, 2, 64, generator=gen), torch.randn(2, 20, 2, 64, generator=gen)
-    sl = torch.tensor([4, 9], dtype=torch.int32)
-    q = torch.randn(2, 5, 4, 64, generator=gen)
-    k[:, 14:], v[:, 14:] = float("nan"), float("nan")  # past the longest tree: never read
-    k[0, 9:14], v[0, 9:14] = 1e3, -1e3  # past sequence 0's tree, inside sequence 1's: masked, finite
-    out = hk.ops.tree_attention(q, k, v, sl, mask, sm_scale=0.07, backend="native")
-    ref = reference.tree_attention(q, torch.nan_to_num(k), torch.nan_to_num(v), sl, mask, sm_scale=0.07)
-    assert torch.isfinite(out).all()
-    assert_close_rel(out, ref, RTOL[torch.float32], "masked rows")
-    with pytest.raises(RuntimeError, match="exceeds the cache"):
-        hk.ops.tree_attention(q, k, v, torch.tensor([4, 16], dtype=torch.int32), mask, backend="native")
-
-
-def test_tree_attention_native_is_a_cpu_kernel_only():
-    """On other devices "native" has no tree_attention: auto resolution skips it, naming it fails clearly."""
-    from hydra_kernels.ops.backend import has_impl, op_backend
-
-    assert has_impl("tree_attention", "native", torch.device("cpu"))
-    assert not has_impl("tree_attention", "native", torch.device("cuda"))
-    assert op_backend("tree_attention", "native", torch.device("cuda")) == "auto"
 
 
 @pytest.mark.parametrize("M,N,K,bias", [(1, 960, 576, False), (7, 100, 37, True), (16, 3072, 576, False),
@@ -145,7 +79,6 @@ def test_packed_kernel_off_switches_to_f_linear_and_back():
                 assert torch.equal(net[0](x), torch.nn.functional.linear(x, net[0].weight, net[0].bias))
                 raise ValueError("inside")  # restored even when the block fails
     assert all(m._packed is p for m, p in zip(net, saved))
-
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads /proc/cpuinfo flags")

@@ -1,4 +1,5 @@
-"""Triton fused first layer of a Hydra head: gather + concat-free matmul + SiLU + linear residual.
+"""Triton hydra_first_layer: a Hydra head's first layer fused (gather + concat-free matmul + SiLU +
+linear residual).
 
 Head d's first ResBlock maps x = cat(h, E(t_0), ..., E(t_d)) ((d+2)H wide) to H:
     y = R x + b_R + SiLU(W x + b_W)
@@ -11,11 +12,11 @@ Grid: (output tiles of H, row blocks of B * n).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .common import ieee_dots, row_block
 
 
 @triton.jit
@@ -75,13 +76,11 @@ def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res):
     w_lin = w_lin if w_lin.stride(1) == 1 else w_lin.contiguous()
     w_res = w_res if w_res.stride(1) == 1 else w_res.contiguous()
     emb = emb if emb.stride(1) == 1 else emb.contiguous()
-    BLOCK_R = 16 if R <= 16 else 32 if R <= 32 else 64
-    BLOCK_O, BLOCK_K = 64, 64
-    ieee = h.dtype == torch.float32 or (h.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    BLOCK_R, BLOCK_O, BLOCK_K = row_block(R), 64, 64
     _hydra_first_layer_kernel[(triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R))](
         tok, emb, w_lin, w_res, h_lin.contiguous(), h_res.contiguous(),
         b_lin if b_lin is not None else h_lin, b_res if b_res is not None else h_res, out,
         R, n, H, D1, emb.stride(0), w_lin.stride(0), w_res.stride(0),
         HAS_BL=b_lin is not None, HAS_BR=b_res is not None,
-        BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, IEEE=ieee)
+        BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, IEEE=ieee_dots(h.dtype))
     return out

@@ -1,0 +1,67 @@
+"""resblock (a draft head's H -> H block x + SiLU(x W^T + b), fused) on every backend against the
+reference: odd shapes, with and without bias, each dtype, strided weights and inputs; and deep Hydra /
+Medusa heads drafting the same tree with the fused blocks as with the reference ops."""
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.ops import reference
+from helpers import DEV, RTOL, assert_close_rel
+
+pytestmark = pytest.mark.backends("reference", "triton", op="resblock")
+
+
+@pytest.mark.parametrize("shape,H,bias", [((1, 1), 64, True), ((3, 5), 96, True), ((2, 7), 80, False),
+                                          ((1, 70), 64, True), ((40,), 576, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_resblock_equals_reference(backend, shape, H, bias, dtype):
+    gen = torch.Generator().manual_seed(H + sum(shape))
+    x = torch.randn(*shape, H, generator=gen).to(DEV, dtype)
+    w = (torch.randn(H, H, generator=gen) / H**0.5).to(DEV, dtype)
+    b = (torch.randn(H, generator=gen) / H**0.5).to(DEV, dtype) if bias else None
+    ref = reference.resblock(x.float(), w.float(), b.float() if bias else None)
+    out = hk.ops.resblock(x, w, b, backend=backend)
+    assert out.shape == x.shape and out.dtype == dtype and torch.isfinite(out).all()
+    assert_close_rel(out.float(), ref, RTOL[dtype] * 2, f"resblock {backend} {dtype}")
+
+
+def test_resblock_strided_weight_and_input(backend):
+    """The CPU layout hands weights over as transposed views; inputs may be non-contiguous too."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 48, generator=gen).to(DEV).t()  # [H, H] view of an input-major buffer
+    x = torch.randn(48, 6, generator=gen).to(DEV).t()  # [6, 48], last-dim stride 6
+    assert not w.is_contiguous() and not x.is_contiguous()
+    assert_close_rel(hk.ops.resblock(x, w, None, backend=backend), reference.resblock(x, w, None),
+                     RTOL[torch.float32], "strided resblock")
+
+
+@pytest.mark.backends("triton", op="resblock")
+def test_deep_hydra_and_medusa_heads_draft_the_same_tokens_on_triton(backend):
+    """Heads with further ResBlocks (Hydra++ shape: 3 blocks; Medusa) draft the same tree with the
+    fused Triton blocks (and first layer) as with the reference ops (random, non-zero block weights)."""
+    from hydra_kernels.model import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=128)
+    model = Llama(cfg).to(DEV).eval()
+    tree = hk.Tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    for kind in ("hydra", "medusa"):
+        d = hk.new_drafter(model, kind, num_heads=3, num_layers=3)
+        for p in d.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        h, root = torch.randn(2, 64, device=DEV), torch.randint(0, 300, (2,), device=DEV)
+        if kind == "hydra":
+            got = d.draft(model, h, root, tree, backend="triton")
+            ref = d.draft(model, h, root, tree, backend="reference")
+        else:
+            got = d.medusa_candidates(model, h, tree, backend="triton")
+            ref = d.medusa_candidates(model, h, tree, backend="reference")
+        assert torch.equal(got, ref), kind
+
+
+def test_resblock_bad_inputs():
+    with pytest.raises(ValueError, match=r"weight must be \[H, H\]"):
+        hk.ops.resblock(torch.randn(2, 8), torch.randn(8, 9))
+    with pytest.raises(ValueError, match="share a dtype"):
+        hk.ops.resblock(torch.randn(2, 8), torch.randn(8, 8).double())
