@@ -34,11 +34,11 @@ def test_hydra_first_layer_equals_reference(backend, B, n, d, H, bias, dtype):
 
 def test_hydra_first_layer_matches_the_drafter_block(backend):
     """The op computes exactly what a trained head's first ResBlock does on the concatenated input."""
-    from hydra_kernels.drafters import Drafter, DrafterConfig
+    from hydra_kernels.drafters import DrafterConfig, HydraDrafter
 
     torch.manual_seed(0)
     cfg = DrafterConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=40)
-    blk = Drafter(cfg).heads[2].blocks[0]
+    blk = HydraDrafter(cfg).heads[2].blocks[0]
     torch.nn.init.normal_(blk.linear.weight, std=0.1)
     h, emb = torch.randn(2, 32), torch.randn(40, 32)
     toks = torch.randint(0, 40, (2, 4, 3))

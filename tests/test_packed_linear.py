@@ -52,13 +52,15 @@ def test_linear_module_uses_packed_weights_only_for_small_m_inference():
     torch.manual_seed(0)
     lin = Linear(48, 70, bias=True)
     lin.pack_cpu()
-    assert lin._packed is not None
+    assert lin.packed_on and lin.packed_weight() is not None
     x = torch.randn(3, 5, 48)
     with torch.no_grad():
         assert_close_rel(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), RTOL[torch.float32], "module")
         big = torch.randn(MAX_PACKED_ROWS + 1, 48)
         assert torch.equal(lin(big), torch.nn.functional.linear(big, lin.weight, lin.bias))  # MKL path
+        first = lin.packed_weight()
         lin.weight.mul_(2.0)  # weights changed after packing: repacked before use
+        assert lin.packed_weight() is not first
         assert_close_rel(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias), RTOL[torch.float32], "repack")
     with torch.enable_grad():  # autograd: F.linear
         lin(x).sum().backward()
@@ -70,15 +72,15 @@ def test_packed_kernel_off_switches_to_f_linear_and_back():
     net = torch.nn.Sequential(Linear(48, 70), Linear(70, 33, bias=False))
     for m in net:
         m.pack_cpu()
-    saved = [m._packed for m in net]
+    saved = [m.packed_weight() for m in net]
     x = torch.randn(5, 48)
     with torch.no_grad():
         with pytest.raises(ValueError, match="inside"):
             with packed_kernel_off(net):
-                assert all(m._packed is None for m in net)
+                assert not any(m.packed_on for m in net)
                 assert torch.equal(net[0](x), torch.nn.functional.linear(x, net[0].weight, net[0].bias))
                 raise ValueError("inside")  # restored even when the block fails
-    assert all(m._packed is p for m, p in zip(net, saved))
+    assert all(m.packed_on and m.packed_weight() is p for m, p in zip(net, saved))
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads /proc/cpuinfo flags")

@@ -13,10 +13,12 @@ from typing import NamedTuple
 import torch
 
 from . import reference
+from .packed_linear import pack_linear_weight, packed_linear, packed_linear_available
 from .backend import BACKENDS, native_available, register, resolve, triton_available
 
-__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept", "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "Verification", "BACKENDS",
-           "native_available", "triton_available", "reference"]
+__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept",
+           "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "pack_linear_weight", "packed_linear",
+           "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
 register("greedy_verify", "reference", reference.greedy_verify)
