@@ -28,8 +28,7 @@ from hydra_kernels.training.data import mtbench_questions
 n_prompts, n_new = int(sys.argv[1]), int(sys.argv[2])
 model, tok = hk.load_model(device="cpu")
 drafter = hk.load_drafter(model=model)
-qs = mtbench_questions()[:n_prompts]
-prompts = [chat_prompt_ids(tok, q) for q in qs]
+prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:n_prompts]]
 generate(model, [prompts[0]], max_new_tokens=8, eos_token_id=[])  # warm-up both paths
 generate(model, [prompts[0]], drafter=drafter, max_new_tokens=8, eos_token_id=[])
 res = {"plain": [0, 0.0], "spec": [0, 0.0], "steps": 0, "seqs": {"plain": [], "spec": []}}
