@@ -110,7 +110,7 @@ def _load_hydra(path: Path, cfg_dict: dict, model) -> Drafter:
         if lm.bias is not None:
             lm.bias.data.copy_(sd[lm_key.format(i) + ".bias"])
     if drafter.prefix is not None:
-        from ..model.loading import hf_to_ours
+        from ..model.hf_names import hf_to_ours
 
         pre = {k[len("prefix_embeding_layer."):]: v for k, v in sd.items() if k.startswith("prefix_embeding_layer.")}
         hf = {"model." + k: v for k, v in pre.items() if not k.startswith("embed_tokens")}
