@@ -47,6 +47,11 @@ class Linear(nn.Linear):
         w = self.weight
         return (w.data_ptr(), w._version)
 
+    @property
+    def packed_on(self) -> bool:
+        """Small-M fp32 CPU inference of this layer runs the packed kernel (pack_cpu was called)."""
+        return self._packed is not None
+
     def pack_cpu(self) -> None:
         """Pack the weight for the native small-M kernel (fp32 CPU weights only; a no-op otherwise)."""
         w = self.weight
