@@ -69,11 +69,11 @@ def test_prefix_layer_without_final_norm(model, tmp_path):
     d = hk.new_drafter(model, kind="hydra++", num_heads=2, prefix_final_norm=False)
     x = torch.randn(2, 9, 72, generator=torch.Generator().manual_seed(6))
     assert torch.equal(d.prefix.forward_full(x), x)
-    assert torch.equal(d.prefix(x, d.prefix.new_cache(2, 16, model), model.plan()), x)
+    assert torch.equal(d.prefix(x, d.prefix.new_cache(2, 16, model), model.backend_plan()), x)
     randomise(d, 7)
     full = d.prefix.forward_full(x)
     assert (full - x).abs().max() > 0.1  # the layer now changes h
-    cache, plan = d.prefix.new_cache(2, 16, model), model.plan()
+    cache, plan = d.prefix.new_cache(2, 16, model), model.backend_plan()
     a = d.prefix(x[:, :4], cache, plan)
     cache.advance(4)
     assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache, plan)], 1), full, 1e-5, "prefix layer without norm, cached")
@@ -142,7 +142,7 @@ def test_original_hydra_checkpoint(model, tmp_path, arch, grounded):
         assert_close_rel(d.prefix.forward_full(x), ref, 1e-5, "prefix layer")
         rows = torch.tensor([[6, 0, 4, 4]]).expand(x.shape[0], 4)
         assert_close_rel(d.prefix.forward_at(x, rows), ref[:, [6, 0, 4, 4]], 1e-5, "prefix layer at rows")
-        cache, plan = d.prefix.new_cache(2, 16, model), model.plan()  # the cached path gives the same, in two chunks
+        cache, plan = d.prefix.new_cache(2, 16, model), model.backend_plan()  # the cached path gives the same, in two chunks
         a = d.prefix(x[:, :4], cache, plan)
         cache.advance(4)
         assert_close_rel(torch.cat([a, d.prefix(x[:, 4:], cache, plan)], 1), ref, 1e-5, "prefix layer, cached")

@@ -74,3 +74,62 @@ def test_ragged_prefill_equals_each_sequence_alone(model):
     for b, p in enumerate(prompts):
         assert_close_rel(last[b], model(p[None])[0, -1], 1e-4, f"sequence {b}")
     assert cache.seqlens.tolist() == lens
+
+
+def prefilled(model, lens, extra, seed):
+    """(cache, prompts) after a ragged prefill of random prompts of the given lengths."""
+    prompts = [ids(1, n, seed + b)[0] for b, n in enumerate(lens)]
+    padded = torch.full((len(lens), max(lens)), 7, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        padded[b, : len(p)] = p
+    cache = model.new_kv_cache(len(lens), max(lens) + extra)
+    model.prefill(padded, torch.tensor(lens, dtype=torch.int32), cache)
+    return cache, prompts
+
+
+def test_per_sequence_depths_equal_each_sequence_alone(model):
+    """depths [B, T]: sequence b's nodes sit at seqlens[b] + depths[b] (its own rope positions), the
+    same as running sequence b alone with depths[b]; explicit positions give the same again."""
+    T = 6
+    mask, _ = tree_from_parents([-1, 0, 0, 1, 1, 2])
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2], [0, 2, 1, 3, 5, 4]])  # the second: positions only, not a tree
+    lens = [9, 4]
+    tokens = ids(2, T, 40)
+    cache, prompts = prefilled(model, lens, T + 1, 41)
+    h = model.step(tokens, cache, mask, depths, backends="reference")
+    pos = cache.seqlens.long()[:, None] + depths
+    assert torch.equal(model.step(tokens, cache, mask, positions=pos, backends="reference"), h)
+    for b in range(2):
+        alone, _ = prefilled(model, [lens[b]], T + 1, 41 + b)
+        ref = model.step(tokens[b:b + 1], alone, mask, depths[b], backends="reference")
+        assert_close_rel(h[b], ref[0], 1e-4, f"sequence {b} alone")
+    with pytest.raises(ValueError, match="depths must be"):
+        model.step(tokens, cache, mask, depths[:, :-1])
+
+
+def test_per_sequence_mask_of_one_tree_equals_shared_mask(model):
+    """tree_mask [B, T, T] holding the same tree for every sequence = the shared [T, T] mask."""
+    T = 7
+    mask, depths = tree_from_parents(random_parents(T, torch.Generator().manual_seed(3)))
+    tokens = ids(3, T, 50)
+    cache, _ = prefilled(model, [5, 12, 8], T + 1, 51)
+    for backend in ("reference", "auto"):
+        shared = model.step(tokens, cache, mask, depths, backends=backend)
+        per_seq = model.step(tokens, cache, mask.expand(3, T, T).clone(), depths.expand(3, T).clone(), backends=backend)
+        assert_close_rel(per_seq, shared, 1e-5, f"[B, T, T] mask of one tree, {backend}")
+
+
+def test_backend_plan_name_and_default_agree(model):
+    """step and greedy_tokens take a BackendPlan, a backend name or None (resolved on the model)."""
+    T = 3
+    tokens = ids(2, T, 60)
+    cache, _ = prefilled(model, [6, 3], T + 1, 61)
+    plan = model.backend_plan("reference")
+    assert isinstance(plan, hk.ops.backend.BackendPlan) and model.backend_plan(plan) is plan
+    h = model.step(tokens, cache, backends=plan)
+    assert torch.equal(model.step(tokens, cache, backends="reference"), h)
+    assert_close_rel(model.step(tokens, cache), h, 1e-5, "auto backend")
+    want = model.output(h).argmax(-1)
+    for backends in (None, "reference", "auto", plan):
+        assert torch.equal(model.greedy_tokens(h, backends), want), backends
+    assert model.backend_plan().packed_linear == model.has_packed_weights

@@ -56,7 +56,7 @@ def test_hf_directory_round_trip_sharded(name, tmp_path):
     ref = hf(ids).logits
     assert_close_rel(ours(ids), ref, 1e-4, "loaded from sharded dir")
 
-    from hydra_kernels.model.loading import save_hf_dir
+    from hydra_kernels.model import save_hf_dir
 
     save_hf_dir(ours, tmp_path / "ours")
     back = LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
@@ -75,3 +75,36 @@ def test_dtype_and_config_round_trip(tmp_path):
     ref = hf.to(torch.bfloat16)(ids).logits
     # bf16 vs bf16: both round every op to 8 mantissa bits; differences come from op order only.
     assert_close_rel(ours(ids).float(), ref.float(), 5e-2, "bf16 logits")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_expected_keys_from_the_config_alone(name):
+    """hf_names.expected_keys (no model built) = the parameters a Llama of that config holds."""
+    from hydra_kernels.model.hf_names import expected_keys
+
+    cfg = hk.LlamaConfig.from_hf_dict(make_hf(name).config.to_dict())
+    with torch.device("meta"):
+        keys = set(hk.Llama(cfg).state_dict())
+    if cfg.tie_word_embeddings:
+        keys.discard("output.weight")  # the tied head is the embedding
+    assert expected_keys(cfg) == keys
+
+
+def test_model_package_imports_are_acyclic():
+    """No module of hydra_kernels/model imports one that imports it back, counting imports inside
+    functions too (a lazy import is how a cycle hides)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(hk.__file__).parent / "model"
+    deps = {}
+    for f in root.glob("*.py"):
+        tree = ast.parse(f.read_text())
+        names = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+        deps[f.stem] = {m.split(".")[0] for m in names} & {g.stem for g in root.glob("*.py")}
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, seen + (d,))) for d in deps[a])
+
+    cycles = [m for m in deps if reaches(m, m)]
+    assert not cycles, f"import cycles through {cycles}: {deps}"

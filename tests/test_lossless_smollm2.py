@@ -92,8 +92,7 @@ def test_ragged_batch_of_three_with_default_tree(smollm2, prompts, plain, traine
         assert sum(out.accept_lengths[b]) + 1 == len(plain[i])  # the prefill emits the first token
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.requires("triton")
 def test_triton_backend_equals_reference_on_smollm2(smollm2, prompts, plain, trained):
     """backend="triton": tree attention, greedy verify and commit_kv all as Triton kernels (under the
     interpreter on the CPU tier), token for token the plain greedy output; a ragged batch of 2.

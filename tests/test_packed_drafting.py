@@ -78,14 +78,14 @@ def test_packed_draft_equals_reference_draft(packed_model, kind, lm_head, B, mon
         assert calls
         assert torch.equal(got, ref)
         if kind == "medusa":
-            assert torch.equal(d.candidates(model, h, tree, model.plan()), d.candidates(model, h, tree, model.plan("reference")))
+            assert torch.equal(d.candidates(model, h, tree, model.backend_plan()), d.candidates(model, h, tree, model.backend_plan("reference")))
 
 
 def test_packed_heads_compute_the_head_logits(packed_model):
     """Head outputs and logits of the packed path against Drafter.logits, to fp32 accuracy."""
     model = packed_model
     d = drafter_for(model, "hydra", "tied")
-    plan = model.plan()
+    plan = model.backend_plan()
     d.use_packed_cpu_weights(True)
     H = model.config.hidden_size
     x = torch.randn(5, 3 * H, generator=torch.Generator().manual_seed(0))  # head 1's input: h, E(root), E(x1)
@@ -139,7 +139,7 @@ def test_packed_path_only_where_it_applies(packed_model, monkeypatch):
     with torch.enable_grad():
         assert not drafted_packed("auto")
     with torch.no_grad():
-        assert not drafted_packed(model.plan("auto").__class__("auto", "cpu", model.plan().ops, False))
+        assert not drafted_packed(model.backend_plan("auto").__class__("auto", "cpu", model.backend_plan().ops, False))
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "hydra++"])

@@ -189,7 +189,7 @@ class HeadDrafter(Drafter):
     def draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends=None) -> torch.Tensor:
         """The tokens of `tree` [B, T] (node 0 = root [B]) drafted from h [B, H], outside a run (tests,
         evaluation); backends: a BackendPlan, a backend name or None ("auto")."""
-        backends = model.plan(backends)
+        backends = model.backend_plan(backends)
         self.use_packed_cpu_weights(backends.packed_linear)
         return self._draft(model, h, root, tree, backends)
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
+from ..model.attention import AttentionSite
 from ..model.config import LlamaConfig
 from ..model.kv_cache import KVCache
-from ..model.layers import RMSNorm, TransformerBlock, run_blocks
+from ..model.layers import RMSNorm, TransformerBlock
 from ..model.rope import RopeCache
 
 
@@ -47,7 +47,7 @@ class PrefixLayer(nn.Module):
     def load_hf_layer(self, sd: dict[str, torch.Tensor]) -> None:
         """Weights of a one-layer transformers LlamaModel (the original Hydra++ prefix_embeding_layer.*,
         embed_tokens ignored) -> this layer and its final norm, strictly by name."""
-        from ..model.loading import hf_to_ours
+        from ..model.hf_names import hf_to_ours
 
         hf = {"model." + k: v for k, v in sd.items() if not k.startswith("embed_tokens")}
         ours = hf_to_ours(self.config, {**hf, "model.embed_tokens.weight": torch.zeros(1)},
@@ -67,12 +67,10 @@ class PrefixLayer(nn.Module):
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
         """No cache (training): x [B, L, H] base hidden states of positions 0..L-1 -> normed outputs."""
-        from ..model.llama import causal_attention
-
         B, L, _ = x.shape
         pos = torch.arange(L, device=x.device).expand(B, L)
         cos, sin = self._rope(pos, L, x.dtype)
-        return self.norm(run_blocks([self.block], x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v)))
+        return self.norm(self.block(x, cos, sin))
 
     def forward_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """No cache (training): x [B, L, H] base hidden states of positions 0..L-1, rows [B, m] positions
@@ -102,11 +100,5 @@ class PrefixLayer(nn.Module):
         rows = start + torch.arange(T, device=dev)  # [B, T] cache rows = positions
         cos, sin = self._rope(rows, cache.max_seq_len, x.dtype)
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril_()
-        bidx = torch.arange(B, device=dev)[:, None]
-        kv = cache.kv
-
-        def attend(i, q, k, v):
-            kv[0][:, bidx, rows] = torch.stack((k, v))
-            return ops.tree_attention(q, kv[0, 0], kv[0, 1], cache.seqlens, causal, backend=backends["tree_attention"])
-
-        return self.norm(run_blocks([self.block], x, cos, sin, attend))
+        site = AttentionSite(rows, cache.seqlens, causal, cache.max_seq_len, backend=backends["tree_attention"])
+        return self.norm(self.block(x, cos, sin, site, cache.layers[0]))

@@ -174,7 +174,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     t1 = None
     try:
         with torch.inference_mode():
-            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None, backends=backends)
+            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None)
             last = hidden if drafter is None else hidden[torch.arange(B, device=device), lengths.long() - 1]
             nxt = pick(last)
             for b, t in enumerate(nxt.tolist()):

@@ -11,6 +11,8 @@ class KVCache:
 
     Rows [0, seqlens[b]) of sequence b are committed. A step writes its T tokens at
     [seqlens[b], seqlens[b] + T); committing (plain decode: `advance`) makes them part of the prefix.
+    layers: the per-layer views kv[i] [2, B, S_max, Hkv, D], made once here rather than by every layer
+    of every step (a decoding step is bound by Python overhead on the CPU).
     """
 
     def __init__(self, cfg: LlamaConfig, batch_size: int, max_seq_len: int, *, dtype, device):
@@ -18,6 +20,7 @@ class KVCache:
             cfg.num_layers, 2, batch_size, max_seq_len, cfg.num_kv_heads, cfg.head_dim,
             dtype=dtype, device=device,
         )
+        self.layers: tuple[torch.Tensor, ...] = self.kv.unbind(0)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
 
     @property

@@ -1,13 +1,13 @@
-"""Llama building blocks: RMSNorm, GQA attention projections with RoPE, SwiGLU MLP."""
+"""Llama building blocks: RMSNorm, SwiGLU MLP, and the decoder block (attention: model/attention.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import Attention, AttentionSite
 from .config import LlamaConfig
 from .packed_linear import Linear
-from .rope import apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -24,26 +24,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Q, K and V in one fused projection (one GEMM instead of three: fewer launches per layer)."""
-
-    def __init__(self, cfg: LlamaConfig):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.wqkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.wo = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-
-    def qkv(self, x, cos, sin):
-        """x [B, T, H] -> roped q [B, T, Hq, D], roped k and v [B, T, Hkv, D]."""
-        B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(B, T, self.n_kv_heads, self.head_dim)
-
-
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(x W1) * x W3), with W1 and W3 fused into one GEMM."""
 
@@ -53,12 +33,14 @@ class FeedForward(nn.Module):
         self.w13 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)  # [B, T, I] each
         return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
+    """Pre-norm decoder layer: h = x + attention(norm(x)); out = h + mlp(norm(h))."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -66,12 +48,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-
-def run_blocks(blocks, x, cos, sin, attend):
-    """x [B, T, H] through each TransformerBlock; attend(i, q, k, v) -> [B, T, Hq, D] does block i's
-    attention (and any KV-cache writes). Returns the residual stream (not normed)."""
-    for i, block in enumerate(blocks):
-        q, k, v = block.attention.qkv(block.attention_norm(x), cos, sin)
-        x = x + block.attention.wo(attend(i, q, k, v).flatten(2))
-        x = x + block.feed_forward(block.ffn_norm(x))
-    return x
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: AttentionSite | None = None,
+                kv: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H] residual stream -> [B, T, H]; cos/sin [B, T, D]; site and kv: see Attention.forward."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, site, kv)
+        return h + self.feed_forward(self.ffn_norm(h))

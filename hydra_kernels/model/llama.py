@@ -4,37 +4,26 @@
 - ``model.prefill(tokens, lengths, cache)``: a right-padded ragged batch fills rows [0, L) of the
   static KV buffer; returns the final hidden state at each sequence's last real token.
 - ``model.step(tokens, cache, tree_mask, depths)``: T tokens per sequence appended after the
-  committed prefix at positions ``seqlens + depths``; attention through ``hk.ops.tree_attention``.
+  committed prefix at positions ``seqlens + depths``; attention through ``hk.ops.tree_attention``,
+  one tree for the batch or one per sequence.
+
+Each runs every TransformerBlock with its own AttentionSite (model/attention.py): none, PREFILL, or a
+step's rows / mask / backend.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..ops.backend import BackendPlan, plan_backends
+from .attention import PREFILL, AttentionSite
 from .config import LlamaConfig
+from .hf_names import hf_to_ours
 from .kv_cache import KVCache
-from .layers import RMSNorm, TransformerBlock, run_blocks
-from ..ops.backend import plan_backends
+from .layers import RMSNorm, TransformerBlock
 from .packed_linear import Linear, packed_linear_available
 from .rope import RopeCache
-
-try:  # optional: flash-attn's causal kernel for prefill on CUDA (torch SDPA otherwise)
-    from flash_attn import flash_attn_func
-except ImportError:  # pragma: no cover - depends on the environment
-    flash_attn_func = None
-
-
-def causal_attention(q, k, v):
-    """q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D], causal, GQA by head groups."""
-    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return flash_attn_func(q, k, v, causal=True)  # takes [B, L, H, D] and GQA natively
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-        enable_gqa=q.shape[2] != k.shape[2],
-    )
-    return o.transpose(1, 2)
 
 
 class Llama(nn.Module):
@@ -48,17 +37,40 @@ class Llama(nn.Module):
         self.tie_weights()
         self._rope = RopeCache(config)
 
-    # ---- construction helpers -------------------------------------------------------------------
+    # ---- construction ---------------------------------------------------------------------------
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
     @classmethod
+    def from_hf_state_dict(cls, config: LlamaConfig, hf_sd: dict[str, torch.Tensor], *, dtype=None,
+                           device=None) -> "Llama":
+        """A Llama holding the given HF-named weights (model/hf_names.py), without a throwaway random
+        initialisation; on the CPU with the CPU layouts (input-major, packed) applied."""
+        with torch.device("meta"):
+            model = cls(config)
+        sd = hf_to_ours(config, hf_sd)
+        if dtype is not None or device is not None:
+            sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+        model.load_state_dict(sd, strict=False, assign=True)
+        model.tie_weights()  # assign=True replaced the shared Parameter
+        if model.device.type == "cpu":
+            # Input-major weights: MKL's M = 1 GEMV streams them ~2x faster (the fallback where the packed
+            # kernel is unavailable). Then the packed small-M kernel for decode and verify steps: as fast as
+            # MKL at M = 1 (~24 GB/s on 2 cores) and ~1.1x, not ~2x, the M = 1 time at M = 6 (a 6-node tree
+            # verify step), with every row bit-identical to its M = 1 result (model/packed_linear.py).
+            model.use_input_major_weights()
+            model.use_packed_cpu_weights()
+        still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if still_meta:
+            raise ValueError(f"checkpoint did not provide {still_meta[:5]}")
+        return model.eval()
+
+    @classmethod
     def from_hf(cls, hf_model) -> "Llama":
         """Our Llama on the weights of a transformers ``LlamaForCausalLM`` (same dtype and device)."""
-        from .loading import llama_from_hf_model
-
-        return llama_from_hf_model(hf_model)
+        config = LlamaConfig.from_hf_dict(hf_model.config.to_dict())
+        return cls.from_hf_state_dict(config, {k: v.detach() for k, v in hf_model.state_dict().items()})
 
     def use_input_major_weights(self) -> "Llama":
         """CPU layout choice: store every projection weight [out, in] as an [in, out] buffer seen
@@ -83,36 +95,7 @@ class Llama(nn.Module):
                 mod.pack_cpu()
         return True
 
-    @property
-    def has_packed_weights(self) -> bool:
-        """Does this model run its small-M CPU linears on the packed kernel (use_packed_cpu_weights)?"""
-        return self.output.packed_on
-
-    def plan(self, backends=None):
-        """The BackendPlan of a call: the caller's, else "auto" resolved once for this model."""
-        if backends is None or isinstance(backends, str):
-            return plan_backends(backends or "auto", self.device, packed_weights=self.has_packed_weights)
-        return backends
-
-    def greedy_tokens(self, h: torch.Tensor, backends=None) -> torch.Tensor:
-        """argmax of the LM head for final hidden states h [..., H] -> token ids [...] (first maximum on
-        ties). Plain decoding and tree verification both pick tokens here, through one code path.
-        On packed CPU weights (backends.packed_linear): the native packed kernel (logits of <= 64 rows, a
-        few MB); otherwise ops.lm_head_topk with k = 1 (the fused kernel on "triton": no logits)."""
-        backends = self.plan(backends)
-        if self.output.bias is not None or backends.packed_linear:
-            return self.output(h).argmax(dim=-1)
-        return ops.lm_head_topk(h, self.output.weight, 1, backend=backends["lm_head_topk"])[1][..., 0]  # no [.., V] logits
-
-    @staticmethod
-    def expected_keys(config: LlamaConfig) -> set[str]:
-        """Names of the parameters a Llama with this config holds (a tied model has no output.weight)."""
-        with torch.device("meta"):
-            keys = set(Llama(config).state_dict())
-        if config.tie_word_embeddings:
-            keys.discard("output.weight")
-        return keys
-
+    # ---- properties -----------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.tok_embeddings.weight.device
@@ -121,28 +104,39 @@ class Llama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.tok_embeddings.weight.dtype
 
+    @property
+    def has_packed_weights(self) -> bool:
+        """The LM head (and, with it, every projection) runs the native packed kernel (use_packed_cpu_weights)."""
+        return self.output.packed_on
+
+    def backend_plan(self, backends: BackendPlan | str | None = None) -> BackendPlan:
+        """backends as a BackendPlan: a plan is returned as is; a backend name ("auto" | "reference" |
+        "triton" | "native"; None: "auto") is resolved for this model's device and packed weights.
+        Resolve once per run and pass the plan down (step and greedy_tokens resolve a name on every call)."""
+        if isinstance(backends, BackendPlan):
+            return backends
+        return plan_backends("auto" if backends is None else backends, self.device,
+                             packed_weights=self.has_packed_weights)
+
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         return KVCache(self.config, batch_size, max_seq_len, dtype=self.dtype, device=self.device)
-
-    def _layers(self, x, cos, sin, attend):
-        """x [B, T, H] through every block (see layers.run_blocks); returns the final-normed hidden."""
-        return self.norm(run_blocks(self.layers, x, cos, sin, attend))
 
     # ---- entry points ---------------------------------------------------------------------------
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward, no cache: input_ids [B, L] -> final-normed hidden states [B, L, H]."""
         B, L = input_ids.shape
-        x = self.tok_embeddings(input_ids)
+        x = self.tok_embeddings(input_ids)  # [B, L, H]
         pos = torch.arange(L, device=input_ids.device).expand(B, L)
-        cos, sin = self._rope(pos, L, x.dtype)
-        return self._layers(x, cos, sin, lambda i, q, k, v: causal_attention(q, k, v))
+        cos, sin = self._rope(pos, L, x.dtype)  # [B, L, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward, no cache: input_ids [B, L] -> logits [B, L, V]."""
         return self.output(self.hidden_states(input_ids))
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False,
-                backends=None):
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False):
         """Prefill an empty cache with a right-padded ragged batch.
 
         tokens [B, L] (sequence b is real in [0, lengths[b]), padding after); lengths int [B] on the
@@ -152,17 +146,12 @@ class Llama(nn.Module):
         all_hidden=True the hidden states of every position [B, L, H].
         """
         B, L = tokens.shape
-        kv = cache.kv
-        x = self.tok_embeddings(tokens)
+        x = self.tok_embeddings(tokens)  # [B, L, H]
         pos = torch.arange(L, device=tokens.device).expand(B, L)
-        cos, sin = self._rope(pos, L, x.dtype)
-
-        def attend(i, q, k, v):
-            kv[i, 0, :, :L] = k
-            kv[i, 1, :, :L] = v
-            return causal_attention(q, k, v)
-
-        h = self._layers(x, cos, sin, attend)
+        cos, sin = self._rope(pos, L, x.dtype)  # [B, L, D]
+        for layer, kv in zip(self.layers, cache.layers):
+            x = layer(x, cos, sin, PREFILL, kv)
+        h = self.norm(x)
         cache.seqlens.copy_(lengths)
         if all_hidden:
             return h
@@ -171,37 +160,48 @@ class Llama(nn.Module):
 
     def step(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
              depths: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, kv_len: int | None = None,
-             backends=None):
+             backends: BackendPlan | str | None = None) -> torch.Tensor:
         """Append T tokens per sequence after the committed prefix and run them through the model.
 
-        tokens [B, T] (tree nodes in BFS order, node 0 the root); tree_mask bool [T, T] ancestor-or-self
-        (default: causal chain); depths int [T] (default arange(T)): node i sits at position
-        seqlens[b] + depths[i] and is written to cache row seqlens[b] + i. Does not move seqlens:
-        committing is the caller's (KVCache.advance for plain decoding, commit_kv for trees).
-        positions [B, T]: seqlens[b] + depths[i] precomputed on the device (ops.tree_inputs); optional.
-        kv_len: a host-known bound on seqlens + T (attention reads only rows [0, kv_len)).
+        tokens [B, T] (tree nodes in BFS order, node 0 the root). tree_mask bool [T, T] (one tree for
+        the batch) or [B, T, T] (a tree per sequence, padded to a common T), ancestor-or-self; default:
+        causal chain. depths int [T] or [B, T] (default arange(T)): node i of sequence b sits at
+        position seqlens[b] + depths[(b,) i] and is written to cache row seqlens[b] + i.
+        Does not move seqlens: committing is the caller's (KVCache.advance for plain decoding, commit_kv
+        for trees). positions [B, T]: seqlens[b] + depths precomputed on the device (ops.tree_inputs);
+        optional (depths are then unused). kv_len: a host-known bound on seqlens + T (attention reads
+        only rows [0, kv_len)). backends: a BackendPlan (tree_attention's entry is used), or a backend
+        name resolved here (see backend_plan).
         Returns final-normed hidden states [B, T, H].
         """
         B, T = tokens.shape
         dev = tokens.device
-        backend = self.plan(backends)["tree_attention"]
+        plan = self.backend_plan(backends)
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril_()
-        if depths is None:
-            depths = torch.arange(T, device=dev)
-        kv_len = cache.max_seq_len if kv_len is None else kv_len
-        start = cache.seqlens.long()[:, None]  # [B, 1]
-        rows = start + torch.arange(T, device=dev)  # [B, T] cache rows
-        bidx = torch.arange(B, device=dev)[:, None]
-        x = self.tok_embeddings(tokens)
+        start = cache.seqlens.long()[:, None]  # [B, 1] first free row of each sequence
+        rows = start + torch.arange(T, device=dev)  # [B, T] cache rows of the new tokens
         if positions is None:
-            positions = start + depths.long()
-        cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)
-        kv, seqlens = cache.kv, cache.seqlens
+            if depths is None:
+                depths = torch.arange(T, device=dev)
+            elif depths.shape != (T,) and depths.shape != (B, T):
+                raise ValueError(f"depths must be [T] = [{T}] or [B, T] = [{B}, {T}], got {tuple(depths.shape)}")
+            positions = start + depths.long()  # [B, T]: one depth row for all, or one per sequence
+        x = self.tok_embeddings(tokens)  # [B, T, H]
+        cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)  # [B, T, D]
+        site = AttentionSite(rows, cache.seqlens, tree_mask, cache.max_seq_len if kv_len is None else kv_len,
+                             plan["tree_attention"])
+        for layer, kv in zip(self.layers, cache.layers):
+            x = layer(x, cos, sin, site, kv)
+        return self.norm(x)
 
-        def attend(i, q, k, v):
-            kv[i][:, bidx, rows] = torch.stack((k, v))  # both halves in one index_put
-            return ops.tree_attention(q, kv[i, 0, :, :kv_len], kv[i, 1, :, :kv_len], seqlens, tree_mask,
-                                      backend=backend)
-
-        return self._layers(x, cos, sin, attend)
+    def greedy_tokens(self, h: torch.Tensor, backends: BackendPlan | str | None = None) -> torch.Tensor:
+        """argmax of the LM head for final hidden states h [..., H] -> token ids [...] (first maximum on
+        ties). Plain decoding and tree verification both pick tokens here, through one code path.
+        backends (a BackendPlan, or a name resolved here): with plan.packed_linear on a packed CPU model,
+        the native packed kernel (logits of <= 64 rows, a few MB); otherwise ops.lm_head_topk with k = 1
+        on plan["lm_head_topk"] (the fused kernel on Triton: no logits)."""
+        plan = self.backend_plan(backends)
+        if self.output.bias is not None or (plan.packed_linear and self.has_packed_weights):
+            return self.output(h).argmax(dim=-1)
+        return ops.lm_head_topk(h, self.output.weight, 1, backend=plan["lm_head_topk"])[1][..., 0]  # no [.., V] logits

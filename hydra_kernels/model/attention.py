@@ -1,0 +1,105 @@
+"""Grouped-query attention with RoPE, and the three ways a forward runs it:
+
+(a) no cache (``site=None``): causal attention over the T tokens alone (full forward, training);
+(b) prefill (``site=PREFILL``): the T tokens' keys/values become rows [0, T) of the static buffer,
+    attention causal among them (flash-attn on CUDA when installed, else torch SDPA);
+(c) step (``site=AttentionSite(rows, ...)``): the T tokens' keys/values go to rows [seqlens[b],
+    seqlens[b] + T) and each token attends to the committed prefix plus the tokens its tree mask allows,
+    through ``ops.tree_attention``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from .config import LlamaConfig
+from .packed_linear import Linear
+from .rope import apply_rope
+
+try:  # optional: flash-attn's causal kernel for prefill on CUDA (torch SDPA otherwise)
+    from flash_attn import flash_attn_func
+except ImportError:  # pragma: no cover - depends on the environment
+    flash_attn_func = None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [B, L, Hq, D], k/v [B, L, Hkv, D] -> [B, L, Hq, D], causal, GQA by head groups."""
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        return flash_attn_func(q, k, v, causal=True)  # takes [B, L, H, D] and GQA natively
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
+    return o.transpose(1, 2)
+
+
+@dataclass
+class AttentionSite:
+    """Where one forward's new keys/values go in the static KV buffer and what its queries see.
+
+    One per forward, shared by every layer (each layer brings its own buffer view, see KVCache.layers),
+    so a decoding step allocates nothing per layer for it.
+
+    rows: None for prefill (rows [0, T) of every sequence, attention causal among the new tokens);
+        else int64 [B, T], the buffer rows of sequence b's new tokens (seqlens[b] + i).
+    seqlens: int [B], committed rows before the step (step only).
+    tree_mask: bool [T, T] (one tree for the batch) or [B, T, T] (a tree per sequence), ancestor-or-self.
+    kv_len: attention reads buffer rows [0, kv_len) only (a host-known bound on seqlens + T).
+    backend: ops.tree_attention's backend (a BackendPlan entry: chosen once by the caller).
+    """
+
+    rows: torch.Tensor | None = None
+    seqlens: torch.Tensor | None = None
+    tree_mask: torch.Tensor | None = None
+    kv_len: int = 0
+    backend: str = "auto"
+    batch_index: torch.Tensor | None = field(init=False, repr=False)  # [B, 1], pairs with rows in index_put
+
+    def __post_init__(self):
+        rows = self.rows
+        self.batch_index = None if rows is None else torch.arange(rows.shape[0], device=rows.device)[:, None]
+
+
+PREFILL = AttentionSite()  # rows [0, T) of an empty buffer, causal attention among the new tokens
+
+
+class Attention(nn.Module):
+    """Q, K and V in one fused projection (one GEMM instead of three: fewer launches per layer)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.wqkv = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.wo = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, H] -> roped q [B, T, Hq, D], roped k and v [B, T, Hkv, D]; cos/sin [B, T, D]."""
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(B, T, self.n_kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: AttentionSite | None = None,
+                kv: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, H] (normed) -> attention output [B, T, H]. site: see AttentionSite (None: no cache);
+        kv: this layer's buffer [2, B, S_max, Hkv, D] (index 0: K, 1: V), written in place."""
+        q, k, v = self.qkv(x, cos, sin)  # q: [B, T, Hq, D]; k, v: [B, T, Hkv, D]
+        if site is None:  # (a) no cache
+            o = causal_attention(q, k, v)
+        elif site.rows is None:  # (b) prefill: rows [0, T); nothing cached before them
+            T = q.shape[1]
+            kv[0, :, :T] = k
+            kv[1, :, :T] = v
+            o = causal_attention(q, k, v)
+        else:  # (c) step: write rows seqlens[b] + i, attend to the prefix and the allowed new rows
+            kv[:, site.batch_index, site.rows] = torch.stack((k, v))  # both halves in one index_put
+            n = site.kv_len
+            o = ops.tree_attention(q, kv[0, :, :n], kv[1, :, :n], site.seqlens, site.tree_mask, backend=site.backend)
+        return self.wo(o.flatten(2))  # o: [B, T, Hq, D]

@@ -1,0 +1,50 @@
+"""HF checkpoints: directories (config.json + *.safetensors, sharded too) read into a Llama and written
+back, readable by transformers. Parameter names: model/hf_names.py; transformers objects: Llama.from_hf."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .config import LlamaConfig
+from .hf_names import ours_to_hf
+from .llama import Llama
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed in model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(f.name for f in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (only safetensors checkpoints are read)")
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(path / f)))
+    return sd
+
+
+def load_hf_dir(path: str | os.PathLike, *, dtype=None, device=None) -> Llama:
+    """A Llama from an HF directory (config.json + model.safetensors, or shards with their index)."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise FileNotFoundError(f"{path} has no config.json: expected an HF model directory or a .gguf file")
+    cfg = LlamaConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    return Llama.from_hf_state_dict(cfg, read_safetensors_dir(path), dtype=dtype, device=device)
+
+
+def save_hf_dir(model: Llama, path: str | os.PathLike) -> None:
+    """Write config.json + model.safetensors readable by load_hf_dir and by transformers."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(model.config.to_hf_dict(), indent=2))
+    save_file(ours_to_hf(model.config, model.state_dict()), str(path / "model.safetensors"), metadata={"format": "pt"})
