@@ -27,9 +27,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     drafter.after_prefill(state, prefill_hidden, lengths)
     active = torch.ones(B, dtype=torch.long, device=dev)
     greedy = acceptance == "greedy" or temperature == 0.0
-    # typical acceptance runs fused when the LM-head statistics op is a kernel (Triton); the reference
-    # backend keeps the logits-based definition (ops.typical_verify)
-    typical_fused = not greedy and model.output.bias is None and backends["lm_head_sample_stats"] == "triton"
+    typical_fused = not greedy and model.output.bias is None and backends.fused_lm_head_statistics
     while not emitter.all_done:
         prop = drafter.propose(state, root, cache.seqlens)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch

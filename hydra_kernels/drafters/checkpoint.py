@@ -7,6 +7,7 @@ model.safetensors + tree_<device>.json for each tree searched for the heads. Che
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -56,6 +57,19 @@ def resblock_schedule(blocks: dict[int, dict[str, torch.Tensor]]) -> tuple[list[
             distinct.append(p)
             schedule.append(len(distinct) - 1)
     return distinct, schedule
+
+
+def original_blocks(sd: dict[str, torch.Tensor], pattern: str, num_heads: int, num_layers: int):
+    """An original checkpoint's ResBlock tensors by head and position: `pattern` matches a key with the
+    named groups head, pos and name (the parameter's name inside the block, e.g. "linear.weight").
+    Returns ({head: {pos: {name: tensor}}}, shared): shared when some head repeats one block object."""
+    blocks = {i: {} for i in range(num_heads)}
+    for k, v in sd.items():
+        m = re.fullmatch(pattern, k)
+        if m:
+            blocks[int(m["head"])].setdefault(int(m["pos"]), {})[m["name"]] = v
+    shared = max(len(resblock_schedule(blocks[i])[0]) for i in range(num_heads)) < num_layers
+    return blocks, shared
 
 
 def fill_head(drafter, i: int, blocks: dict[int, dict[str, torch.Tensor]]) -> None:

@@ -10,14 +10,13 @@ prefix_embeding_layer.* (a one-layer LlamaModel). A head's repeated ResBlocks ar
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from .. import ops
 from ..tree import Tree
-from .checkpoint import fill_head, resblock_schedule
+from .checkpoint import fill_head, original_blocks
 from .config import DrafterConfig
 from .draft_heads import HeadDrafter, HeadState
 from .medusa import MedusaDrafter
@@ -72,12 +71,8 @@ class HydraDrafter(HeadDrafter):
         sd = torch.load(path / "hydra_lm_head.pt", map_location="cpu", weights_only=True)
         lm_key = "hydra_lm_head.{}.1" if arch == "prefix-mlp" else "hydra_lm_head.{}"  # Dropout at index 0
         V, H = sd[lm_key.format(0) + ".weight"].shape
-        blocks = {i: {} for i in range(n)}
-        for k, v in sd.items():
-            m = re.fullmatch(r"hydra_mlp\.(\d+)\.(\d+)\.(linear|res_connection)\.(weight|bias)", k)
-            if m:
-                blocks[int(m[1])].setdefault(int(m[2]), {})[f"{m[3]}.{m[4]}"] = v
-        shared = max(len(resblock_schedule(blocks[i])[0]) for i in range(n)) < L
+        pattern = r"hydra_mlp\.(?P<head>\d+)\.(?P<pos>\d+)\.(?P<name>(linear|res_connection)\.(weight|bias))"
+        blocks, shared = original_blocks(sd, pattern, n, L)
         cfg = DrafterConfig(num_heads=n, num_layers=L, hidden_size=H, vocab_size=V, grounded=grounded,
                             prefix_layer=arch == "prefix-mlp", lm_head="per_head",
                             lm_head_bias=lm_key.format(0) + ".bias" in sd, shared_resblocks=shared,

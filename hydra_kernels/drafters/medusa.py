@@ -9,14 +9,13 @@ module object there, so several keys hold one tensor).
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
 from .. import ops
 from ..tree import Tree
-from .checkpoint import fill_head, resblock_schedule
+from .checkpoint import fill_head, original_blocks
 from .config import DrafterConfig
 from .draft_heads import HeadDrafter, HeadState
 from .protocol import Proposal
@@ -59,12 +58,7 @@ class MedusaDrafter(HeadDrafter):
         else:
             sd = torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
         V, H = sd[f"0.{L}.weight"].shape
-        blocks = {i: {} for i in range(n)}
-        for k, v in sd.items():
-            m = re.fullmatch(r"(\d+)\.(\d+)\.linear\.(weight|bias)", k)
-            if m:
-                blocks[int(m[1])].setdefault(int(m[2]), {})[f"linear.{m[3]}"] = v
-        shared = max(len(resblock_schedule(blocks[i])[0]) for i in range(n)) < L
+        blocks, shared = original_blocks(sd, r"(?P<head>\d+)\.(?P<pos>\d+)\.(?P<name>linear\.(weight|bias))", n, L)
         cfg = DrafterConfig(num_heads=n, num_layers=L, hidden_size=H, vocab_size=V, grounded=False,
                             lm_head="per_head", lm_head_bias=f"0.{L}.bias" in sd, shared_resblocks=shared)
         drafter = cls(cfg)

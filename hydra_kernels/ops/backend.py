@@ -113,6 +113,12 @@ class BackendPlan:
     def __getitem__(self, op: str) -> str:
         return self.ops[op]
 
+    @property
+    def fused_lm_head_statistics(self) -> bool:
+        """lm_head_sample_stats is a kernel that never writes the [.., V] logits (Triton), so typical
+        acceptance runs from its statistics; otherwise from the logits (ops.typical_verify)."""
+        return self.ops.get("lm_head_sample_stats") == "triton"
+
 
 def plan_backends(backend: str, device: torch.device, *, packed_weights: bool = False) -> BackendPlan:
     """Resolve `backend` for every registered op on `device` (a ValueError, before any work, when it
