@@ -52,14 +52,14 @@ def run(checkout: Path, prompts: int, new_tokens: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--a", required=True, help="checkout A (e.g. a git worktree of the commit before)")
     ap.add_argument("--b", default=".", help="checkout B (default: this one)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8, help="MT-Bench prompts per run")
     ap.add_argument("--new-tokens", type=int, default=128)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from tqdm.auto import tqdm
 
     ck = {"A": Path(args.a).resolve(), "B": Path(args.b).resolve()}
@@ -82,6 +82,7 @@ def main() -> None:
           f"speculative == plain: A {seqs['A']['spec'] == seqs['A']['plain']}, B {seqs['B']['spec'] == seqs['B']['plain']}")
     if not same:
         raise SystemExit("the two checkouts decode different tokens")
+    return {"tokens_per_s": {f"{c} {m}": v for (c, m), v in tps.items()}, "steps": steps, "identical": same}
 
 
 if __name__ == "__main__":

@@ -64,3 +64,12 @@ def test_bench_cpu_step_runs():
         pytest.skip("no packed CPU kernel here (extension not built or no AVX-512)")
     rows = _run_returning("bench_cpu_step", ["--reps", "1", "--context", "20"])
     assert [r["T"] for r in rows] == [1, 6, 16] and all(r["packed_ms"] > 0 and r["mkl_ms"] > 0 for r in rows)
+
+
+def test_bench_checkouts_runs():
+    """Two checkouts (here the same one twice) in fresh processes: equal tokens, speeds for both modes."""
+    res = _run_returning("bench_checkouts", ["--a", str(ROOT), "--b", str(ROOT), "--rounds", "1", "--prompts", "1",
+                                             "--new-tokens", "6"])
+    assert res["identical"] and res["steps"]["A"] == res["steps"]["B"] > 0
+    assert set(res["tokens_per_s"]) == {"A plain", "A spec", "B plain", "B spec"}
+    assert all(v[0] > 0 for v in res["tokens_per_s"].values())
