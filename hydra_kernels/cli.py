@@ -17,7 +17,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=None,
                    help="drafter directory (ours, original Hydra or original Medusa); default: the shipped heads")
     p.add_argument("--tree", default=None, help="tree: JSON file of choices, 'default' or 'chain-N'")
-    p.add_argument("--acceptance", default="greedy", choices=["greedy", "typical"])
+    p.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
+                   help="default: greedy at temperature 0, else rejection (exact sampling)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -46,7 +47,7 @@ def main(argv=None) -> None:
             if args.drafter is not None:
                 raise
             print(f"[{e}; plain decoding]", file=sys.stderr)
-    if drafter is None and (args.tree or args.acceptance != "greedy"):
+    if drafter is None and (args.tree or args.acceptance not in (None, "greedy")):
         sys.exit("--tree and --acceptance need a drafter (--drafter PATH)")
     ids = chat_prompt_ids(tokenizer, args.prompt, args.system)
     streamer = TextStreamer(tokenizer)

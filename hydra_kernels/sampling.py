@@ -23,11 +23,19 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0)
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """logits [..., V] -> the base distribution every sampler draws from, fp32 [..., V]:
+    softmax(filter_top_k_top_p(logits / temperature)). Plain sampling (next_tokens) and speculative
+    rejection sampling (ops.rejection_verify) share this one definition. temperature > 0."""
+    z = logits.float() / temperature
+    shape = z.shape
+    return filter_top_k_top_p(z.reshape(-1, shape[-1]), top_k, top_p).softmax(dim=-1).view(shape)
+
+
 def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64). temperature 0: argmax."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = filter_top_k_top_p(logits.float() / temperature, top_k, top_p)
-    probs = logits.softmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

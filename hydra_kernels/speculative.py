@@ -12,14 +12,16 @@ import torch
 
 from . import ops
 from .emit import Emitter
+from .sampling import filter_top_k_top_p
 
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
                      temperature, acceptance, posterior_threshold, posterior_alpha, generator, backends,
-                     host_seqlens: list[int], stats) -> None:
+                     host_seqlens: list[int], stats, top_k: int = 0, top_p: float = 1.0) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
     prefill_hidden [B, L, H] (right-padded), root [B] (already emitted); backends: the run's
-    BackendPlan. `stats.num_steps` counts verify forwards."""
+    BackendPlan. acceptance: "greedy" | "rejection" | "typical"; top_k / top_p shape the base
+    distribution of the sampling kinds. `stats.num_steps` counts verify forwards."""
     B = root.shape[0]
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
@@ -27,7 +29,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     drafter.after_prefill(state, prefill_hidden, lengths)
     active = torch.ones(B, dtype=torch.long, device=dev)
     greedy = acceptance == "greedy" or temperature == 0.0
-    typical_fused = not greedy and model.output.bias is None and backends.fused_lm_head_statistics
+    filtered = top_k > 0 or top_p < 1.0
+    typical_fused = (acceptance == "typical" and not greedy and not filtered and model.output.bias is None
+                     and backends.fused_lm_head_statistics)
     while not emitter.all_done:
         prop = drafter.propose(state, root, cache.seqlens)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
@@ -45,9 +49,14 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
             v = ops.typical_accept(lse, ent, cl, samples, tr.paths, posterior_threshold=posterior_threshold,
                                    posterior_alpha=posterior_alpha, backend=backends["typical_accept"])
+        elif acceptance == "rejection":  # exact: the emitted tokens follow the plain sampler's law
+            v = ops.rejection_verify(model.output(hidden), tokens, tr.paths, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, generator=generator, backend=backends["rejection_verify"])
         else:
-            logits = model.output(hidden)  # [B, T, V]
-            v = ops.typical_verify(logits, tokens, tr.paths, temperature=temperature,
+            logits, t = model.output(hidden), temperature  # [B, T, V]
+            if filtered:  # typical acceptance judged on the same top-k / top-p distribution plain sampling uses
+                logits, t = filter_top_k_top_p(logits.float() / temperature, top_k, top_p), 1.0
+            v = ops.typical_verify(logits, tokens, tr.paths, temperature=t,
                                    posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                    generator=generator, backend=backends["typical_verify"])
         n = v.accept_lengths * active  # finished sequences commit nothing (their rows stay in the buffer)

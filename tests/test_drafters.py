@@ -186,7 +186,7 @@ def test_drafter_bad_input_is_caught_before_work(model, monkeypatch):
     with pytest.raises(ValueError, match="KV buffer too small.*tree"):
         generate(model, p, drafter=d, tree="chain-2", max_new_tokens=4, max_seq_len=9)
     with pytest.raises(ValueError, match="greedy acceptance is for temperature 0"):
-        generate(model, p, drafter=d, temperature=0.7, max_new_tokens=4)
+        generate(model, p, drafter=d, temperature=0.7, acceptance="greedy", max_new_tokens=4)
     other = hk.Llama.from_hf(make_hf("mha-untied"))  # hidden 48 vs 72
     with pytest.raises(ValueError, match="hidden size"):
         generate(other, p, drafter=d, max_new_tokens=4)

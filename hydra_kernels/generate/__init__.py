@@ -20,7 +20,7 @@ from ..ops.backend import plan_backends
 from ..sampling import next_tokens
 from ..speculative import speculative_loop
 
-ACCEPTANCE_KINDS = ("greedy", "typical")
+ACCEPTANCE_KINDS = ("greedy", "rejection", "typical")
 
 
 @dataclass
@@ -87,7 +87,7 @@ def _eos_set(model: Llama, eos_token_id) -> set[int]:
 
 
 def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, tree=None,
-             temperature: float = 0.0, acceptance: str = "greedy", eos_token_id=None, backend: str = "auto",
+             temperature: float = 0.0, acceptance: str | None = None, eos_token_id=None, backend: str = "auto",
              *, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_seq_len: int | None = None,
              posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
              streamer: Callable[[int, list[int]], None] | None = None) -> GenerateOutput:
@@ -100,8 +100,11 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     drafter (hk.new_drafter / hk.load_drafter): speculative decoding over `tree` (a Tree, Medusa-format
     choices, a JSON file, "default" or "chain-N"; default: the tree searched for this device class and
     saved with the heads (drafter.trees, e.g. the shipped heads' CPU tree), else hk.tree.default_tree).
-    acceptance "greedy" (temperature must be 0) emits exactly the plain greedy tokens; "typical"
-    (temperature > 0, posterior_threshold / posterior_alpha) is Medusa's typical acceptance.
+    acceptance (None: "greedy" at temperature 0, else "rejection"): "greedy" (temperature must be 0)
+    emits exactly the plain greedy tokens; "rejection" (temperature > 0) is recursive rejection sampling
+    over the tree, its tokens distributed exactly as plain sampling with the same temperature / top_k /
+    top_p; "typical" (temperature > 0, posterior_threshold / posterior_alpha, judged on the top_k / top_p
+    distribution) is Medusa's typical acceptance, not distribution-preserving.
     eos_token_id: int or list; None: the model config's; []: never stop early. Each sequence stops at its
     first EOS (kept in its output) or after exactly max_new_tokens tokens.
     max_seq_len: KV buffer rows per sequence (default: what the request needs).
@@ -110,6 +113,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     """
     if not isinstance(model, Llama):
         raise TypeError(f"model must be a hydra_kernels Llama (hk.load_model or hk.Llama.from_hf), got {type(model)}")
+    if acceptance is None:
+        acceptance = "greedy" if temperature == 0 else "rejection"
     if acceptance not in ACCEPTANCE_KINDS:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_KINDS}, got {acceptance!r}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -131,7 +136,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         if not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hydra_kernels Drafter (hk.new_drafter / hk.load_drafter), got {type(drafter)}")
         if acceptance == "greedy" and temperature > 0:
-            raise ValueError("greedy acceptance is for temperature 0; use acceptance='typical' to sample")
+            raise ValueError("greedy acceptance is for temperature 0; use acceptance='rejection' (exact) or "
+                             "'typical' to sample")
         drafter.check_model(model)
         tree_obj = drafter.resolve_tree(tree, device.type)  # validated; bounds every step's proposal
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
@@ -187,7 +193,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                 speculative_loop(model, drafter, tree_obj, cache, hidden, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-                                 generator=gen, backends=backends, host_seqlens=list(lens), stats=out)
+                                 generator=gen, backends=backends, host_seqlens=list(lens), stats=out,
+                                 top_k=top_k, top_p=top_p)
     except Exception as exc:
         _finish_timing(out, t0, t1)
         n = sum(map(len, out.sequences))

@@ -17,12 +17,13 @@ from .packed_linear import pack_linear_weight, packed_linear, packed_linear_avai
 from .backend import BACKENDS, native_available, register, resolve, triton_available
 
 __all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept",
-           "greedy_verify", "typical_verify", "commit_kv", "tree_inputs", "pack_linear_weight", "packed_linear",
+           "greedy_verify", "typical_verify", "rejection_verify", "commit_kv", "tree_inputs", "pack_linear_weight", "packed_linear",
            "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available", "reference"]
 
 register("tree_attention", "reference", reference.tree_attention)
 register("greedy_verify", "reference", reference.greedy_verify)
 register("typical_verify", "reference", reference.typical_verify)
+register("rejection_verify", "reference", reference.rejection_verify)
 register("commit_kv", "reference", reference.commit_kv)
 register("tree_inputs", "reference", reference.tree_inputs)
 register("lm_head_topk", "reference", reference.lm_head_topk)
@@ -217,6 +218,27 @@ def typical_verify(logits, tree_tokens, paths, *, temperature, posterior_thresho
     fn = resolve("typical_verify", backend, tree_tokens.device)
     return Verification(*fn(logits, tree_tokens, paths, temperature, posterior_threshold, posterior_alpha, generator))
 
+
+def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=1.0, generator=None,
+                     backend="auto") -> Verification:
+    """Lossless acceptance of one step's tree by recursive rejection sampling: the emitted tokens are
+    distributed exactly as plain sampling with the same temperature / top_k / top_p
+    (sampling.sampling_probs); see reference.rejection_verify for the rule and why it is exact.
+
+    logits [B, T, V]: base logits after each node; tree_tokens int64 [B, T] (deterministic drafts: fixed
+    before this call's random draws); paths int64 [P, D+1] or [B, P, D+1] (a tree per sequence), nodes
+    numbered so that a parent precedes its children, siblings tried in index order; temperature > 0;
+    top_k >= 0 (0: off); 0 < top_p <= 1; generator on logits' device seeds the draws (reproducible).
+    """
+    _check_tree_inputs(tree_tokens, paths)
+    _check(tree_tokens.dtype == torch.long, f"tree_tokens must be int64, got {tree_tokens.dtype}")
+    _check(logits.dim() == 3 and logits.shape[:2] == tree_tokens.shape,
+           f"logits must be [B, T, V] with [B, T] = {tuple(tree_tokens.shape)}, got {tuple(logits.shape)}")
+    _check(temperature > 0, f"rejection sampling needs temperature > 0, got {temperature}")
+    _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0, got {top_k!r}")
+    _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    fn = resolve("rejection_verify", backend, tree_tokens.device)
+    return Verification(*fn(logits, tree_tokens, paths, temperature, top_k, top_p, generator))
 
 def lm_head_sample_stats(x, weight, temperature, seed, *, backend="auto"):
     """Per row of x [..., H], with z = x weight^T / temperature: (lse fp32 [...], entropy fp32 [...],

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import sampling_probs
+
 
 def per_sequence(x: torch.Tensor, batch: int, inner_dims: int) -> torch.Tensor:
     """A tree buffer shared by the batch (inner_dims dims) or one per sequence ([B, ...]) -> [B, ...]
@@ -154,6 +156,89 @@ def typical_verify(logits, tree_tokens, paths, temperature, posterior_threshold=
         return torch.multinomial(probs[torch.arange(B, device=logits.device), last], 1, generator=generator)[:, 0]
 
     return _select_path(paths, accepted, score, sample)
+
+
+def tree_structure_from_paths(paths, num_nodes):
+    """Leaf paths [B, P, D+1] (-1 padded) -> (parents [B, T], depths [B, T]) of the nodes they list;
+    a node on no path (padding) gets parent -1 and depth 0. On the device, no host read."""
+    B, P, D1 = paths.shape
+    dev = paths.device
+    sink = num_nodes  # a dummy column for the -1 entries, dropped below
+    child = torch.where(paths[:, :, 1:] >= 0, paths[:, :, 1:], torch.full_like(paths[:, :, 1:], sink))
+    parents = torch.full((B, num_nodes + 1), -1, dtype=torch.long, device=dev)
+    parents.scatter_(1, child.flatten(1), paths[:, :, :-1].flatten(1))
+    level = torch.arange(D1, device=dev).expand(B, P, D1)
+    node = torch.where(paths >= 0, paths, torch.full_like(paths, sink))
+    depths = torch.zeros((B, num_nodes + 1), dtype=torch.long, device=dev)
+    depths.scatter_(1, node.flatten(1), level.flatten(1))
+    return parents[:, :num_nodes], depths[:, :num_nodes]
+
+
+def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0, generator=None):
+    """Lossless tree verification by recursive rejection sampling (the SpecInfer / EAGLE / Recursive
+    Speculative Decoding family, for deterministic drafts): the emitted tokens are distributed exactly
+    as plain sampling from the base model.
+
+    p(. | node) = sampling_probs(logits[b, node], temperature, top_k, top_p): the base distribution
+    after the node, exactly as plain sampling (sampling.next_tokens) draws from it. The walk starts at
+    the root. At the current node it tries the node's children in draft order (node index order, which
+    is rank order for a static Tree). r is the residual, starting at r = p(. | node); a child with
+    token x is accepted with probability r(x) / sum(r); on rejection r(x) = 0 and the next child is
+    tried. An accepted child becomes the current node (r restarts from its own p). When every child is
+    rejected (or a leaf is reached) the next root is drawn from r / sum(r).
+
+    Why it is exact. The drafts are deterministic: the tokens of the children are fixed before this
+    step's random numbers are drawn (they may depend on anything before: the prefix, earlier steps'
+    outcomes). Let x_1..x_m be the children's distinct tokens, in the order tried, and R_i the mass
+    removed before x_i (R_1 = 0, R_{i+1} = R_i + p(x_i)). Then
+      P(emit x_i) = prod_{k<i} (1 - p(x_k) / (1 - R_k)) * p(x_i) / (1 - R_i) = p(x_i),
+    since the product telescopes to (1 - R_i) (each factor is (1 - R_{k+1}) / (1 - R_k)); and for a
+    token y drafted by no child, P(emit y) = (1 - R_{m+1}) * p(y) / (1 - R_{m+1}) = p(y). So the token
+    after the current node is distributed exactly as p(. | node); if it is an accepted child the walk
+    continues there with fresh random numbers, so by induction every emitted token is an exact draw
+    from the base distribution given all tokens before it: the sequence has the plain sampler's law.
+    (A repeated sibling token has r(x) = 0 when its turn comes: never accepted, removes nothing.)
+
+    logits [B, T, V]: base logits after each node; tree_tokens [B, T]; paths int64 [P, D+1] (one tree)
+    or [B, P, D+1] (a tree per sequence; padded nodes lie on no path and are never tried); temperature
+    > 0; generator: a torch.Generator on logits' device (the draw is reproducible from its state).
+    Returns (accept_lengths [B], accept_indices [B, D+1] (-1 after the length), next_root [B],
+    last_node [B]). No host read: a loop of T small [B] steps.
+    """
+    B, T, V = logits.shape
+    dev = logits.device
+    paths = per_sequence(paths, B, 2)  # [B, P, D+1]
+    parents, depths = tree_structure_from_paths(paths, T)  # [B, T] each
+    probs = sampling_probs(logits, temperature, top_k, top_p)  # [B, T, V]
+    bidx = torch.arange(B, device=dev)
+    # p_child[b, j] = p(token_j | parent_j): the probability node j's token has under its parent
+    p_child = probs[bidx[:, None], parents.clamp(min=0), tree_tokens]  # [B, T]
+    # dup[b, j]: an earlier sibling holds the same token (its residual is 0 when j's turn comes)
+    same = (parents[:, :, None] == parents[:, None, :]) & (tree_tokens[:, :, None] == tree_tokens[:, None, :])
+    dup = (same & torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)).any(-1)  # [B, T]
+    u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
+    removed = torch.zeros(B, dtype=torch.float32, device=dev)  # mass of the current node's rejected children
+    idx = torch.full((B, paths.shape[-1]), -1, dtype=torch.long, device=dev)
+    idx[:, 0] = 0
+    for j in range(1, T):  # children come after their parents: one pass in index order walks the tree
+        tried = (parents[:, j] == cur) & ~dup[:, j]
+        # accept with probability p(x) / (1 - removed): the residual renormalised
+        acc = tried & (u[:, j] * (1.0 - removed).clamp(min=0.0) < p_child[:, j])
+        removed = torch.where(acc, torch.zeros_like(removed), torch.where(tried, removed + p_child[:, j], removed))
+        cur = torch.where(acc, torch.full_like(cur, j), cur)
+        col = depths[:, j].clamp(max=idx.shape[1] - 1)
+        idx.scatter_(1, col[:, None], torch.where(acc, j, idx.gather(1, col[:, None])[:, 0])[:, None])
+    accept_len = depths.gather(1, cur[:, None])[:, 0] + 1
+    # residual at the last node: its children (all tried, all rejected) removed, renormalised
+    r = probs[bidx, cur]  # [B, V]
+    kids = parents == cur[:, None]  # [B, T]
+    drop = torch.zeros(B, V, dtype=torch.int32, device=dev).scatter_add_(1, tree_tokens, kids.int()) > 0
+    r_res = r.masked_fill(drop, 0.0)
+    # rounding can leave no mass (the last child held all of it and was rejected with probability ~0)
+    r_res = torch.where(r_res.sum(-1, keepdim=True) > 0, r_res, r)
+    next_root = torch.multinomial(r_res, 1, generator=generator)[:, 0]
+    return accept_len, idx, next_root, cur
 
 
 def lm_head_sample_stats(x, weight, temperature, seed):

@@ -1,0 +1,197 @@
+"""Speculative sampling draws exactly from the base model's distribution: a statistical test.
+
+A tiny random Llama (vocabulary 8, one layer) makes the exact law of the next 3 new tokens enumerable:
+P(t1 t2 t3) = p(t1 | prompt) p(t2 | prompt t1) p(t3 | prompt t1 t2), each p the base distribution after
+temperature / top-k / top-p (sampling.sampling_probs, the one definition plain and speculative sampling
+share), computed by brute force from full forwards over all 8^2 continuations. Each setting decodes N
+independent sequences in one batch (the same prompt repeated, one seed) and compares the 512-cell
+histogram with the exact law by a G-test (cells expected < 5 pooled into one; df = cells - 1; p-value
+from the chi-square tail).
+
+Significance: family-wise alpha = 1e-3 over the positive settings, Bonferroni-corrected (each passes at
+p > 1e-3 / m). Seeds are fixed, so every run sees the same samples. The harness has power: typical
+acceptance, and a rejection sampler that draws the next root from p instead of the residual (rejected
+children not removed: the classic bug), are refused by the same test at p < 1e-6 each.
+
+Drafters: fresh Medusa / Hydra / Hydra++ heads with randomised weights (drafts away from the base
+argmax, so acceptance and rejection both happen at every depth), a static tree with siblings at two
+depths, and a test drafter proposing a random tree per sequence per step (TreeBatch, ragged, repeated
+sibling tokens); settings with top-k, top-p and a batch of two different prompts.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels import ops
+from hydra_kernels.drafters import Drafter, Proposal
+from hydra_kernels.generate import generate
+from hydra_kernels.sampling import sampling_probs
+from hydra_kernels.tree import TreeBatch
+from test_llama_vs_transformers import make_hf
+
+V = 8  # vocabulary: 8^3 = 512 cells for the next 3 tokens
+N = 12000  # samples per setting (one batch)
+NEW = 3
+FAMILY_ALPHA = 1e-3
+NEGATIVE_P = 1e-6  # a negative control must be refused at least this clearly
+PROMPTS = ([3, 1, 4, 1, 5], [2, 7])
+TREE = hk.Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # siblings at depths 1 and 2, depth 3
+
+
+@pytest.fixture(scope="module")
+def model():
+    hf = make_hf("gqa3-tied", seed=5, vocab_size=V, num_hidden_layers=1, hidden_size=16, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=24)
+    with torch.no_grad():  # sharper next-token laws than the random init gives: more power
+        hf.lm_head.weight.mul_(3.0)
+    return hk.Llama.from_hf(hf)
+
+
+def random_head_drafter(model, kind):
+    torch.manual_seed({"medusa": 1, "hydra": 2, "hydra++": 3}[kind])
+    d = hk.new_drafter(model, kind=kind, num_heads=3, num_layers=1)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    return d
+
+
+class RandomTreeDrafter(Drafter):
+    """A random tree per sequence per step: 1..7 nodes, random parents (depth <= 6), random tokens
+    (repeated siblings included), drawn from its own generator (so drafts are fixed before the step's
+    acceptance draws)."""
+
+    kinds = ("test-random-trees",)
+
+    @property
+    def kind(self):
+        return "test-random-trees"
+
+    def check_model(self, model):
+        pass
+
+    def resolve_tree(self, tree, device_type):
+        return hk.tree.chain(6)  # bounds every proposal: 7 nodes, depth 6
+
+    def start(self, model, batch_size, max_seq_len, tree, backends):
+        return torch.Generator().manual_seed(123)
+
+    def after_prefill(self, state, hidden, lengths):
+        pass
+
+    def after_step(self, state, accepted_hidden, accepted_tokens, accept_lengths):
+        pass
+
+    def propose(self, gen, root, seqlens):
+        B, T = root.shape[0], 7
+        node = torch.arange(T)
+        parents = (torch.rand(B, T, generator=gen) * node).long()  # parent of node i uniform in [0, i)
+        parents[:, 0] = -1
+        valid = node[None, :] < torch.randint(1, T + 1, (B, 1), generator=gen)
+        tokens = torch.randint(V, (B, T), generator=gen)
+        tokens[:, 0] = root
+        return Proposal(tokens, TreeBatch(parents, valid))
+
+
+def exact_law(model, prompt, temperature, top_k, top_p):
+    """P(t1, t2, t3) over all V^3 continuations: [V, V, V]."""
+    cont = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # [V^2, 2]: (t1, t2)
+    ids = torch.cat([torch.tensor(prompt).expand(V * V, -1), cont], dim=1)
+    with torch.inference_mode():
+        logits = model(ids)[:, len(prompt) - 1:]  # [V^2, 3, V]: after the prompt, after t1, after t2
+    p = sampling_probs(logits, temperature, top_k, top_p)
+    p1 = p[0, 0]  # [V]
+    p2 = p[::V, 1]  # [V] rows with t2 = 0 for every t1: p(t2 | t1)
+    p3 = p[:, 2].view(V, V, V)  # p(t3 | t1, t2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def g_test(counts: torch.Tensor, expected_p: torch.Tensor) -> float:
+    """p-value of a G-test of counts against the law expected_p (cells expected < 5 pooled)."""
+    counts, exp = counts.flatten().double(), expected_p.flatten().double() * counts.sum()
+    seen_impossible = counts[exp == 0].sum()
+    if seen_impossible > 0:
+        return 0.0  # a sequence the base law gives probability 0
+    small = exp < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([exp[~small], exp[small].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    g = 2 * torch.special.xlogy(obs, obs / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), g / 2))
+
+
+def histogram(sequences, rows) -> torch.Tensor:
+    s = torch.tensor([sequences[b] for b in rows])  # [n, 3]
+    return torch.bincount(s[:, 0] * V * V + s[:, 1] * V + s[:, 2], minlength=V ** 3).view(V, V, V)
+
+
+def sample(model, drafter, prompts, temperature, top_k, top_p, acceptance, seed=0):
+    """N sequences, prompts cycled through the batch -> (out, {prompt index: histogram})."""
+    batch = [prompts[i % len(prompts)] for i in range(N)]
+    out = generate(model, batch, drafter=drafter, tree=TREE if getattr(drafter, "num_heads", 0) else None,
+                   max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                   acceptance=acceptance if drafter is not None else None, eos_token_id=[], backend="reference")
+    assert all(len(s) == NEW for s in out.sequences)
+    return out, {i: histogram(out.sequences, range(i, N, len(prompts))) for i in range(len(prompts))}
+
+
+SETTINGS = {  # name: (drafter kind or None (plain sampling), temperature, top_k, top_p, number of prompts)
+    "plain": (None, 0.8, 0, 1.0, 1),
+    "plain-top_p": (None, 0.8, 0, 0.8, 1),
+    "medusa": ("medusa", 0.8, 0, 1.0, 1),
+    "hydra": ("hydra", 1.0, 0, 1.0, 1),
+    "hydra++": ("hydra++", 0.8, 0, 1.0, 1),
+    "per-sequence-trees": ("random-trees", 0.8, 0, 1.0, 1),
+    "hydra-top_k": ("hydra", 0.8, 4, 1.0, 1),
+    "medusa-top_p": ("medusa", 0.8, 0, 0.8, 1),
+    "per-sequence-trees-top_k-top_p": ("random-trees", 1.0, 5, 0.9, 1),
+    "hydra-batch-2-prompts": ("hydra", 0.8, 0, 1.0, 2),
+}
+M = sum(n for *_, n in SETTINGS.values())  # number of G-tests among the positive settings
+
+
+def make_drafter(model, kind):
+    if kind is None:
+        return None
+    return RandomTreeDrafter() if kind == "random-trees" else random_head_drafter(model, kind)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_rejection_sampling_is_exact(model, name):
+    kind, temperature, top_k, top_p, n_prompts = SETTINGS[name]
+    prompts = PROMPTS[:n_prompts]
+    out, hists = sample(model, make_drafter(model, kind), prompts, temperature, top_k, top_p, "rejection")
+    if kind is not None:  # drafts were both accepted and rejected: the walk's every branch ran
+        lens = torch.tensor([a for row in out.accept_lengths for a in row])
+        assert (lens > 1).float().mean() > 0.05 and (lens == 1).float().mean() > 0.05, lens.float().mean()
+    for i, prompt in enumerate(prompts):
+        p = g_test(hists[i], exact_law(model, prompt, temperature, top_k, top_p))
+        assert p > FAMILY_ALPHA / M, f"{name}, prompt {i}: G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
+
+
+def test_typical_acceptance_is_refused_by_the_same_test(model):
+    """Negative control: Medusa's typical acceptance is not distribution-preserving."""
+    _, hists = sample(model, random_head_drafter(model, "hydra"), PROMPTS[:1], 0.8, 0, 1.0, "typical")
+    p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
+    assert p < NEGATIVE_P, f"typical acceptance passed the exactness test (p = {p:.2e}): the harness has no power"
+
+
+def test_residual_bug_is_refused_by_the_same_test(model, monkeypatch):
+    """Negative control, subtle: the next root drawn from p instead of the residual (rejected children
+    not removed) over-weights drafted tokens; the same test must catch it."""
+    exact = ops.rejection_verify
+
+    def biased(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=1.0, generator=None, backend="auto"):
+        v = exact(logits, tree_tokens, paths, temperature=temperature, top_k=top_k, top_p=top_p,
+                  generator=generator, backend=backend)
+        p_last = sampling_probs(logits[torch.arange(logits.shape[0]), v.last_node], temperature, top_k, top_p)
+        return v._replace(next_root=torch.multinomial(p_last, 1, generator=generator)[:, 0])
+
+    monkeypatch.setattr(ops, "rejection_verify", biased)
+    _, hists = sample(model, random_head_drafter(model, "medusa"), PROMPTS[:1], 0.8, 0, 1.0, "rejection")
+    p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
+    assert p < NEGATIVE_P, f"the residual bug passed the exactness test (p = {p:.2e}): the harness has no power"
