@@ -170,6 +170,7 @@ def test_rejection_sampling_is_exact(model, name):
         assert (lens > 1).float().mean() > 0.05 and (lens == 1).float().mean() > 0.05, lens.float().mean()
     for i, prompt in enumerate(prompts):
         p = g_test(hists[i], exact_law(model, prompt, temperature, top_k, top_p))
+        print(f"{name}, prompt {i}: G-test p = {p:.3g}")
         assert p > FAMILY_ALPHA / M, f"{name}, prompt {i}: G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
 
 
@@ -177,6 +178,7 @@ def test_typical_acceptance_is_refused_by_the_same_test(model):
     """Negative control: Medusa's typical acceptance is not distribution-preserving."""
     _, hists = sample(model, random_head_drafter(model, "hydra"), PROMPTS[:1], 0.8, 0, 1.0, "typical")
     p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
+    print(f"typical acceptance: G-test p = {p:.3g}")
     assert p < NEGATIVE_P, f"typical acceptance passed the exactness test (p = {p:.2e}): the harness has no power"
 
 
@@ -194,4 +196,5 @@ def test_residual_bug_is_refused_by_the_same_test(model, monkeypatch):
     monkeypatch.setattr(ops, "rejection_verify", biased)
     _, hists = sample(model, random_head_drafter(model, "medusa"), PROMPTS[:1], 0.8, 0, 1.0, "rejection")
     p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
+    print(f"residual bug: G-test p = {p:.3g}")
     assert p < NEGATIVE_P, f"the residual bug passed the exactness test (p = {p:.2e}): the harness has no power"
