@@ -73,3 +73,12 @@ def test_bench_checkouts_runs():
     assert res["identical"] and res["steps"]["A"] == res["steps"]["B"] > 0
     assert set(res["tokens_per_s"]) == {"A plain", "A spec", "B plain", "B spec"}
     assert all(v[0] > 0 for v in res["tokens_per_s"].values())
+
+
+def test_bench_sampling_runs(tmp_path):
+    """Rejection vs typical vs plain sampling with a shipped drafter, one prompt x 8 tokens."""
+    rows = _run_returning("bench_sampling", ["--prompts", "1", "--new-tokens", "8", "--kinds", "hydra",
+                                             "--out", str(tmp_path)])
+    assert [r["method"] for r in rows] == ["plain", "hydra rejection", "hydra typical"]
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1 for r in rows)
+    assert (tmp_path / "bench_sampling.csv").exists() and (tmp_path / "bench_sampling.md").exists()
