@@ -2,7 +2,7 @@
 torch has CUDA and nvcc is found). With no sources in csrc/ this is a pure-Python package.
 
 Environment: HYDRA_KERNELS_SKIP_CUDA_BUILD=1 / HYDRA_KERNELS_FORCE_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST
-(default "8.0;9.0"), MAX_JOBS (default: from cores and RAM). Build against the installed torch:
+(default "8.0;9.0+PTX": sm_80 and sm_90 code, and PTX that newer GPUs compile at load), MAX_JOBS (default: from cores and RAM). Build against the installed torch:
 pip install --no-build-isolation .
 """
 import glob
@@ -46,7 +46,8 @@ def extensions():
         cxx.append("-fopenmp")
         link.append("-fopenmp")
     if with_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        # sm_80 and sm_90 cubins, plus sm_90 PTX so newer GPUs (sm_100, sm_120) JIT-compile it at load
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         ext = CUDAExtension("hydra_kernels._C", cpp + cu, define_macros=[("HYDRA_KERNELS_WITH_CUDA", None)],
                             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
                             extra_link_args=link)
