@@ -26,7 +26,7 @@ def _commit_kv_kernel(kv_ptr, seqlens_ptr, idx_ptr, lens_ptr, B, S, row_elems, k
     start = tl.load(seqlens_ptr + b)
     rows = tl.arange(0, BLOCK_ROWS)
     cols = pid_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    valid = rows < n
+    valid = (rows < n) & (rows < k1)  # n is data: never read idx (or write rows) past k1
     src = start + tl.load(idx_ptr + b * k1 + rows, mask=valid, other=0)  # [BLOCK_ROWS] int64 rows
     dst = start + rows
     base = kv_ptr + (plane.to(tl.int64) * B + b) * S * row_elems
