@@ -152,7 +152,8 @@ class _PackedMask:
     """The last tree mask packed, kept with the mask itself: every layer of a step passes the same mask
     tensor, so it is packed once per step, not once per layer. A hit needs the very same tensor object
     (held here, so its memory cannot be reused by another) at the same version (any in-place write to
-    it, e.g. the next step's tree copied in, bumps torch's version counter and repacks)."""
+    it, e.g. the next step's tree copied in, bumps torch's version counter and repacks). Inference tensors
+    (torch.inference_mode) have no version counter: packed on every call."""
 
     mask: torch.Tensor | None = None
     version: int = -1
@@ -160,9 +161,11 @@ class _PackedMask:
 
     @classmethod
     def get(cls, tree_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if tree_mask is not cls.mask or tree_mask._version != cls.version:
+        # inference tensors keep no version counter: a write cannot be seen, so they are packed every call
+        version = None if tree_mask.is_inference() else tree_mask._version
+        if version is None or tree_mask is not cls.mask or version != cls.version:
             mask, _ = tree_buffer(tree_mask, 2)  # [T, T] shared (packed once, batch stride 0) or [B, T, T]
-            cls.mask, cls.version = tree_mask, tree_mask._version
+            cls.mask, cls.version = tree_mask, version
             cls.bits = tree_buffer(pack_tree_mask(mask), 2)  # int32 [T, W] or [B, T, W], its batch stride
         return cls.bits
 
