@@ -1,9 +1,10 @@
 """Builds the optional compiled extension hydra_kernels._C from csrc/ (C++ ops always, CUDA ops when
 torch has CUDA and nvcc is found). With no sources in csrc/ this is a pure-Python package.
 
-Environment: HYDRA_KERNELS_SKIP_CUDA_BUILD=1 / HYDRA_KERNELS_FORCE_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST
-(default "8.0;9.0"), MAX_JOBS (default: from cores and RAM). Build against the installed torch:
-pip install --no-build-isolation .
+Environment: HYDRA_KERNELS_NO_EXTENSION=1 (pure Python, no extension), HYDRA_KERNELS_SKIP_CUDA_BUILD=1 /
+HYDRA_KERNELS_FORCE_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": sm_80 and sm_90 code, and
+PTX that newer GPUs compile at load), MAX_JOBS (default: from cores and RAM). Build against the installed
+torch: pip install --no-build-isolation . (pip's default build isolation has no torch: setup.py says so).
 """
 import glob
 import os
@@ -23,13 +24,34 @@ def _max_jobs() -> str:
     return str(max(1, min(cores, int(ram_gb // 2))))
 
 
+# What pip's default build isolation meets: a fresh environment without torch (and we never let pip pull
+# one into it: the default torch wheel on Linux is a multi-GB CUDA build, maybe not the user's).
+NO_TORCH = """
+hydra-kernels: torch is not importable in this build environment.
+The compiled extension (hydra_kernels._C) is built against the torch you run, so build without pip's
+build isolation, after installing torch (https://pytorch.org/get-started/locally/):
+
+    pip install torch            # the build you want (CPU or CUDA), first
+    pip install --no-build-isolation .
+
+Or install pure Python (no extension: the "reference" and "triton" backends still work):
+
+    HYDRA_KERNELS_NO_EXTENSION=1 pip install .
+"""
+
+
 def extensions():
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     if not cpp and not cu:
         return [], {}
+    if os.environ.get("HYDRA_KERNELS_NO_EXTENSION") == "1":
+        return [], {}
+    try:
+        import torch
+    except ModuleNotFoundError:
+        sys.exit(NO_TORCH)
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-    import torch
 
     os.environ.setdefault("MAX_JOBS", _max_jobs())
     skip = os.environ.get("HYDRA_KERNELS_SKIP_CUDA_BUILD") == "1"
@@ -46,7 +68,8 @@ def extensions():
         cxx.append("-fopenmp")
         link.append("-fopenmp")
     if with_cuda:
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        # sm_80 and sm_90 cubins, plus sm_90 PTX so newer GPUs (sm_100, sm_120) JIT-compile it at load
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
         ext = CUDAExtension("hydra_kernels._C", cpp + cu, define_macros=[("HYDRA_KERNELS_WITH_CUDA", None)],
                             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--use_fast_math"]},
                             extra_link_args=link)

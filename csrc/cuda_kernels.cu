@@ -16,14 +16,20 @@ __global__ void commit_kv_kernel(uint32_t* __restrict__ kv, int64_t B, int64_t S
   const int64_t col = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   const int64_t b = blockIdx.y, plane = blockIdx.z;
   if (col >= row_words) return;
-  const int64_t n = lens[b];
+  // n is bounded on the device too: lens[b] is data (the host checked only k1 <= HK_MAX_ACCEPT), and
+  // reading idx or vals past k1 would touch other rows' memory.
+  const int64_t n = min(lens[b], min(k1, (int64_t)HK_MAX_ACCEPT));
   if (n <= 0) return;
   uint32_t* rows = kv + (plane * B + b) * S * row_words + seqlens[b] * row_words + col;
+  // Fully unrolled loops with constant indices keep vals in registers (a runtime trip count would put
+  // the array in local memory).
   uint32_t vals[HK_MAX_ACCEPT];
-#pragma unroll 4
-  for (int64_t i = 0; i < n; ++i) vals[i] = rows[idx[b * k1 + i] * row_words];
-#pragma unroll 4
-  for (int64_t i = 0; i < n; ++i) rows[i * row_words] = vals[i];
+#pragma unroll
+  for (int i = 0; i < HK_MAX_ACCEPT; ++i)
+    if (i < n) vals[i] = rows[idx[b * k1 + i] * row_words];
+#pragma unroll
+  for (int i = 0; i < HK_MAX_ACCEPT; ++i)
+    if (i < n) rows[i * row_words] = vals[i];
 }
 
 // greedy_verify: one block per sequence. Thread p walks leaf path p while each token equals the

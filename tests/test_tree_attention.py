@@ -217,6 +217,29 @@ def test_pack_tree_mask_bits(backend, shape):
     assert torch.equal(unpacked, m)
 
 
+@pytest.mark.backends("triton")
+def test_packed_tree_mask_is_reused_until_the_mask_changes(backend):
+    """The mask is packed once per step (every layer passes the same tensor), and packed again when that
+    tensor is written in place (the next step's tree) or another one comes."""
+    from hydra_kernels.ops.triton.tree_attention import _PackedMask
+
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, D, S = 2, 5, 2, 16, 9
+    q = torch.randn(B, T, H, D, generator=gen).to(DEV)
+    k, v = (torch.randn(B, S + T, H, D, generator=gen).to(DEV) for _ in range(2))
+    sl = torch.tensor([S, 3], dtype=torch.int32, device=DEV)
+    mask = tree_from_parents([-1, 0, 0, 1, 2])[0].to(DEV)
+    out1 = hk.ops.tree_attention(q, k, v, sl, mask, backend="triton")
+    bits = _PackedMask.bits[0]
+    hk.ops.tree_attention(q, k, v, sl, mask, backend="triton")
+    assert _PackedMask.bits[0] is bits  # same tensor, same version: not repacked
+    mask.copy_(tree_from_parents([-1, 0, 1, 2, 3])[0].to(DEV))  # in place: the next step's tree
+    out2 = hk.ops.tree_attention(q, k, v, sl, mask, backend="triton")
+    assert _PackedMask.bits[0] is not bits
+    assert_close_rel(out2, reference.tree_attention(q, k, v, sl, mask), RTOL[torch.float32], "repacked mask")
+    assert not torch.allclose(out1, out2)
+
+
 # ---- native: the fp32 row kernel -----------------------------------------------------------------
 @pytest.mark.backends("native", op="tree_attention")
 @pytest.mark.parametrize("Hq,Hkv,D,seqlens", [(9, 3, 64, [41, 0]), (4, 1, 40, [7, 130])])

@@ -52,13 +52,16 @@ def lm_head_sample_stats(x, weight, temperature, seed):
     x2 = as_rows(x)  # [N, H]
     (N, H), V = x2.shape, weight.shape[0]
     BLOCK_N, BLOCK_V, BLOCK_H = row_block(N), vocab_block(V), 64
+    # a 64-row tile keeps ~5 fp32 [64, BLOCK_V] values live (logits, exp, noise): 4 warps spill them
+    # (255 registers + a stack frame on sm_90), 8 warps hold them in registers; the weight is still read once
+    warps = 8 if BLOCK_N >= 64 else 4
     n_tiles = triton.cdiv(V, BLOCK_V)
     f = lambda: torch.empty(N, n_tiles, dtype=torch.float32, device=x.device)  # noqa: E731
     m, s, u, gv = f(), f(), f(), f()
     gi = torch.empty(N, n_tiles, dtype=torch.int64, device=x.device)
     _lm_head_stats_kernel[(n_tiles, triton.cdiv(N, BLOCK_N))](
         x2, weight, seed, m, s, u, gv, gi, N, V, H, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles,
-        1.0 / temperature, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee_dots(x.dtype))
+        1.0 / temperature, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee_dots(x.dtype), num_warps=warps)
     M = m.max(dim=1, keepdim=True).values
     w = torch.exp(m - M)
     S, U = (s * w).sum(1), (u * w).sum(1)

@@ -31,7 +31,7 @@ def _lm_head_topk_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, N, V, H, s_xn, s_wv, s_
     acc = logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N, BLOCK_V, BLOCK_H, IEEE)
     cols = tl.arange(0, BLOCK_V)
     out = (offs_n.to(tl.int64) * n_tiles + pid_v) * K
-    for j in tl.static_range(K):
+    for j in range(K):  # a runtime loop: unrolled k = 10 rounds made ptxas keep a stack frame
         best = tl.max(acc, axis=1)
         arg = tl.min(tl.where(acc == best[:, None], cols[None, :], BLOCK_V), axis=1)  # first index of the max
         tl.store(val_ptr + out + j, best, mask=n_ok)

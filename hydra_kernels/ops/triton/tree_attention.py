@@ -9,7 +9,8 @@ B * Hkv programs cannot fill a GPU (SmolLM2 batch 1: 3), so the prefix is cut in
 program producing a partial (normalised output, log-sum-exp); one extra split per (sequence, KV
 head) handles the tree block, the only place the ancestor mask applies (as bits: tree_mask row t is
 ceil(T/32) int32 words; sequence b's mask at bits + b * s_mb, s_mb = 0 when one tree serves the batch,
-so a shared tree is packed once, never expanded). A second kernel merges the splits with log-sum-exp
+so a shared tree is packed once, never expanded; and once per step: every layer passes the same mask
+tensor, and the last packed one is kept). A second kernel merges the splits with log-sum-exp
 weights.
 
 Grid of the first kernel: (M tiles, prefix splits + 1, B * Hkv). Softmax runs in base 2 (exp2) with
@@ -147,6 +148,28 @@ def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
 
 
+class _PackedMask:
+    """The last tree mask packed, kept with the mask itself: every layer of a step passes the same mask
+    tensor, so it is packed once per step, not once per layer. A hit needs the very same tensor object
+    (held here, so its memory cannot be reused by another) at the same version (any in-place write to
+    it, e.g. the next step's tree copied in, bumps torch's version counter and repacks). Inference tensors
+    (torch.inference_mode) have no version counter: packed on every call."""
+
+    mask: torch.Tensor | None = None
+    version: int = -1
+    bits: tuple[torch.Tensor, int] | None = None
+
+    @classmethod
+    def get(cls, tree_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+        # inference tensors keep no version counter: a write cannot be seen, so they are packed every call
+        version = None if tree_mask.is_inference() else tree_mask._version
+        if version is None or tree_mask is not cls.mask or version != cls.version:
+            mask, _ = tree_buffer(tree_mask, 2)  # [T, T] shared (packed once, batch stride 0) or [B, T, T]
+            cls.mask, cls.version = tree_mask, version
+            cls.bits = tree_buffer(pack_tree_mask(mask), 2)  # int32 [T, W] or [B, T, W], its batch stride
+        return cls.bits
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -181,8 +204,7 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None,
     n_prefix = max(1, triton.cdiv(S, split_size))
     n_total = n_prefix + 1
     dev = q.device
-    mask, _ = tree_buffer(tree_mask, 2)  # [T, T] shared (packed once, read with batch stride 0) or [B, T, T]
-    bits, s_mb = tree_buffer(pack_tree_mask(mask), 2)  # int32 [T, W] or [B, T, W]
+    bits, s_mb = _PackedMask.get(tree_mask)  # int32 [T, W] or [B, T, W]; packed once per step
     po = torch.empty(B * Hkv * n_total * M_PAD, BLOCK_D, dtype=torch.float32, device=dev)
     plse = torch.empty(B * Hkv * n_total * M_PAD, dtype=torch.float32, device=dev)
     out = torch.empty_like(q)

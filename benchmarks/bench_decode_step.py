@@ -1,0 +1,144 @@
+"""End-to-end decode step cost at a real model's shapes with random weights: a plain greedy step (T = 1)
+against a speculative step (a T-node tree forward, greedy LM head, greedy_verify, commit_kv) with a fixed
+acceptance pattern (every step commits `--accept` tokens: the longest path's first nodes), so the per-step cost is
+measured apart from how good a drafter is. Timings do not depend on weight values.
+
+On CUDA it also captures one speculative step in a CUDA graph and checks the replay against the eager
+step from the same state (target tokens, verification, KV cache): the step must be graph-safe.
+
+    python benchmarks/bench_decode_step.py [--model llama-3-8b] [--T 16 64] [--accept 4] [--context 4096]
+
+Rows: step, T, B, us per step, tokens per step, us per token; plus the verify / plain step ratio.
+CPU smoke: --model smollm2-135m --layers 2 --context 64 --T 8 --reps 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hydra_kernels as hk  # noqa: E402
+from report import print_table, time_us, write_results  # noqa: E402
+
+
+def random_model(name: str, layers: int | None, device, dtype) -> hk.Llama:
+    """A Llama at NAMED_CONFIGS[name] shapes (optionally fewer layers), random weights, built on device."""
+    cfg = hk.NAMED_CONFIGS[name]
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = hk.Llama(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+class Steps:
+    """Plain and speculative steps on one cache, each starting from the same committed length."""
+
+    def __init__(self, model, B: int, T: int, accept: int, context: int, backends):
+        dev, V = model.device, model.config.vocab_size
+        self.model, self.plan, self.context = model, backends, context
+        self.tree = hk.tree.default_tree(T, depth=4).to(dev)
+        self.cache = model.new_kv_cache(B, context + T + 1)
+        gen = torch.Generator(device="cpu").manual_seed(B * 1000 + T)
+        self.cache.kv.copy_(torch.randn(self.cache.kv.shape, generator=gen).to(dev, model.dtype) * 0.5)
+        self.tokens = torch.randint(0, V, (B, T), generator=gen).to(dev)
+        lens = (self.tree.paths >= 0).sum(1)  # the fixed acceptance: the longest path's first `accept` nodes
+        path = self.tree.paths[int(lens.argmax())]
+        k = min(accept, int(lens.max()))
+        self.accept_idx = torch.where(torch.arange(path.numel(), device=dev) < k, path, -1).expand(B, -1).contiguous()
+        self.accept_len = torch.full((B,), k, dtype=torch.long, device=dev)
+        self.k = k
+
+    def reset(self):
+        self.cache.seqlens.fill_(self.context)
+
+    def plain(self):
+        self.reset()
+        h = self.model.step(self.tokens[:, :1], self.cache, kv_len=self.context + 1, backends=self.plan)
+        tok = self.model.greedy_tokens(h, self.plan)
+        self.cache.advance(1)
+        return tok
+
+    def speculative(self):
+        self.reset()
+        tr = self.tree
+        h = self.model.step(self.tokens, self.cache, tr.mask, tr.depths, kv_len=self.context + tr.num_nodes,
+                            backends=self.plan)  # [B, T, H]
+        target = self.model.greedy_tokens(h, self.plan)
+        v = hk.ops.greedy_verify(target, self.tokens, tr.paths, backend=self.plan["greedy_verify"])
+        hk.ops.commit_kv(self.cache.kv, self.cache.seqlens, self.accept_idx, self.accept_len,
+                         backend=self.plan["commit_kv"])  # the fixed pattern, not v's (random drafts)
+        self.cache.advance(self.accept_len.to(self.cache.seqlens.dtype))
+        return target, v.accept_lengths, v.accept_indices
+
+
+def graph_check(steps: Steps) -> str:
+    """Capture steps.speculative in a CUDA graph, replay it from the eager step's starting state, compare."""
+    kv0 = steps.cache.kv.clone()
+    eager = steps.speculative()
+    kv_eager = steps.cache.kv.clone()
+    steps.cache.kv.copy_(kv0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up off the capture stream (Triton compiles, allocator pools)
+        steps.speculative()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = steps.speculative()
+    steps.cache.kv.copy_(kv0)
+    graph.replay()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(eager, out)) and torch.equal(steps.cache.kv, kv_eager)
+    return "ok" if same else "MISMATCH: graph replay differs from the eager step"
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3-8b", choices=list(hk.NAMED_CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model (CPU smoke runs)")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--T", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--accept", type=int, default=4, help="tokens committed per speculative step (root included)")
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    model = random_model(args.model, args.layers, dev, dtype)
+    plan = model.backend_plan(args.backend)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    rows = []
+    for B in args.batch:
+        plain_us = None
+        for T in args.T:
+            steps = Steps(model, B, T, args.accept, args.context, plan)
+            if plain_us is None:
+                plain_us = time_us(steps.plain, dev, reps=args.reps, warmup=3)
+                rows.append({"device": name, "model": args.model, "step": "plain", "T": 1, "B": B, "us": plain_us,
+                             "tokens_per_step": 1, "us_per_token": plain_us, "vs_plain": 1.0, "graph": ""})
+            us = time_us(steps.speculative, dev, reps=args.reps, warmup=3)
+            graph = graph_check(steps) if dev.type == "cuda" else "no CUDA"
+            rows.append({"device": name, "model": args.model, "step": "speculative", "T": T, "B": B, "us": us,
+                         "tokens_per_step": steps.k, "us_per_token": us / steps.k, "vs_plain": us / plain_us,
+                         "graph": graph})
+    print_table(rows, ["device", "step", "T", "B", "us", "tokens_per_step", "us_per_token", "vs_plain", "graph"])
+    write_results(rows, args.out, f"decode_step_{args.model}_{dev.type}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""`make gpu`'s script without CUDA (it says so and exits 0) and its decode-step benchmark on the CPU at a
+tiny slice of SmolLM2 (plain vs speculative step with a fixed acceptance pattern)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(script):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path without CUDA")
+def test_gpu_suite_without_cuda_says_so_and_exits_0(capsys, tmp_path):
+    assert _load("gpu_suite").main(["--out", str(tmp_path)]) == 0
+    assert "no CUDA device here" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_gpu_suite_steps_name_existing_files():
+    for name, cmd, env, limit in _load("gpu_suite").steps("out"):
+        for arg in cmd:
+            if arg.endswith(".py"):
+                assert (ROOT / arg).exists(), f"{name}: {arg} does not exist"
+        assert limit > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run")
+def test_decode_step_bench_cpu(tmp_path):
+    rows = _load("bench_decode_step").main(["--model", "smollm2-135m", "--layers", "1", "--context", "32", "--T", "8",
+                                             "--accept", "3", "--reps", "1", "--backend", "reference",
+                                             "--out", str(tmp_path)])
+    plain, spec = rows
+    assert plain["step"] == "plain" and spec["step"] == "speculative" and spec["T"] == 8
+    assert spec["tokens_per_step"] == 3 and spec["us"] > 0 and plain["us"] > 0
+    assert (tmp_path / "decode_step_smollm2-135m_cpu.csv").exists()
