@@ -226,16 +226,46 @@ def default_tree(num_nodes: int = 64, depth: int = 4, max_rank: int = 10) -> Tre
 
 
 def as_tree(tree) -> Tree:
-    """Tree, list of choices, a JSON file of choices, 'default', or 'chain-N' -> Tree."""
+    """generate()'s tree argument -> Tree: a Tree, a list of choices, a JSON file of choices, 'default',
+    or 'chain-N' (N >= 1). The one place that parses it; a tree must draft at least one node (a root-only
+    tree would run speculative decoding that never speculates)."""
     if isinstance(tree, Tree):
-        return tree
-    if isinstance(tree, (str, Path)):
+        t = tree
+    elif isinstance(tree, (str, Path)):
         s = str(tree)
         if s == "default":
-            return default_tree()
-        if s.startswith("chain-"):
-            return chain(int(s.split("-", 1)[1]))
-        if Path(s).is_file():
-            return Tree.load(s)
-        raise ValueError(f"unknown tree {s!r}: pass a Tree, a list of choices, a JSON file, 'default' or 'chain-N'")
-    return Tree(tree)
+            t = default_tree()
+        elif s.startswith("chain-"):
+            n = s[len("chain-"):]
+            if not (n.isascii() and n.isdigit() and int(n) >= 1):
+                raise ValueError(f"tree {s!r}: 'chain-N' needs a whole number N >= 1 of drafted tokens, e.g. 'chain-4'")
+            t = chain(int(n))
+        elif Path(s).is_file():
+            try:
+                t = Tree.load(s)
+            except (ValueError, TypeError) as e:  # JSONDecodeError is a ValueError
+                raise ValueError(f"tree file {s} is not a JSON list of choices (lists of ranks): {e}") from e
+        else:
+            raise ValueError(f"unknown tree {s!r}: pass a Tree, a list of choices, a JSON file, 'default' or 'chain-N'")
+    elif isinstance(tree, Sequence) or hasattr(tree, "__iter__"):
+        t = Tree(_choice_list(tree))
+    else:
+        raise TypeError(f"tree must be a Tree, a list of choices, a JSON file, 'default' or 'chain-N', got {tree!r}")
+    if t.num_nodes < 2:
+        raise ValueError("the tree drafts no token (only the root): pass at least one choice, e.g. [[0]] or 'chain-1'")
+    return t
+
+
+def _choice_list(choices) -> list[list[int]]:
+    """Medusa-format choices, each a list of int ranks (numpy integers accepted), checked for type."""
+    out = []
+    for c in choices:
+        if isinstance(c, (str, bytes)) or not hasattr(c, "__iter__"):
+            raise TypeError(f"a tree choice must be a list of ranks, e.g. [0, 1], got {c!r}")
+        ranks = []
+        for r in c:
+            if isinstance(r, (bool, float)) or not hasattr(r, "__index__"):
+                raise TypeError(f"tree choice {list(c)!r}: ranks must be ints, got {r!r}")
+            ranks.append(r.__index__())
+        out.append(ranks)
+    return out

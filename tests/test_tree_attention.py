@@ -280,8 +280,10 @@ def test_tree_attention_native_ignores_rows_past_the_tree_and_checks_inputs(back
                                        sl, mask, sm_scale=0.07)
         assert torch.isfinite(out).all()
         assert_close_rel(out.float(), ref, RTOL[dtype], f"masked rows {dtype}")
-    with pytest.raises(RuntimeError, match="exceeds the cache"):
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 16"):  # the public op's check (every backend)
         hk.ops.tree_attention(q, k, v, torch.tensor([4, 16], dtype=torch.int32), mask, backend=backend)
+    with pytest.raises(RuntimeError, match="exceeds the cache"):  # and the kernel's own
+        torch.ops.hydra_kernels.tree_attention(q, k, v, torch.tensor([4, 16], dtype=torch.int32), mask, None)
     wrong_batch = mask[:1] if per_sequence else mask.expand(3, 5, 5)  # [B, T, T] needs B = 2
     with pytest.raises(RuntimeError, match=r"tree_mask must be bool \[T, T\]"):
         torch.ops.hydra_kernels.tree_attention(q, k, v, sl, wrong_batch, None)

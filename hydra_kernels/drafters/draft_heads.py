@@ -166,6 +166,15 @@ class HeadDrafter(Drafter):
         else:
             t = as_tree(tree)
         t.check_heads(self.num_heads)
+        # a head ranks its guesses over the draft vocabulary, with lm_head_topk (at most 64) on most paths:
+        # one bound for every backend, so a tree that runs on one runs on all
+        ranks = min(self.config.draft_vocab_size or self.vocab_size, ops.LM_HEAD_TOPK_MAX_K)
+        k = max((p.topk for p in t.plans), default=0)
+        if k > ranks:
+            raise ValueError(
+                f"the tree asks a head for its guess of rank {k - 1}, but these heads rank at most {ranks} guesses "
+                f"(draft vocabulary {self.config.draft_vocab_size or self.vocab_size}, lm_head_topk k <= "
+                f"{ops.LM_HEAD_TOPK_MAX_K}); use ranks < {ranks}")
         return t
 
     # ---- the run ----------------------------------------------------------------------------------

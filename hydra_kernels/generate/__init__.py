@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -19,6 +19,7 @@ from ..model.llama import Llama
 from ..ops.backend import plan_backends
 from ..sampling import next_tokens
 from ..speculative import speculative_loop
+from . import arguments as args
 
 ACCEPTANCE_KINDS = ("greedy", "rejection", "typical")
 
@@ -52,38 +53,14 @@ class GenerationError(RuntimeError):
         self.output = output
 
 
-def _prompts(input_ids, vocab_size: int) -> list[list[int]]:
-    """LongTensor [B, L] or list of token lists -> validated list of lists."""
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-            raise ValueError(
-                f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} {tuple(input_ids.shape)} "
-                "(a single prompt: input_ids[None])"
-            )
-        prompts = input_ids.tolist()
-    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, str):
-        if input_ids and not isinstance(input_ids[0], (Sequence, torch.Tensor)):
-            raise ValueError("input_ids must be a list of token lists (one per sequence); a single prompt: [ids]")
-        prompts = [p.tolist() if isinstance(p, torch.Tensor) else list(p) for p in input_ids]
-    else:
-        raise TypeError(f"input_ids must be a LongTensor [B, L] or a list of token lists, got {type(input_ids)}")
-    if not prompts:
-        raise ValueError("input_ids holds no sequence")
-    for b, p in enumerate(prompts):
-        if not p:
-            raise ValueError(f"prompt {b} is empty; every sequence needs at least one token")
-        for i, t in enumerate(p):
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise ValueError(f"prompt {b} has token id {t!r} at position {i}, outside the vocabulary [0, {vocab_size})")
-    return prompts
+class GenerationInterrupted(KeyboardInterrupt):
+    """Ctrl-C (a KeyboardInterrupt, e.g. raised by a streamer) stopped generation part-way. Still a
+    KeyboardInterrupt (``except KeyboardInterrupt`` catches it); ``output`` holds every token produced."""
 
-
-def _eos_set(model: Llama, eos_token_id) -> set[int]:
-    if eos_token_id is None:
-        return set(model.config.eos_token_ids)
-    if isinstance(eos_token_id, int):
-        return {eos_token_id}
-    return set(eos_token_id)
+    def __init__(self, output: GenerateOutput):
+        n = sum(map(len, output.sequences))
+        super().__init__(f"generation interrupted after {n} tokens; partial output in .output")
+        self.output = output
 
 
 def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, tree=None,
@@ -109,7 +86,9 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     first EOS (kept in its output) or after exactly max_new_tokens tokens.
     max_seq_len: KV buffer rows per sequence (default: what the request needs).
     streamer(b, tokens): called with each sequence's newly emitted tokens, as they come.
-    Raises ValueError before any work on bad input; GenerationError (with .output) on a mid-run failure.
+    Raises TypeError / ValueError before any work on bad input (generate/arguments.py); GenerationError
+    (with .output) on a mid-run failure; GenerationInterrupted, a KeyboardInterrupt with .output (the
+    tokens produced so far), on Ctrl-C or a KeyboardInterrupt raised by the streamer.
     """
     if not isinstance(model, Llama):
         raise TypeError(f"model must be a hydra_kernels Llama (hk.load_model or hk.Llama.from_hf), got {type(model)}")
@@ -117,17 +96,15 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         acceptance = "greedy" if temperature == 0 else "rejection"
     if acceptance not in ACCEPTANCE_KINDS:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_KINDS}, got {acceptance!r}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    max_new_tokens = args.as_int("max_new_tokens", max_new_tokens, low=1)
+    temperature, top_k, top_p, seed, posterior_threshold, posterior_alpha = args.sampling_args(
+        temperature, top_k, top_p, seed, posterior_threshold, posterior_alpha)
+    args.check_streamer(streamer)
     cfg, device = model.config, model.device
-    prompts = _prompts(input_ids, cfg.vocab_size)
+    prompts = args.prompts(input_ids, cfg.vocab_size)
+    eos = args.eos_set(eos_token_id, cfg.eos_token_ids, cfg.vocab_size)
     lens = [len(p) for p in prompts]
+    backends = plan_backends(backend, device, packed_weights=model.has_packed_weights)  # also HYDRA_KERNELS_BACKEND
     extra, tree_obj = 0, None
     if drafter is None:
         if tree is not None:
@@ -140,23 +117,9 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                              "'typical' to sample")
         drafter.check_model(model)
         tree_obj = drafter.resolve_tree(tree, device.type)  # validated; bounds every step's proposal
+        backends.check_tree(tree_obj)  # the chosen kernels' own limits (e.g. accepted rows per commit)
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
-    needed = max(lens) + max_new_tokens
-    if needed > cfg.max_position_embeddings:
-        raise ValueError(
-            f"the longest prompt ({max(lens)} tokens) + max_new_tokens ({max_new_tokens}) = {needed} exceeds the "
-            f"model's context of {cfg.max_position_embeddings} positions; shorten the prompt or lower max_new_tokens"
-        )
-    needed += extra
-    S = needed if max_seq_len is None else max_seq_len
-    if S < needed:
-        tree_part = f" + tree nodes and depth ({extra})" if extra else ""
-        raise ValueError(
-            f"KV buffer too small: max_seq_len={S} rows, but the longest prompt ({max(lens)} tokens) + "
-            f"max_new_tokens ({max_new_tokens}){tree_part} needs {needed}; raise max_seq_len or lower max_new_tokens"
-        )
-    backends = plan_backends(backend, device, packed_weights=model.has_packed_weights)  # fails here, before any work
-    eos = _eos_set(model, eos_token_id)
+    S = args.kv_rows(max_seq_len, max(lens), max_new_tokens, extra, cfg.max_position_embeddings)
     gen = None
     if temperature > 0:
         gen = torch.Generator(device=device)
@@ -195,6 +158,9 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                  generator=gen, backends=backends, host_seqlens=list(lens), stats=out,
                                  top_k=top_k, top_p=top_p)
+    except KeyboardInterrupt as exc:
+        _finish_timing(out, t0, t1)
+        raise GenerationInterrupted(out) from exc
     except Exception as exc:
         _finish_timing(out, t0, t1)
         n = sum(map(len, out.sequences))

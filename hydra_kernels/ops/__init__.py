@@ -14,11 +14,12 @@ import torch
 
 from . import reference
 from .packed_linear import pack_linear_weight, packed_linear, packed_linear_available
-from .backend import BACKENDS, native_available, register, resolve, triton_available
+from .backend import BACKENDS, limit, native_available, register, resolve, resolved_name, triton_available
 
 __all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept",
-           "greedy_verify", "typical_verify", "rejection_verify", "commit_kv", "tree_inputs", "pack_linear_weight", "packed_linear",
-           "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available", "reference"]
+           "greedy_verify", "typical_verify", "rejection_verify", "commit_kv", "tree_inputs", "pack_linear_weight",
+           "packed_linear", "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available",
+           "reference", "LM_HEAD_TOPK_MAX_K"]
 
 register("tree_attention", "reference", reference.tree_attention)
 register("greedy_verify", "reference", reference.greedy_verify)
@@ -42,6 +43,9 @@ class Verification(NamedTuple):
     accept_indices: torch.Tensor  # int64 [B, D+1]: accepted node indices along the path; -1 after
     next_root: torch.Tensor  # int64 [B]: the base model's token after the last accepted node
     last_node: torch.Tensor  # int64 [B]: last accepted node (its hidden state feeds the drafter)
+
+
+LM_HEAD_TOPK_MAX_K = 64  # lm_head_topk ranks at most this many tokens (its kernels keep k candidates per tile)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -87,6 +91,12 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
            f"{tuple(cache_seqlens.shape)}")
     devs = {t.device for t in (q, k_cache, v_cache, cache_seqlens, tree_mask)}
     _check(len(devs) == 1, f"all inputs must be on one device, got {sorted(map(str, devs))}")
+    if cache_seqlens.device.type == "cpu":  # a value check costs a device sync elsewhere: CPU only
+        lens = cache_seqlens.tolist()  # B values: cheaper than tensor reductions (this runs once per layer)
+        S = k_cache.shape[1]
+        for b, n in enumerate(lens):
+            _check(0 <= n <= S - T, f"cache_seqlens[{b}] = {n}: the tree's rows [{n}, {n + T}) must lie in the "
+                                    f"cache's [0, {S}) (seqlens >= 0, seqlens + T <= S_max)")
     fn = resolve("tree_attention", backend, q.device)
     return fn(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=sm_scale)
 
@@ -107,8 +117,8 @@ def lm_head_topk(x, weight, k, *, backend="auto"):
     """
     _check(x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1],
            f"x [..., H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    _check(isinstance(k, int) and 1 <= k <= min(64, weight.shape[0]),
-           f"k must be an int in [1, min(64, V={weight.shape[0]})], got {k!r}")
+    _check(isinstance(k, int) and 1 <= k <= min(LM_HEAD_TOPK_MAX_K, weight.shape[0]),
+           f"k must be an int in [1, min({LM_HEAD_TOPK_MAX_K}, V={weight.shape[0]})], got {k!r}")
     _check(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     _check(x.device == weight.device, f"x and weight must be on one device, got {x.device} and {weight.device}")
     fn = resolve("lm_head_topk", backend, x.device)
@@ -289,7 +299,24 @@ def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths, *, backen
                     ("accept_lengths", accept_lengths)):
         _check(t.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {t.dtype}")
         _check(t.device == kv_cache.device, f"{name} is on {t.device}, kv_cache on {kv_cache.device}")
-    fn = resolve("commit_kv", backend, kv_cache.device)
+    name = resolved_name("commit_kv", backend, kv_cache.device)
+    rows = limit("commit_kv", name, "accepted_rows")
+    K1 = accept_indices.shape[1]
+    _check(rows is None or K1 <= rows, f"the {name} commit_kv moves at most {rows} rows per sequence, got "
+                                       f"accept_indices [B, {K1}]")
+    if kv_cache.device.type == "cpu":  # value checks only where they cost no device sync
+        S = kv_cache.shape[3]
+        s, n = cache_seqlens.long(), accept_lengths.long()
+        _check(bool(((n >= 0) & (n <= K1)).all()), f"accept_lengths must lie in [0, K+1 = {K1}], got {n.tolist()}")
+        _check(bool(((s >= 0) & (s + n <= S)).all()),
+               f"cache_seqlens + accept_lengths must lie in [0, S_max = {S}], got seqlens {s.tolist()} and "
+               f"accept_lengths {n.tolist()}")
+        used = torch.arange(K1) < n[:, None]  # [B, K+1]: the rows each sequence moves
+        src = s[:, None] + accept_indices.long()
+        _check(bool((~used | ((accept_indices >= 0) & (src < S))).all()),
+               f"accept_indices name a row outside [seqlens[b], S_max = {S}) among the first accept_lengths[b] "
+               "entries of a sequence")
+    fn = resolve("commit_kv", name, kv_cache.device)
     fn(kv_cache, cache_seqlens, accept_indices, accept_lengths)
 
 
@@ -308,5 +335,9 @@ def tree_inputs(root, candidates, node_source, depths, cache_seqlens, *, backend
            f"node_source must be [T] and depths [T] or [B, T] = [{B}, {T}], got {tuple(node_source.shape)} and "
            f"{tuple(depths.shape)}")
     _check(tuple(cache_seqlens.shape) == tuple(root.shape), f"cache_seqlens must be [B], got {tuple(cache_seqlens.shape)}")
+    _check(not node_source.dtype.is_floating_point, f"node_source must be integer, got {node_source.dtype}")
+    if node_source.device.type == "cpu" and T > 1:  # value check only where it costs no device sync
+        C, src = candidates.shape[1], node_source[1:]
+        _check(bool(((src >= 0) & (src < C)).all()), f"node_source must index candidates' [0, C = {C}) columns")
     fn = resolve("tree_inputs", backend, root.device)
     return fn(root, candidates, node_source, depths, cache_seqlens)

@@ -16,15 +16,27 @@ import torch
 BACKENDS = ("reference", "triton", "native")
 _IMPLS: dict[str, dict[str, Callable]] = {}
 _DEVICES: dict[tuple[str, str], frozenset[str]] = {}  # (op, backend) -> device types it covers (absent: all)
+# (op, backend) -> that implementation's size limits, e.g. {"accepted_rows": 32}: one kernel's bound,
+# checked by the op before dispatch and by BackendPlan.check_tree before any work
+_LIMITS: dict[tuple[str, str], Mapping[str, int]] = {}
 
 
-def register(op: str, backend: str, fn: Callable, devices: tuple[str, ...] | None = None) -> None:
-    """fn implements `op` for `backend`; devices: the device types it covers (None: every one)."""
+def register(op: str, backend: str, fn: Callable, devices: tuple[str, ...] | None = None,
+             limits: Mapping[str, int] | None = None) -> None:
+    """fn implements `op` for `backend`; devices: the device types it covers (None: every one); limits:
+    its size limits by name (None: none)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
     _IMPLS.setdefault(op, {})[backend] = fn
     if devices is not None:
         _DEVICES[(op, backend)] = frozenset(devices)
+    if limits is not None:
+        _LIMITS[(op, backend)] = dict(limits)
+
+
+def limit(op: str, backend: str, name: str) -> int | None:
+    """The `name` limit of `op`'s concrete `backend` implementation, or None when it has none."""
+    return _LIMITS.get((op, backend), {}).get(name)
 
 
 def has_impl(op: str, backend: str, device: torch.device | None = None) -> bool:
@@ -119,6 +131,16 @@ class BackendPlan:
         acceptance runs from its statistics; otherwise from the logits (ops.typical_verify)."""
         return self.ops.get("lm_head_sample_stats") == "triton"
 
+    def check_tree(self, tree) -> None:
+        """A ValueError, before any work, when a chosen kernel cannot run steps over `tree` (a Tree, or
+        the bound of a drafter's per-step trees): a step commits up to tree.depth + 1 rows."""
+        rows = limit("commit_kv", self.ops["commit_kv"], "accepted_rows")
+        if rows is not None and tree.depth + 1 > rows:
+            raise ValueError(
+                f"the tree is {tree.depth} deep, so a step may commit {tree.depth + 1} rows, but the "
+                f"{self.ops['commit_kv']} commit_kv commits at most {rows}; use a tree of depth <= {rows - 1} "
+                f"or backend='reference'")
+
 
 def plan_backends(backend: str, device: torch.device, *, packed_weights: bool = False) -> BackendPlan:
     """Resolve `backend` for every registered op on `device` (a ValueError, before any work, when it
@@ -127,7 +149,11 @@ def plan_backends(backend: str, device: torch.device, *, packed_weights: bool = 
     (Llama.use_packed_cpu_weights); they are used with "auto" and "native"."""
     check_usable(backend, device)
     requested = os.environ.get("HYDRA_KERNELS_BACKEND", "auto") if backend == "auto" else backend
-    check_usable(requested, device)
+    if requested != backend:
+        try:
+            check_usable(requested, device)
+        except ValueError as e:
+            raise ValueError(f"environment variable HYDRA_KERNELS_BACKEND={requested!r}: {e}") from None
     chosen = {}
     for op in sorted(_IMPLS):
         use_requested = requested != "auto" and has_impl(op, requested, device)

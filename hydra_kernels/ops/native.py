@@ -6,6 +6,8 @@ import torch
 
 from .backend import native_available, register
 
+NATIVE_MAX_ACCEPT = 32  # csrc/hydra_kernels.h HK_MAX_ACCEPT: rows one native commit_kv moves per sequence
+
 
 def _register() -> bool:
     if not native_available():
@@ -26,7 +28,7 @@ def _register() -> bool:
 
     register("tree_attention", "native", tree_attention, devices=("cpu",))  # CUDA: the Triton kernel
     register("greedy_verify", "native", greedy_verify)
-    register("commit_kv", "native", commit_kv)
+    register("commit_kv", "native", commit_kv, limits={"accepted_rows": NATIVE_MAX_ACCEPT})
     register("tree_inputs", "native", tree_inputs)
 
     @torch.library.register_fake("hydra_kernels::greedy_verify")
