@@ -3,7 +3,8 @@ it calls only the Drafter protocol (drafters/protocol.py).
 
 propose (draft tokens + their tree: static or one per sequence) -> verify forward (tree attention) ->
 acceptance (path, accept length, next root) -> commit_kv -> seqlens += accept length -> the drafter
-sees the committed tokens. The host reads each step's accepted tokens once, to stream them and to stop
+sees the committed tokens (host-side drafters also get their host copy: Drafter.observe_tokens). The
+host reads each step's accepted tokens once, to stream them and to stop
 on EOS / max_new_tokens.
 """
 from __future__ import annotations
@@ -16,17 +17,19 @@ from .emit import Emitter
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
                      temperature, acceptance, posterior_threshold, posterior_alpha, generator, backends,
-                     host_seqlens: list[int], stats) -> None:
+                     host_seqlens: list[int], stats, prompts: list[list[int]]) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
     prefill_hidden [B, L, H] (right-padded), root [B] (already emitted); backends: the run's
-    BackendPlan. `stats.num_steps` counts verify forwards."""
+    BackendPlan. `stats.num_steps` counts verify forwards. prompts: the host token lists."""
     B = root.shape[0]
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
     state = drafter.start(model, B, cache.max_seq_len, tree, backends)
     drafter.after_prefill(state, prefill_hidden, lengths)
+    drafter.observe_tokens(state, [p + s[:1] for p, s in zip(prompts, emitter.sequences)])  # prompt + root
     active = torch.ones(B, dtype=torch.long, device=dev)
     greedy = acceptance == "greedy" or temperature == 0.0
+    target = None
     typical_fused = not greedy and model.output.bias is None and backends.fused_lm_head_statistics
     while not emitter.all_done:
         prop = drafter.propose(state, root, cache.seqlens)
@@ -35,7 +38,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
                             backends=backends)  # [B, T, H]
         if greedy:  # the base argmax after every node, as plain decoding picks it (Llama.greedy_tokens)
-            target = model.greedy_tokens(hidden, backends)
+            target = model.greedy_tokens(hidden, backends)  # [B, T]
             v = ops.greedy_verify(target, tokens, tr.paths, backend=backends["greedy_verify"])
         elif typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
             W = model.output.weight
@@ -60,6 +63,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.num_steps += 1
         # the one host read of the step: accepted tokens (root first, already emitted) and the next root
         accepted = torch.cat([accepted_tokens, root[:, None], n[:, None]], dim=1).tolist()
+        drafter.observe_tokens(state, [row[1:row[-1]] + [row[-2]] if row[-1] else [] for row in accepted], target)
         for b, row in enumerate(accepted):
             k = row[-1]
             host_seqlens[b] += k

@@ -12,9 +12,11 @@ from .checkpoint import FORMAT, load_ours
 from .config import DrafterConfig
 from .hydra import HydraDrafter
 from .medusa import MedusaDrafter
+from .combined import CombinedDrafter
+from .ngram import NgramDrafter
 from .protocol import Drafter
 
-FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter)
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, NgramDrafter, CombinedDrafter)
 KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
 # kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
 _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
@@ -44,7 +46,10 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     "shared", lm_head_bias, draft_vocab (token ids the heads may propose, e.g.
     hk.training.draft_vocabulary's most frequent; their LM head then reads only those rows),
     prefix_final_norm (Hydra++: False drops the prefix layer's final RMSNorm, so the fresh drafter's
-    heads see exactly the base h)."""
+    heads see exactly the base h).
+    "ngram" (prompt lookup, no weights) takes max_ngram=4, min_ngram=1, num_tokens=10, num_branches=1.
+    "combined" takes drafters=[an ngram drafter, a head drafter] (default: a fresh "ngram" and the shipped
+    heads), node_budget, strong_match (see CombinedDrafter)."""
     cls = family(kind)
     if kind not in cls.kinds:
         raise ValueError(f"kind {kind!r} comes only from original checkpoints; new drafters: {KINDS}")
@@ -93,7 +98,9 @@ def _load_dir(path: Path, model) -> Drafter:
         raise ValueError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
     if cfg_dict.get("format") == FORMAT:
         kind = cfg_dict.get("kind") or _kind_of_fields(cfg_dict)
-        drafter = load_ours(family(kind), path, cfg_dict)
+        cls = family(kind)
+        # families without weights, or made of other drafters, read their own directory
+        drafter = cls.load_saved(path, cfg_dict, model) if hasattr(cls, "load_saved") else load_ours(cls, path, cfg_dict)
     else:
         cls = next((c for c in FAMILIES if hasattr(c, "recognizes") and c.recognizes(cfg_dict)), None)
         if cls is None:

@@ -187,7 +187,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                 speculative_loop(model, drafter, tree_obj, cache, hidden, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-                                 generator=gen, backends=backends, host_seqlens=list(lens), stats=out)
+                                 generator=gen, backends=backends, host_seqlens=list(lens), stats=out,
+                                 prompts=prompts)
     except Exception as exc:
         _finish_timing(out, t0, t1)
         n = sum(map(len, out.sequences))
