@@ -13,10 +13,11 @@ from .config import DrafterConfig
 from .hydra import HydraDrafter
 from .medusa import MedusaDrafter
 from .combined import CombinedDrafter
+from .lookahead import LookaheadDrafter
 from .ngram import NgramDrafter
 from .protocol import Drafter
 
-FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, NgramDrafter, CombinedDrafter)
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, NgramDrafter, LookaheadDrafter, CombinedDrafter)
 KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
 # kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
 _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
@@ -48,6 +49,7 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     prefix_final_norm (Hydra++: False drops the prefix layer's final RMSNorm, so the fresh drafter's
     heads see exactly the base h).
     "ngram" (prompt lookup, no weights) takes max_ngram=4, min_ngram=1, num_tokens=10, num_branches=1.
+    "lookahead" (Jacobi lookahead + n-gram pool, no weights; greedy only) takes window=4, ngram=3, guesses=4.
     "combined" takes drafters=[an ngram drafter, a head drafter] (default: a fresh "ngram" and the shipped
     heads), node_budget, strong_match (see CombinedDrafter)."""
     cls = family(kind)
