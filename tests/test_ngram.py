@@ -111,7 +111,8 @@ def test_ngram_and_combined_lossless_real_model(smollm2, backend):
     ng = generate(model, prompts, drafter=hk.new_drafter(model, kind="ngram"), max_new_tokens=32, backend=backend)
     assert ng.sequences == plain.sequences
     assert ng.mean_accepted_tokens > 1.5  # the repeated text is drafted from the prompt
-    comb = generate(model, prompts, drafter=hk.new_drafter(model, kind="combined", node_budget=8),
+    parts = [hk.new_drafter(model, kind="ngram"), hk.load_drafter(model=model)]
+    comb = generate(model, prompts, drafter=hk.new_drafter(model, kind="combined", drafters=parts, node_budget=8),
                     max_new_tokens=32, backend=backend)
     assert comb.sequences == plain.sequences and comb.mean_accepted_tokens > 1.5
 
@@ -145,5 +146,7 @@ def test_bad_settings_fail_clearly(tiny):
     ng = hk.new_drafter(tiny, kind="ngram")
     with pytest.raises(ValueError, match="node_budget"):
         hk.new_drafter(tiny, kind="combined", drafters=[ng, hk.new_drafter(tiny, kind="medusa")], node_budget=1)
+    with pytest.raises(ValueError, match="ngram drafter, a trained drafter"):
+        hk.new_drafter(tiny, kind="combined")
     with pytest.raises(ValueError, match="trained drafter"):
         hk.new_drafter(tiny, kind="combined", drafters=[ng, hk.new_drafter(tiny, kind="ngram")])

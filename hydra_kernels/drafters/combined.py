@@ -58,12 +58,9 @@ class CombinedDrafter(Drafter):
     @classmethod
     def new(cls, model, kind: str = "combined", drafters=None, node_budget: int | None = None,
             strong_match: int = 2) -> "CombinedDrafter":
-        if drafters is None:
-            from .registry import load_drafter
-
-            drafters = [NgramDrafter.new(model), load_drafter(model=model)]
-        if len(drafters) != 2:
-            raise ValueError(f"drafters must be [an ngram drafter, a trained drafter], got {len(drafters)} drafters")
+        if drafters is None or len(drafters) != 2:
+            got = None if drafters is None else [type(d).__name__ for d in drafters]
+            raise ValueError(f"drafters must be [an ngram drafter, a trained drafter], got {got}")
         ngram, heads = drafters if isinstance(drafters[0], NgramDrafter) else drafters[::-1]
         return cls(ngram, heads, node_budget, strong_match)
 
@@ -143,11 +140,10 @@ class CombinedDrafter(Drafter):
         self.heads.save(path / "heads", dtype=dtype)
 
     @classmethod
-    def load_saved(cls, path: Path, cfg_dict: dict, model=None) -> "CombinedDrafter":
-        from .registry import load_drafter
-
+    def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "CombinedDrafter":
+        """load: the registry's load_drafter (passed in: this module cannot import the registry, which lists it)."""
         unknown = set(cfg_dict) - {"format", "version", "kind", "node_budget", "strong_match", "parts"}
         if unknown:
             raise ValueError(f"{path / 'config.json'}: unknown combined-drafter fields {sorted(unknown)}")
-        return cls(load_drafter(path / "ngram"), load_drafter(path / "heads", model=model),
+        return cls(load(path / "ngram"), load(path / "heads", model=model),
                    cfg_dict.get("node_budget"), cfg_dict.get("strong_match", 2))

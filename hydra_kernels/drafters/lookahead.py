@@ -174,6 +174,6 @@ class LookaheadDrafter(Drafter):
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
     @classmethod
-    def load_saved(cls, path: Path, cfg_dict: dict, model=None) -> "LookaheadDrafter":
+    def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "LookaheadDrafter":
         fields = {k: v for k, v in cfg_dict.items() if k not in ("format", "version", "kind")}
         return cls(LookaheadConfig(**fields))

@@ -190,6 +190,6 @@ class NgramDrafter(Drafter):
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
 
     @classmethod
-    def load_saved(cls, path: Path, cfg_dict: dict, model=None) -> "NgramDrafter":
+    def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "NgramDrafter":
         fields = {k: v for k, v in cfg_dict.items() if k not in ("format", "version", "kind")}
         return cls(NgramConfig(**fields))

@@ -50,8 +50,8 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     heads see exactly the base h).
     "ngram" (prompt lookup, no weights) takes max_ngram=4, min_ngram=1, num_tokens=10, num_branches=1.
     "lookahead" (Jacobi lookahead + n-gram pool, no weights; greedy only) takes window=4, ngram=3, guesses=4.
-    "combined" takes drafters=[an ngram drafter, a head drafter] (default: a fresh "ngram" and the shipped
-    heads), node_budget, strong_match (see CombinedDrafter)."""
+    "combined" takes drafters=[an ngram drafter, a trained drafter] (e.g. hk.load_drafter(model=model), the
+    shipped heads), node_budget, strong_match (see CombinedDrafter)."""
     cls = family(kind)
     if kind not in cls.kinds:
         raise ValueError(f"kind {kind!r} comes only from original checkpoints; new drafters: {KINDS}")
@@ -101,8 +101,9 @@ def _load_dir(path: Path, model) -> Drafter:
     if cfg_dict.get("format") == FORMAT:
         kind = cfg_dict.get("kind") or _kind_of_fields(cfg_dict)
         cls = family(kind)
-        # families without weights, or made of other drafters, read their own directory
-        drafter = cls.load_saved(path, cfg_dict, model) if hasattr(cls, "load_saved") else load_ours(cls, path, cfg_dict)
+        # families without weights, or made of other drafters (loaded with `load`), read their own directory
+        drafter = (cls.load_saved(path, cfg_dict, model=model, load=load_drafter) if hasattr(cls, "load_saved")
+                   else load_ours(cls, path, cfg_dict))
     else:
         cls = next((c for c in FAMILIES if hasattr(c, "recognizes") and c.recognizes(cfg_dict)), None)
         if cls is None:
