@@ -24,7 +24,7 @@ Figures
 Writes ngram_steps.csv, ngram_speed.csv, ngram.md and ngram_steps.png to --out.
 
     python benchmarks/bench_ngram.py [--max-new-tokens 64] [--mtbench 80] [--editing 24] [--timed 8] \
-        [--batch 8] [--node-budget N] [--out benchmarks/results]
+        [--batch 8] [--node-budget N] [--combined-min-ngram 1] [--out benchmarks/results]
 Default size: about 8 minutes on the 2-core dev CPU when run alone.
 """
 from __future__ import annotations
@@ -75,6 +75,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--timed", type=int, default=8, help="prompts timed interleaved at batch 1")
     ap.add_argument("--batch", type=int, default=8, help="batch of our tokens-per-step runs")
     ap.add_argument("--node-budget", type=int, default=None, help="the combined drafter's node budget")
+    ap.add_argument("--combined-min-ngram", type=int, default=1, help="min_ngram of the combined drafter's n-gram part")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -103,9 +104,9 @@ def main(argv=None) -> list[dict]:
     print(f"{len(qs)} MT-Bench prompts, {sum(c == 'editing' for c, _ in prompts)} editing prompts")
 
     shipped = hk.load_drafter(model=model)
+    parts = [hk.new_drafter(model, kind="ngram", min_ngram=args.combined_min_ngram), shipped]
     drafters = {"hydra (shipped)": shipped, "ngram": hk.new_drafter(model, kind="ngram"),
-                "combined": hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), shipped],
-                                           node_budget=args.node_budget)}
+                "combined": hk.new_drafter(model, kind="combined", drafters=parts, node_budget=args.node_budget)}
     if "lookahead" in KINDS:
         drafters["lookahead"] = hk.new_drafter(model, kind="lookahead")
     ours = {"plain": None, **drafters}

@@ -105,6 +105,8 @@ class CombinedDrafter(Drafter):
         ng_parents, ng_tokens = self.ngram.draft_lists(state.ngram)
         B = len(ng_parents)
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
+        if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
+            return hp
         src_lists, par_lists = [], []
         for b in range(B):
             pn = ng_parents[b]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..tree import Tree, TreeBatch
+from ..tree import Tree, TreeBatch, chain
 from .checkpoint import FORMAT
 from .protocol import Drafter, Proposal
 
@@ -108,7 +108,7 @@ class NgramState:
         self.finished = [False] * batch_size
         self.matched = [0] * batch_size  # n of this step's match per sequence (0: none); CombinedDrafter reads it
         self.device = device
-        self.root_only = Tree([]).to(device)  # T = 1: no sequence matched
+        self.chains: dict[int, Tree] = {}  # k -> chain(k) on the device: every sequence drafts k tokens in a line
 
 
 class NgramDrafter(Drafter):
@@ -172,11 +172,13 @@ class NgramDrafter(Drafter):
     def propose(self, state: NgramState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         parent_lists, token_lists = self.draft_lists(state)
         T = max(len(p) for p in parent_lists)
-        if T == 1:
-            return Proposal(root[:, None], state.root_only)
         tokens = torch.zeros(len(token_lists), T, dtype=torch.long)  # padded nodes: token 0, never accepted
         for b, t in enumerate(token_lists):
             tokens[b, : len(t)] = torch.tensor(t)
+        if all(p == list(range(-1, T - 1)) for p in parent_lists):  # one chain length for all (T = 1: no match)
+            if T - 1 not in state.chains:
+                state.chains[T - 1] = chain(T - 1).to(state.device)
+            return Proposal(tokens.to(state.device, non_blocking=True), state.chains[T - 1])
         tree = TreeBatch.from_parent_lists(parent_lists)  # built on the CPU: no device read-back
         if state.device.type != "cpu":
             tree = tree.to(state.device)
