@@ -4,8 +4,7 @@ it calls only the Drafter protocol (drafters/protocol.py).
 propose (draft tokens + their tree: static or one per sequence) -> verify forward (tree attention) ->
 acceptance (path, accept length, next root) -> commit_kv -> seqlens += accept length -> the drafter
 sees the committed tokens (host-side drafters also get their host copy: Drafter.observe_tokens). The
-host reads each step's accepted tokens once, to stream them and to stop
-on EOS / max_new_tokens.
+host reads each step's accepted tokens once, to stream them and to stop on EOS / max_new_tokens.
 """
 from __future__ import annotations
 

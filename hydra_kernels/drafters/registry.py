@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 from .checkpoint import FORMAT, load_ours
+from .combined import CombinedDrafter
 from .config import DrafterConfig
 from .hydra import HydraDrafter
-from .medusa import MedusaDrafter
-from .combined import CombinedDrafter
 from .lookahead import LookaheadDrafter
+from .medusa import MedusaDrafter
 from .ngram import NgramDrafter
 from .protocol import Drafter
 
