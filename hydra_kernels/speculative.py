@@ -3,8 +3,8 @@ it calls only the Drafter protocol (drafters/protocol.py).
 
 propose (draft tokens + their tree: static or one per sequence) -> verify forward (tree attention) ->
 acceptance (path, accept length, next root) -> commit_kv -> seqlens += accept length -> the drafter
-sees the committed tokens. The host reads each step's accepted tokens once, to stream them and to stop
-on EOS / max_new_tokens.
+sees the committed tokens (host-side drafters also get their host copy: Drafter.observe_tokens). The
+host reads each step's accepted tokens once, to stream them and to stop on EOS / max_new_tokens.
 """
 from __future__ import annotations
 
@@ -17,18 +17,22 @@ from .sampling import filter_top_k_top_p
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
                      temperature, acceptance, posterior_threshold, posterior_alpha, generator, backends,
-                     host_seqlens: list[int], stats, top_k: int = 0, top_p: float = 1.0) -> None:
+                     host_seqlens: list[int], stats, prompts: list[list[int]], top_k: int = 0,
+                     top_p: float = 1.0) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
     prefill_hidden [B, L, H] (right-padded), root [B] (already emitted); backends: the run's
     BackendPlan. acceptance: "greedy" | "rejection" | "typical"; top_k / top_p shape the base
-    distribution of the sampling kinds. `stats.num_steps` counts verify forwards."""
+    distribution of the sampling kinds. prompts: the host token lists. `stats.num_steps` counts
+    verify forwards."""
     B = root.shape[0]
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
     state = drafter.start(model, B, cache.max_seq_len, tree, backends)
     drafter.after_prefill(state, prefill_hidden, lengths)
+    drafter.observe_tokens(state, [p + s[:1] for p, s in zip(prompts, emitter.sequences)])  # prompt + root
     active = torch.ones(B, dtype=torch.long, device=dev)
     greedy = acceptance == "greedy" or temperature == 0.0
+    target = None
     filtered = top_k > 0 or top_p < 1.0
     typical_fused = (acceptance == "typical" and not greedy and not filtered and model.output.bias is None
                      and backends.fused_lm_head_statistics)
@@ -39,7 +43,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
                             backends=backends)  # [B, T, H]
         if greedy:  # the base argmax after every node, as plain decoding picks it (Llama.greedy_tokens)
-            target = model.greedy_tokens(hidden, backends)
+            target = model.greedy_tokens(hidden, backends)  # [B, T]
             v = ops.greedy_verify(target, tokens, tr.paths, backend=backends["greedy_verify"])
         elif typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
             W = model.output.weight
@@ -69,6 +73,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.num_steps += 1
         # the one host read of the step: accepted tokens (root first, already emitted) and the next root
         accepted = torch.cat([accepted_tokens, root[:, None], n[:, None]], dim=1).tolist()
+        drafter.observe_tokens(state, [row[1:row[-1]] + [row[-2]] if row[-1] else [] for row in accepted], target)
         for b, row in enumerate(accepted):
             k = row[-1]
             host_seqlens[b] += k

@@ -183,6 +183,15 @@ class TreeBatch:
             valid[b, : len(p)] = True
         return cls(parents.to(device), valid.to(device))
 
+    def to(self, device) -> "TreeBatch":
+        """A copy whose tensors live on `device` (build on the CPU, where construction reads nothing
+        back from a device, then move)."""
+        t = object.__new__(TreeBatch)
+        t.__dict__.update(self.__dict__)
+        for name in ("parents", "depths", "mask", "valid", "paths"):
+            setattr(t, name, getattr(self, name).to(device))
+        return t
+
     @classmethod
     def from_tree(cls, tree: "Tree", batch_size: int) -> "TreeBatch":
         """The static tree repeated for every sequence (its per-sequence form)."""

@@ -9,6 +9,7 @@ implements these methods, plus its registry entry (drafters/registry.py). The lo
     loop:  p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
            ... verify (p.tree), commit ...
            drafter.after_step(state, accepted_hidden [B, K+1, H], accepted_tokens [B, K+1], accept_lengths [B])
+           drafter.observe_tokens(state, new_tokens, step_argmax)   # host copies (no-op by default)
 
 Everything stays on the device: no method may read a device tensor on the host inside a step (the
 base model's forward of the step is the only thing the host waits for).
@@ -73,6 +74,16 @@ class Drafter(nn.Module):
         """The step's committed tokens: accepted_hidden [B, K+1, H] and accepted_tokens [B, K+1] along
         the accepted path (root first), valid up to accept_lengths[b] (0 for a finished sequence)."""
         raise NotImplementedError
+
+    def observe_tokens(self, state, new_tokens: list[list[int]], step_argmax: torch.Tensor | None = None) -> None:
+        """Host copies of the text, for host-side drafters (n-gram, lookahead); default: nothing.
+
+        Called after the loop's one host read, so it costs no extra device sync: once after the prefill
+        with each prompt plus its first token, then after every step with the tokens the step added to
+        each sequence (accepted drafts + the next root; [] for a finished sequence). The calls'
+        concatenation is each sequence's text up to and including the root the next propose() gets.
+        step_argmax int64 [B, T] (greedy acceptance only, else None): the base model's argmax after every
+        node of the step's proposal, on the device (reading it is one more device->host copy)."""
 
     def save(self, path, dtype: torch.dtype | None = None) -> None:
         """Write the drafter in its own format, which hk.load_drafter(path) recognises."""

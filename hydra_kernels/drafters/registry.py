@@ -9,12 +9,15 @@ import json
 from pathlib import Path
 
 from .checkpoint import FORMAT, load_ours
+from .combined import CombinedDrafter
 from .config import DrafterConfig
 from .hydra import HydraDrafter
+from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
+from .ngram import NgramDrafter
 from .protocol import Drafter
 
-FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter)
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, NgramDrafter, LookaheadDrafter, CombinedDrafter)
 KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
 # kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
 _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
@@ -44,7 +47,11 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     "shared", lm_head_bias, draft_vocab (token ids the heads may propose, e.g.
     hk.training.draft_vocabulary's most frequent; their LM head then reads only those rows),
     prefix_final_norm (Hydra++: False drops the prefix layer's final RMSNorm, so the fresh drafter's
-    heads see exactly the base h)."""
+    heads see exactly the base h).
+    "ngram" (prompt lookup, no weights) takes max_ngram=4, min_ngram=1, num_tokens=10, num_branches=1.
+    "lookahead" (Jacobi lookahead + n-gram pool, no weights; greedy only) takes window=4, ngram=3, guesses=4.
+    "combined" takes drafters=[an ngram drafter, a trained drafter] (e.g. hk.load_drafter(model=model), the
+    shipped heads), node_budget, strong_match (see CombinedDrafter)."""
     cls = family(kind)
     if kind not in cls.kinds:
         raise ValueError(f"kind {kind!r} comes only from original checkpoints; new drafters: {KINDS}")
@@ -93,7 +100,10 @@ def _load_dir(path: Path, model) -> Drafter:
         raise ValueError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
     if cfg_dict.get("format") == FORMAT:
         kind = cfg_dict.get("kind") or _kind_of_fields(cfg_dict)
-        drafter = load_ours(family(kind), path, cfg_dict)
+        cls = family(kind)
+        # families without weights, or made of other drafters (loaded with `load`), read their own directory
+        drafter = (cls.load_saved(path, cfg_dict, model=model, load=load_drafter) if hasattr(cls, "load_saved")
+                   else load_ours(cls, path, cfg_dict))
     else:
         cls = next((c for c in FAMILIES if hasattr(c, "recognizes") and c.recognizes(cfg_dict)), None)
         if cls is None:

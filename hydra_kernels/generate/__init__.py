@@ -157,7 +157,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                  generator=gen, backends=backends, host_seqlens=list(lens), stats=out,
-                                 top_k=top_k, top_p=top_p)
+                                 top_k=top_k, top_p=top_p, prompts=prompts)
     except KeyboardInterrupt as exc:
         _finish_timing(out, t0, t1)
         raise GenerationInterrupted(out) from exc

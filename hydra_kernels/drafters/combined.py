@@ -1,0 +1,151 @@
+"""One per-step tree from two drafters: n-gram (prompt lookup) candidates and a trained drafter's tree.
+
+Every step, per sequence, both drafts hang under the shared root: the trained drafter's static tree
+(e.g. the shipped Hydra heads') and the n-gram trie (ngram.py). At most `node_budget` nodes are kept
+(root included), and the step chooses which candidates earn them: when the n-gram match is long (its
+suffix >= strong_match tokens) the n-gram continuation takes nodes first and the heads' tree gets what is
+left, else the heads' tree comes first. Either part is cut to a prefix of its nodes (both keep every
+parent before its children, so a prefix is a valid subtree). Verification is the base model's, so greedy
+output stays exactly plain greedy decoding's.
+
+The heads' tokens stay on the device; the n-gram tokens (host) join them in one copy and one gather.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..tree import Tree, TreeBatch
+from .checkpoint import FORMAT
+from .ngram import NgramDrafter
+from .protocol import Drafter, Proposal
+
+
+class CombinedState:
+    def __init__(self, ngram, heads, heads_parents: list[int], budget: int, device):
+        self.ngram, self.heads = ngram, heads
+        self.heads_parents, self.budget, self.device = heads_parents, budget, device
+
+
+class CombinedDrafter(Drafter):
+    """hk.new_drafter(model, kind="combined", drafters=[ngram, heads], node_budget=None, strong_match=2).
+
+    ngram: an NgramDrafter; heads: a drafter proposing a static Tree (Medusa, Hydra, Hydra++).
+    node_budget: most nodes per sequence and step, root included (None: both drafts whole).
+    strong_match: n-gram suffix length from which the n-gram continuation is served first."""
+
+    kinds = ("combined",)
+
+    def __init__(self, ngram: NgramDrafter, heads: Drafter, node_budget: int | None = None, strong_match: int = 2):
+        super().__init__()
+        if not isinstance(ngram, NgramDrafter):
+            raise ValueError(f"the combined drafter's first part must be an ngram drafter, got {type(ngram).__name__}")
+        if not isinstance(heads, Drafter) or isinstance(heads, (NgramDrafter, CombinedDrafter)):
+            raise ValueError(f"the combined drafter's second part must be a trained drafter, got {type(heads).__name__}")
+        if node_budget is not None and (not isinstance(node_budget, int) or node_budget < 2):
+            raise ValueError(f"node_budget must be an int >= 2 (the root and one draft node) or None, got {node_budget!r}")
+        if not isinstance(strong_match, int) or strong_match < 1:
+            raise ValueError(f"strong_match must be a positive int, got {strong_match!r}")
+        self.ngram, self.heads = ngram, heads
+        self.node_budget, self.strong_match = node_budget, strong_match
+
+    @property
+    def kind(self) -> str:
+        return "combined"
+
+    @classmethod
+    def new(cls, model, kind: str = "combined", drafters=None, node_budget: int | None = None,
+            strong_match: int = 2) -> "CombinedDrafter":
+        if drafters is None or len(drafters) != 2:
+            got = None if drafters is None else [type(d).__name__ for d in drafters]
+            raise ValueError(f"drafters must be [an ngram drafter, a trained drafter], got {got}")
+        ngram, heads = drafters if isinstance(drafters[0], NgramDrafter) else drafters[::-1]
+        return cls(ngram, heads, node_budget, strong_match)
+
+    def check_model(self, model) -> None:
+        self.ngram.check_model(model)
+        self.heads.check_model(model)
+
+    def resolve_tree(self, tree, device_type: str) -> Tree:
+        """`tree` selects the heads' tree (None: theirs for this device class). Returns a bound: the
+        heads' tree and the n-gram bound side by side under the root (bound.heads_tree: the heads' own)."""
+        heads_tree = self.heads.resolve_tree(tree, device_type)
+        ng = self.ngram.resolve_tree(None, device_type)
+        shift = 1 + max((c[0] for c in heads_tree.choices), default=-1)
+        bound = Tree(list(heads_tree.choices) + [(c[0] + shift,) + c[1:] for c in ng.choices])
+        bound.heads_tree = heads_tree
+        return bound
+
+    def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> CombinedState:
+        ht = tree.heads_tree
+        budget = self.node_budget or tree.num_nodes
+        return CombinedState(self.ngram.start(model, batch_size, max_seq_len, ht, backends),
+                             self.heads.start(model, batch_size, max_seq_len, ht, backends),
+                             ht.parents.tolist(), budget, model.device)
+
+    def after_prefill(self, state: CombinedState, hidden, lengths) -> None:
+        self.ngram.after_prefill(state.ngram, hidden, lengths)
+        self.heads.after_prefill(state.heads, hidden, lengths)
+
+    def after_step(self, state: CombinedState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
+        self.ngram.after_step(state.ngram, accepted_hidden, accepted_tokens, accept_lengths)
+        self.heads.after_step(state.heads, accepted_hidden, accepted_tokens, accept_lengths)
+
+    def observe_tokens(self, state: CombinedState, new_tokens, step_argmax=None) -> None:
+        self.ngram.observe_tokens(state.ngram, new_tokens, step_argmax)
+        self.heads.observe_tokens(state.heads, new_tokens, step_argmax)
+
+    def propose(self, state: CombinedState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
+        hp = self.heads.propose(state.heads, root, seqlens)  # tokens [B, Th] on the device
+        if not isinstance(hp.tree, Tree):
+            raise ValueError("the combined drafter needs a trained drafter with a static tree")
+        Th, N = hp.tree.num_nodes, state.budget
+        ng_parents, ng_tokens = self.ngram.draft_lists(state.ngram)
+        B = len(ng_parents)
+        C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
+        if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
+            return hp
+        src_lists, par_lists = [], []
+        for b in range(B):
+            pn = ng_parents[b]
+            c = len(pn) - 1
+            if state.ngram.matched[b] >= self.strong_match:  # a long match: the n-gram draft first
+                kn = min(c, N - 1)
+                kh = min(Th - 1, N - 1 - kn)
+            else:
+                kh = min(Th - 1, N - 1)
+                kn = min(c, N - 1 - kh)
+            # node sources in cat([heads tokens [Th], n-gram tokens without root [C]])
+            src_lists.append(list(range(kh + 1)) + [Th + j - 1 for j in range(1, kn + 1)])
+            par_lists.append(state.heads_parents[: kh + 1] + [0 if pn[j] == 0 else kh + pn[j] for j in range(1, kn + 1)])
+        T = max(len(s) for s in src_lists)
+        src = torch.zeros(B, T, dtype=torch.long)  # padded nodes copy the root; never accepted
+        ng = torch.zeros(B, max(C, 1), dtype=torch.long)
+        for b in range(B):
+            src[b, : len(src_lists[b])] = torch.tensor(src_lists[b])
+            ng[b, : len(ng_tokens[b]) - 1] = torch.tensor(ng_tokens[b][1:], dtype=torch.long)
+        dev = state.device
+        tokens = torch.cat([hp.tokens, ng.to(dev, non_blocking=True)], 1).gather(1, src.to(dev, non_blocking=True))
+        tree = TreeBatch.from_parent_lists(par_lists)  # built on the CPU: no device read-back
+        return Proposal(tokens, tree if dev.type == "cpu" else tree.to(dev))
+
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """config.json (kind "combined", node_budget, strong_match) + the parts in ngram/ and heads/."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        cfg = {"format": FORMAT, "version": 1, "kind": self.kind, "node_budget": self.node_budget,
+               "strong_match": self.strong_match, "parts": ["ngram", "heads"]}
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        self.ngram.save(path / "ngram")
+        self.heads.save(path / "heads", dtype=dtype)
+
+    @classmethod
+    def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "CombinedDrafter":
+        """load: the registry's load_drafter (passed in: this module cannot import the registry, which lists it)."""
+        unknown = set(cfg_dict) - {"format", "version", "kind", "node_budget", "strong_match", "parts"}
+        if unknown:
+            raise ValueError(f"{path / 'config.json'}: unknown combined-drafter fields {sorted(unknown)}")
+        return cls(load(path / "ngram"), load(path / "heads", model=model),
+                   cfg_dict.get("node_budget"), cfg_dict.get("strong_match", 2))
