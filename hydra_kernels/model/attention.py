@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..ops.backend import resolve
 from .config import LlamaConfig
 from .packed_linear import Linear
 from .rope import apply_rope
@@ -58,10 +59,16 @@ class AttentionSite:
     kv_len: int = 0
     backend: str = "auto"
     batch_index: torch.Tensor | None = field(init=False, repr=False)  # [B, 1], pairs with rows in index_put
+    # ops.tree_attention's kernel, resolved once; the op's preconditions are checked at the first layer only
+    # (every layer reads the same seqlens and mask with the same shapes: 30 checks a step would be 29 too many)
+    kernel: object = field(init=False, repr=False, default=None)
+    checked: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self):
         rows = self.rows
         self.batch_index = None if rows is None else torch.arange(rows.shape[0], device=rows.device)[:, None]
+        if rows is not None:
+            self.kernel = resolve("tree_attention", self.backend, rows.device)
 
 
 PREFILL = AttentionSite()  # rows [0, T) of an empty buffer, causal attention among the new tokens
@@ -101,5 +108,9 @@ class Attention(nn.Module):
         else:  # (c) step: write rows seqlens[b] + i, attend to the prefix and the allowed new rows
             kv[:, site.batch_index, site.rows] = torch.stack((k, v))  # both halves in one index_put
             n = site.kv_len
-            o = ops.tree_attention(q, kv[0, :, :n], kv[1, :, :n], site.seqlens, site.tree_mask, backend=site.backend)
+            k_cache, v_cache = kv[0, :, :n], kv[1, :, :n]
+            if not site.checked:
+                ops.check_tree_attention(q, k_cache, v_cache, site.seqlens, site.tree_mask)
+                site.checked = True
+            o = site.kernel(q, k_cache, v_cache, site.seqlens, site.tree_mask)
         return self.wo(o.flatten(2))  # o: [B, T, Hq, D]

@@ -16,7 +16,7 @@ from . import reference
 from .packed_linear import pack_linear_weight, packed_linear, packed_linear_available
 from .backend import BACKENDS, limit, native_available, register, resolve, resolved_name, triton_available
 
-__all__ = ["tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept",
+__all__ = ["tree_attention", "check_tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept",
            "greedy_verify", "typical_verify", "rejection_verify", "commit_kv", "tree_inputs", "pack_linear_weight",
            "packed_linear", "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available",
            "reference", "LM_HEAD_TOPK_MAX_K"]
@@ -72,6 +72,15 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
     [B, T, Hq, D] in q's dtype: node i of sequence b attends to keys [0, seqlens[b]) and to tree keys j
     with tree_mask[(b,) i, j].
     """
+    check_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask)
+    fn = resolve("tree_attention", backend, q.device)
+    return fn(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=sm_scale)
+
+
+def check_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask) -> None:
+    """tree_attention's preconditions (shapes, dtypes, devices; on CPU tensors also the seqlens values).
+    A caller that runs the op on every layer with the same seqlens and mask (Llama.step) checks once
+    and then calls the resolved kernel (`resolve("tree_attention", backend, device)`) directly."""
     _check(q.dim() == 4, f"q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
     B, T, Hq, D = q.shape
     _check(k_cache.dim() == 4 and k_cache.shape == v_cache.shape,
@@ -97,8 +106,6 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
         for b, n in enumerate(lens):
             _check(0 <= n <= S - T, f"cache_seqlens[{b}] = {n}: the tree's rows [{n}, {n + T}) must lie in the "
                                     f"cache's [0, {S}) (seqlens >= 0, seqlens + T <= S_max)")
-    fn = resolve("tree_attention", backend, q.device)
-    return fn(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=sm_scale)
 
 
 def lm_head_topk(x, weight, k, *, backend="auto"):
