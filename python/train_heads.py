@@ -22,7 +22,6 @@ by the run's fingerprint: new data or other settings start afresh instead of res
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,8 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
-from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, sharegpt_token_sequences,  # noqa: E402
-                                    train_drafter)
+from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, self_data_sequences,  # noqa: E402
+                                    sharegpt_token_sequences, train_drafter)
 from benchmarks.report import write_results  # noqa: E402
 
 # kind -> (ResBlocks per head, training steps). Hydra++ (its prefix layer) with one-layer heads: 24.6 MB in
@@ -73,12 +72,9 @@ def main(argv=None):
     model, tok = hk.load_model(dtype=torch.float32)
     seqs = [] if args.self_only else sharegpt_token_sequences(tok, args.train_seqs, args.max_tokens)
     starts = [0] * len(seqs)  # ShareGPT: every position
-    if args.self_data:
-        self_data = json.loads(Path(args.self_data).read_text())
-        for n, s in zip(self_data["prompt_lengths"], self_data["sequences"]):
-            if len(s) > n + 1:  # an answer of at least 2 tokens
-                seqs.append(s[: n + args.max_tokens])
-                starts.append(n - 1)  # the base model's own answer only
+    if args.self_data:  # the base model's own answers only are trained on
+        more, more_starts = self_data_sequences(args.self_data, args.max_tokens)
+        seqs, starts = seqs + more, starts + more_starts
     print(f"{len(seqs)} training sequences, {sum(map(len, seqs))} tokens")
     vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)
     vocab_seqs += [s[n:] for n, s in zip(starts, seqs) if n > 0]  # the base model's own answers count too

@@ -11,13 +11,15 @@ from pathlib import Path
 from .checkpoint import FORMAT, load_ours
 from .combined import CombinedDrafter
 from .config import DrafterConfig
+from .eagle import EagleDrafter
 from .hydra import HydraDrafter
 from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .ngram import NgramDrafter
 from .protocol import Drafter
 
-FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, NgramDrafter, LookaheadDrafter, CombinedDrafter)
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, NgramDrafter, LookaheadDrafter,
+                                      CombinedDrafter)
 KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
 # kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
 _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}

@@ -111,3 +111,16 @@ def sharegpt_token_sequences(tokenizer, num_sequences: int, max_tokens: int = 51
             if len(out) == num_sequences:
                 break
     return out
+
+
+def self_data_sequences(path, max_tokens: int = 512) -> tuple[list[list[int]], list[int]]:
+    """python/self_data.py's JSON -> (sequences: chat prompt + at most max_tokens answer tokens, starts:
+    per sequence the first position to train on, prompt length - 1, so only the base model's own answer
+    tokens are targets). Answers shorter than 2 tokens are skipped."""
+    data = json.loads(Path(path).read_text())
+    seqs, starts = [], []
+    for n, s in zip(data["prompt_lengths"], data["sequences"]):
+        if len(s) > n + 1:
+            seqs.append(s[: n + max_tokens])
+            starts.append(n - 1)
+    return seqs, starts

@@ -1,0 +1,389 @@
+"""EAGLE: a feature-level draft decoder layer (drafters/eagle_layer.py) with EAGLE-2's confidence-ranked
+dynamic trees, or a static tree.
+
+Per step (all on the device, no host read):
+1. the pending chunk: the positions the base model committed since the last step (after the prefill:
+   the whole prompt), each fed fc(cat(E(next token), base feature)), go through the layer into its own KV
+   buffer; the last one's output predicts the feature at the root, whose LM-head distribution gives the
+   root's children (depth 1).
+2. dynamic (EAGLE-2): at each further depth the top_k nodes of the previous depth by cumulative draft
+   log-probability run the layer (each attending to the committed prefix and its own ancestors), each
+   proposing top_k children; after `depth` levels every drafted node is ranked by its cumulative
+   log-probability and the best total_tokens - 1 form the tree (a node never ranks above its parent:
+   log-probabilities are <= 0 and ties keep the shallower, earlier node first, so the chosen set is
+   closed under parents). Every sequence gets its own tree, all of size total_tokens.
+   static: the nodes of a fixed Tree, depth by depth, each parent's top-k children by rank.
+The accepted path's base features replace the drafted ones next step (step 1 again), as EAGLE does.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..model.kv_cache import KVCache
+from ..model.packed_linear import MAX_PACKED_ROWS, Linear
+from ..ops.packed_linear import pack_linear_weight, packed_linear
+from ..tree import Tree, TreeBatch, as_tree
+from ..weight_cache import DerivedCache
+from .draft_heads import DRAFT_PACK_DTYPE
+from .eagle_layer import EagleLayer
+from .protocol import Drafter, Proposal
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2's tree settings: total_tokens nodes (root included) chosen among the top_k children of
+    the top_k best nodes of each of `depth` levels."""
+
+    total_tokens: int = 8
+    depth: int = 4
+    top_k: int = 4
+
+    def __post_init__(self):
+        for name in ("total_tokens", "depth", "top_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"dynamic tree {name} must be a positive int, got {v!r}")
+        if self.total_tokens < 2:
+            raise ValueError("dynamic tree total_tokens must be >= 2 (the root and at least one draft)")
+        if self.candidates < self.total_tokens - 1:
+            raise ValueError(f"a dynamic tree of depth {self.depth} and top_k {self.top_k} drafts {self.candidates} "
+                             f"nodes, fewer than total_tokens - 1 = {self.total_tokens - 1}: raise depth or top_k")
+
+    @property
+    def candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+    def bound(self) -> Tree:
+        """A static tree with as many nodes and as deep: what bounds a step's KV rows and paths."""
+        chain = [[0] * d for d in range(1, min(self.depth, self.total_tokens - 1) + 1)]
+        rest = [[r] for r in range(1, self.total_tokens - len(chain))]
+        t = Tree(chain + rest)
+        t.dynamic = self
+        return t
+
+
+def as_dynamic(spec) -> DynamicTree | None:
+    """generate()'s tree argument -> DynamicTree when it names one (a DynamicTree, or a dict with
+    total_tokens / depth / top_k), else None (a static tree)."""
+    if isinstance(spec, DynamicTree):
+        return spec
+    if isinstance(spec, dict):
+        unknown = set(spec) - {"total_tokens", "depth", "top_k"}
+        if unknown:
+            raise ValueError(f"a dynamic tree takes total_tokens, depth and top_k; unknown: {sorted(unknown)}")
+        return DynamicTree(**spec)
+    return None
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int
+    vocab_size: int
+    base_config: dict = field(repr=False)  # HF dict of the base model: the draft layer's shape
+    input_norm: bool = False  # EAGLE-1: no RMSNorm before the layer's attention
+    final_norm: bool = False  # EAGLE-1: the layer's output is the feature itself
+    fc_bias: bool = True
+    draft_vocab_size: int | None = None  # the draft ranks only these token ids (buffer draft_vocab)
+    tree: dict = field(default_factory=lambda: asdict(DynamicTree()))  # default dynamic tree
+
+    def __post_init__(self):
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        DynamicTree(**self.tree)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class EagleState:
+    def __init__(self, model, backends, cache: KVCache, tree: Tree, batch_size: int):
+        self.model, self.backends, self.cache = model, backends, cache
+        self.dynamic: DynamicTree | None = getattr(tree, "dynamic", None)
+        self.tree = tree.to(model.device)
+        self.pend_h: torch.Tensor | None = None  # [B, P, H] base features of the positions not yet drafted over
+        self.pend_tok: torch.Tensor | None = None  # [B, P] the token after each (the last: the root, at propose)
+        self.pend_n: torch.Tensor | None = None  # [B] valid pending positions
+        self.host_len = [0] * batch_size  # committed base tokens per sequence, from observe_tokens
+        self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
+
+
+class EagleDrafter(Drafter):
+    """hk.new_drafter(model, kind="eagle", draft_vocab=None, tree=dict(total_tokens=8, depth=4, top_k=4))."""
+
+    kinds = ("eagle",)
+    config_class = EagleConfig
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        self.config = cfg
+        self.layer = EagleLayer(cfg.base_config, cfg.input_norm, cfg.final_norm, cfg.fc_bias)
+        n = cfg.draft_vocab_size
+        self.register_buffer("draft_vocab", torch.arange(n) if n else None)
+        self.trees: dict[str, Tree] = {}  # static trees searched per device class (none by default)
+        self.dynamic_trees: dict[str, DynamicTree] = {}  # dynamic settings searched per device class
+        self._lm_slice = DerivedCache()
+        self._lm_packed = DerivedCache()  # the same rows in bf16 panels for the CPU kernel
+        self.packed = False
+
+    @property
+    def kind(self) -> str:
+        return "eagle"
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def new(cls, model, kind: str = "eagle", *, draft_vocab=None, tree=None, input_norm: bool = False,
+            final_norm: bool = False) -> "EagleDrafter":
+        mc = model.config
+        spec = as_dynamic(tree) or DynamicTree()
+        cfg = EagleConfig(hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
+                          base_config=mc.to_hf_dict(include_extra=False), input_norm=input_norm,
+                          final_norm=final_norm, draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
+                          tree=asdict(spec))
+        drafter = cls(cfg)
+        drafter.init_from(model)
+        drafter = drafter.to(model.device, model.dtype).eval()
+        if draft_vocab is not None:
+            ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=model.device)
+            if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
+                raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
+            drafter.draft_vocab.copy_(ids)
+        return drafter
+
+    @torch.no_grad()
+    def init_from(self, model) -> None:
+        """Start from the base model's last layer (EAGLE initialises its layer from the base model's
+        shapes; starting from its weights makes the first steps' features sensible), fc reading the
+        feature half as the identity: the fresh draft predicts f_{t+1} ~ f_t + last-layer update."""
+        own = self.layer.block.state_dict()
+        src = model.layers[-1].state_dict()
+        self.layer.block.load_state_dict({k: src[k].clone() for k in own})
+        H = self.config.hidden_size
+        self.layer.fc.weight.zero_()
+        self.layer.fc.weight[:, H:] = torch.eye(H)
+        if self.layer.fc.bias is not None:
+            self.layer.fc.bias.zero_()
+
+    # ---- checks before any work -----------------------------------------------------------------
+    def check_model(self, model) -> None:
+        mc, c = model.config, self.layer.config
+        if (self.config.vocab_size, self.config.hidden_size) != (mc.vocab_size, mc.hidden_size):
+            raise ValueError(f"EAGLE layer built for vocab {self.config.vocab_size} / hidden {self.config.hidden_size}, "
+                             f"the model has {mc.vocab_size} / {mc.hidden_size}: it was trained for another model")
+        shape = lambda x: (x.num_heads, x.num_kv_heads, x.head_dim, x.intermediate_size)  # noqa: E731
+        if shape(c) != shape(mc):
+            raise ValueError(f"EAGLE layer shape {shape(c)} (heads, kv heads, head_dim, intermediate) differs from the "
+                             f"model's {shape(mc)}")
+        p = next(self.parameters())
+        if p.device != model.device or p.dtype != model.dtype:
+            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
+                             "call drafter.to(model.device, model.dtype)")
+
+    def resolve_tree(self, tree, device_type: str) -> Tree:
+        """None: the dynamic tree searched for this device class (else the config's); a DynamicTree or a
+        dict(total_tokens, depth, top_k): EAGLE-2's dynamic tree; anything hk.tree.as_tree takes (a Tree,
+        Medusa-format choices, "chain-N", ...): that static tree. Returns the bound of every proposal."""
+        if tree is None:
+            tree = self.dynamic_trees.get(device_type) or self.trees.get(device_type) or DynamicTree(**self.config.tree)
+        spec = as_dynamic(tree)
+        if spec is not None:
+            return spec.bound()
+        t = as_tree(tree)
+        vd = self.config.draft_vocab_size or self.config.vocab_size
+        k = max((p.topk for p in t.plans), default=0)
+        if k > vd:
+            raise ValueError(f"the tree asks for the draft's guess of rank {k - 1}, but it ranks {vd} tokens")
+        return t
+
+    # ---- the run ----------------------------------------------------------------------------------
+    def rows_per_step(self, tree: Tree) -> int:
+        """Draft KV rows a step's tree uses beyond the committed prefix."""
+        d = getattr(tree, "dynamic", None)
+        return (d.depth - 1) * d.top_k if d is not None else tree.num_nodes - 1
+
+    def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> EagleState:
+        self.use_packed_cpu_weights(backends.packed_linear)
+        # rows: the prefix, the tree's rows, and a pending chunk's padding (at most the accept width)
+        rows = max_seq_len + self.rows_per_step(tree) + tree.depth + 2
+        cache = KVCache(self.layer.config, batch_size, rows, dtype=model.dtype, device=model.device)
+        return EagleState(model, backends, cache, tree, batch_size)
+
+    def use_packed_cpu_weights(self, on: bool) -> None:
+        """Draft GEMVs on the packed CPU kernel with bf16 panels: a step streams the layer's weights
+        `depth` times and the LM-head rows once per depth, so half the bytes is most of the draft's
+        time; a draft's precision cannot change the output (the base model verifies)."""
+        self.packed = on
+        for m in self.modules():
+            if isinstance(m, Linear) and (m.packed_on != on or m.pack_dtype != DRAFT_PACK_DTYPE):
+                m.pack_dtype = DRAFT_PACK_DTYPE
+                m.pack_cpu(on)
+
+    def after_prefill(self, state: EagleState, hidden, lengths) -> None:
+        state.pend_h, state.pend_n = hidden, lengths.long()
+        state.pend_tok = None  # filled from the prompts' tokens (observe_tokens)
+
+    def observe_tokens(self, state: EagleState, new_tokens: list[list[int]], step_argmax=None) -> None:
+        if state.prefill_tokens:  # prompt + root: the prefill chunk's next tokens are text[1:]
+            state.prefill_tokens = False
+            P = state.pend_h.shape[1]
+            tok = torch.zeros(len(new_tokens), P, dtype=torch.long)
+            for b, t in enumerate(new_tokens):
+                state.host_len[b] = len(t) - 1
+                tok[b, : len(t) - 1] = torch.tensor(t[1:])
+            state.pend_tok = tok.to(state.pend_h.device, non_blocking=True)
+            return
+        for b, t in enumerate(new_tokens):
+            state.host_len[b] += len(t)
+
+    def after_step(self, state: EagleState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
+        state.pend_h, state.pend_n = accepted_hidden, accept_lengths.long()
+        state.pend_tok = torch.cat((accepted_tokens[:, 1:], accepted_tokens[:, :1]), dim=1)  # last: root, at propose
+
+    def propose(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
+        y_root = self._chunk(state, root)  # [B, H]: the predicted feature at the root
+        if state.dynamic is not None:
+            tokens, parents = self._dynamic(state, y_root, root)
+            return Proposal(tokens, TreeBatch(parents))
+        return Proposal(self._static(state, y_root, root), state.tree)
+
+    # ---- drafting ---------------------------------------------------------------------------------
+    def _chunk(self, state: EagleState, root: torch.Tensor) -> torch.Tensor:
+        """Run the pending positions (committed by the base model since the last draft) into the layer's
+        buffer; returns the last one's output [B, H] per sequence and commits the positions."""
+        B, P = state.pend_tok.shape
+        dev = root.device
+        n = state.pend_n
+        i = torch.arange(P, device=dev)
+        tok = torch.where(i[None, :] == (n - 1)[:, None], root[:, None], state.pend_tok)  # [B, P]
+        dlen = state.cache.seqlens.long()
+        rows = dlen[:, None] + i  # [B, P] = the positions
+        kv_len = min(max(state.host_len) + P, state.cache.max_seq_len)
+        r = torch.arange(kv_len, device=dev)
+        mask = r[None, None, :] <= rows[:, :, None]  # [B, P, kv_len]: causal over prefix + chunk
+        x = self.layer.fuse(state.model.tok_embeddings(tok), state.pend_h)
+        y = self.layer.forward_masked(x, rows, state.cache.layers[0], rows, mask)  # [B, P, H]
+        state.cache.advance(n.to(state.cache.seqlens.dtype))
+        return y[torch.arange(B, device=dev), (n - 1).clamp(min=0)]
+
+    def _run_nodes(self, state: EagleState, tok: torch.Tensor, feat: torch.Tensor, depth: int, rows_rel: torch.Tensor,
+                   anc: torch.Tensor) -> torch.Tensor:
+        """Draft nodes at tree depth `depth` (>= 1): tok [B, n] their tokens, feat [B, n, H] their parents'
+        predicted features, rows_rel [B, n] their rows after the committed prefix, anc bool [B, n, R] the
+        tree rows each sees (ancestors and itself) -> their predicted features [B, n, H]."""
+        dlen = state.cache.seqlens.long()  # == the base model's committed length (after _chunk)
+        R = anc.shape[-1]
+        kv_len = min(max(state.host_len) + R, state.cache.max_seq_len)
+        rel = torch.arange(kv_len, device=tok.device)[None, :] - dlen[:, None]  # [B, kv_len]
+        in_tree = (rel >= 0) & (rel < R)
+        tree_part = anc.gather(2, rel.clamp(0, R - 1)[:, None, :].expand(-1, tok.shape[1], -1))
+        mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)  # [B, n, kv_len]
+        positions = (dlen + depth - 1)[:, None].expand_as(rows_rel)
+        x = self.layer.fuse(state.model.tok_embeddings(tok), feat)
+        return self.layer.forward_masked(x, positions, state.cache.layers[0], dlen[:, None] + rows_rel, mask)
+
+    def draft_log_probs(self, model, y: torch.Tensor) -> torch.Tensor:
+        """Predicted features [..., H] -> log-probabilities [..., Vd] over the draft vocabulary (the base
+        model's LM head rows; column j is token draft_vocab[j])."""
+        w = self.lm_weight(model)
+        if (self.packed and y.is_cpu and y.dtype is torch.float32 and not torch.is_grad_enabled()
+                and y.numel() <= MAX_PACKED_ROWS * y.shape[-1] and w.dtype is torch.float32):
+            panels = self._lm_packed.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
+                                         extra=(DRAFT_PACK_DTYPE,))
+            return F.log_softmax(packed_linear(y, panels, w.shape[0]), dim=-1)
+        return F.log_softmax(F.linear(y, w).float(), dim=-1)
+
+    def lm_weight(self, model) -> torch.Tensor:
+        w = model.output.weight
+        if self.draft_vocab is None:
+            return w
+        return self._lm_slice.get((w, self.draft_vocab), lambda: w.detach().index_select(0, self.draft_vocab))
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def _dynamic(self, state: EagleState, y_root: torch.Tensor, root: torch.Tensor):
+        """EAGLE-2: -> tokens [B, T], parents [B, T] of each sequence's confidence-ranked tree."""
+        d, model = state.dynamic, state.model
+        K, T = d.top_k, d.total_tokens
+        B, dev = root.shape[0], root.device
+        bidx = torch.arange(B, device=dev)[:, None]
+        lp, idx = self.draft_log_probs(model, y_root).topk(K, dim=-1)  # [B, K]
+        cand_tok, cand_score = [self.token_ids(idx)], [lp]
+        cand_parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]  # -1: the root
+        front_tok, front_score = cand_tok[0], lp  # [B, K] the nodes expanded next
+        front_feat = y_root[:, None, :].expand(B, K, -1)  # their parents' predicted features
+        front_id = torch.arange(K, device=dev).expand(B, K)  # their candidate indices
+        R = (d.depth - 1) * K
+        front_anc = torch.zeros(B, K, R, dtype=torch.bool, device=dev)
+        n_cand = K
+        for depth in range(1, d.depth):
+            slot = (depth - 1) * K + torch.arange(K, device=dev)
+            front_anc[:, torch.arange(K, device=dev), slot] = True  # each node sees itself
+            y = self._run_nodes(state, front_tok, front_feat, depth, slot.expand(B, K), front_anc)  # [B, K, H]
+            lp, idx = self.draft_log_probs(model, y).topk(K, dim=-1)  # [B, K, K]
+            score = (front_score[:, :, None] + lp).flatten(1)  # [B, K*K] cumulative
+            cand_tok.append(self.token_ids(idx).flatten(1))
+            cand_score.append(score)
+            cand_parent.append(front_id[:, :, None].expand(B, K, K).flatten(1))
+            best = score.topk(K, dim=-1).indices  # [B, K] the next depth's frontier
+            par = best // K  # which frontier node each descends from
+            front_tok = cand_tok[-1].gather(1, best)
+            front_score = score.gather(1, best)
+            front_feat = y[bidx, par]
+            front_anc = front_anc[bidx, par]
+            front_id = n_cand + best
+            n_cand += K * K
+        tok, score, parent = (torch.cat(x, dim=1) for x in (cand_tok, cand_score, cand_parent))  # [B, C]
+        # the best T-1 by cumulative log-prob; a stable sort keeps a parent (earlier index, score >= the
+        # child's) ahead of its children, so the chosen set is closed under parents
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, : T - 1]
+        chosen = order.sort(dim=1).values  # [B, T-1] ascending: parents before children
+        node_of = torch.zeros(B, n_cand, dtype=torch.long, device=dev)
+        node_of[bidx, chosen] = torch.arange(1, T, device=dev).expand(B, T - 1)
+        cp = parent.gather(1, chosen)
+        parents = torch.where(cp < 0, torch.zeros_like(cp), node_of.gather(1, cp.clamp(min=0)))
+        tokens = torch.cat((root[:, None], tok.gather(1, chosen)), dim=1)
+        parents = torch.cat((torch.full((B, 1), -1, dtype=torch.long, device=dev), parents), dim=1)
+        return tokens, parents
+
+    def _static(self, state: EagleState, y_root: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """The tokens [B, T] of the static tree: each parent's children are its draft top-k by rank."""
+        tree, model = state.tree, state.model
+        B, T, dev = root.shape[0], tree.num_nodes, root.device
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        tokens[:, 0] = root
+        feats = y_root.new_zeros(B, T, y_root.shape[-1])  # each node's predicted feature (its children's input)
+        feats[:, 0] = y_root
+        anc = tree.mask[:, 1:]  # [T, T-1]: node i sees the rows (j - 1) of its non-root ancestors and itself
+        for depth, plan in enumerate(tree.plans, start=1):
+            if depth > 1:  # run the parents of this depth's nodes (at depth - 1) through the layer
+                nodes = plan.parents
+                y = self._run_nodes(state, tokens[:, nodes], feats[:, tree.parents[nodes]], depth - 1,
+                                    (nodes - 1).expand(B, -1), anc[nodes].expand(B, -1, -1))
+                feats[:, nodes] = y
+            idx = self.draft_log_probs(model, feats[:, plan.parents]).topk(plan.topk, dim=-1).indices  # [B, p, k]
+            tokens[:, plan.children] = self.token_ids(idx[:, plan.child_slot, plan.child_rank])
+        return tokens
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def save(self, path, dtype: torch.dtype | None = None) -> None:
+        """Our format: config.json (+ "kind": "eagle") + model.safetensors + the searched trees
+        (dynamic_<device>.json, tree_<device>.json)."""
+        from .checkpoint import save_ours
+
+        save_ours(self, path, dtype)
+        for device_kind, spec in self.dynamic_trees.items():
+            (Path(path) / f"dynamic_{device_kind}.json").write_text(json.dumps(asdict(spec)))
+
+    @classmethod
+    def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "EagleDrafter":
+        from .checkpoint import load_ours
+
+        drafter = load_ours(cls, path, cfg_dict)
+        for f in sorted(path.glob("dynamic_*.json")):
+            drafter.dynamic_trees[f.stem[len("dynamic_"):]] = DynamicTree(**json.loads(f.read_text()))
+        return drafter

@@ -1,0 +1,83 @@
+"""EAGLE's draft model: one decoder layer of the base model's architecture over fused (token, feature) inputs.
+
+At draft position t the input is fc(cat(E(x_{t+1}), f_t)): the embedding of the next token and the
+base model's feature at t (its final-normed last hidden state, the vector its LM head reads). The layer
+predicts f_{t+1}; the base model's frozen LM head turns that into the distribution of x_{t+2}.
+EAGLE-1's layer has no input RMSNorm (its fc output goes straight into attention) and no final norm.
+
+Two ways to run it:
+- `forward_full(x)`: causal over whole sequences, no cache (training);
+- `forward_masked(x, positions, kv, rows, mask)`: the inputs' keys/values written to rows of the
+  drafter's own KV buffer, each query attending to the buffer rows its mask allows (committed prefix,
+  its ancestors in the draft tree, itself). Drafting runs a few queries per call (the pending chunk,
+  then top_k nodes per depth), whose visible rows are not a square tree over the new rows alone, so
+  this takes a dense [B, Tq, kv_len] mask through torch SDPA: at kv_len of a few hundred rows and
+  Tq <= 8 that is microseconds next to the layer's GEMVs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model.config import LlamaConfig
+from ..model.layers import RMSNorm, TransformerBlock
+from ..model.packed_linear import Linear
+from ..model.rope import RopeCache
+
+
+class EagleLayer(nn.Module):
+    def __init__(self, base_config: dict, input_norm: bool = False, final_norm: bool = False, fc_bias: bool = True):
+        super().__init__()
+        cfg = LlamaConfig.from_hf_dict(base_config)
+        self.config = dataclasses.replace(cfg, num_layers=1)
+        H = cfg.hidden_size
+        self.fc = Linear(2 * H, H, bias=fc_bias, pack_dtype=torch.bfloat16)
+        self.block = TransformerBlock(self.config)
+        if not input_norm:  # EAGLE-1: layer 0 has no input_layernorm
+            self.block.attention_norm = nn.Identity()
+        self.norm = RMSNorm(H, cfg.rms_norm_eps) if final_norm else nn.Identity()
+        self._rope = RopeCache(self.config)
+
+    def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """emb, feat [..., H] -> fc(cat(emb, feat)) [..., H] (EAGLE's order: the token embedding first)."""
+        return self.fc(torch.cat((emb, feat), dim=-1))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        blk = self.block
+        return self.norm(h + blk.feed_forward(blk.ffn_norm(h)))
+
+    def forward_full(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, L, H] fused inputs of positions 0..L-1 -> predicted features [B, L, H], causal, no cache."""
+        B, L, _ = x.shape
+        pos = torch.arange(L, device=x.device).expand(B, L)
+        cos, sin = self._rope(pos, L, x.dtype)
+        blk = self.block
+        h = x + blk.attention(blk.attention_norm(x), cos, sin)
+        return self._mlp(h)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, max_pos: int):
+        cos, sin = self._rope(positions, max_pos, x.dtype)
+        return self.block.attention.qkv(self.block.attention_norm(x), cos, sin)
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor) -> torch.Tensor:
+        """Residual x [B, Tq, H], roped q [B, Tq, Hq, D], keys/values [B, S, Hkv, D], mask bool
+        [B, Tq, S] (True: visible) -> predicted features [B, Tq, H]."""
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2])
+        h = x + self.block.attention.wo(o.transpose(1, 2).flatten(2))
+        return self._mlp(h)
+
+    def forward_masked(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """x [B, Tq, H] fused inputs at rope positions [B, Tq]; kv [2, B, S_max, Hkv, D] the drafter's
+        buffer, the inputs' K/V written at rows [B, Tq]; mask bool [B, Tq, kv_len] the buffer rows each
+        query sees (kv_len <= S_max, a host-known bound) -> predicted features [B, Tq, H]."""
+        q, k, v = self.qkv(x, positions, kv.shape[2])
+        bidx = torch.arange(x.shape[0], device=x.device)[:, None]
+        kv[:, bidx, rows] = torch.stack((k, v))
+        n = mask.shape[-1]
+        return self.attend(x, q, kv[0, :, :n], kv[1, :, :n], mask)

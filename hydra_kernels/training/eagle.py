@@ -1,0 +1,188 @@
+"""Training EAGLE's draft layer with the base model frozen (EAGLE-1's losses, EAGLE-3's training-time test).
+
+Data: HiddenStates (the base model's final-normed features f and token ids x of whole sequences).
+Unroll step 1 is EAGLE-1: at position t the layer reads fc(cat(E(x_{t+1}), f_t + noise)) causally over
+the sequence and predicts f_{t+1}. Unroll step s >= 2 is what drafting at tree depth s-1 sees: the input
+feature at t is step s-1's prediction at t-1 (the draft's own guess of f_t), and the query attends to
+the true-feature keys of positions <= t-s+1 (the committed prefix) plus the keys of steps u = 2..s at
+positions t-s+u (its ancestors in the tree, itself last): exactly the rows a depth-(s-1) node sees.
+Every step's prediction at t is trained toward f_{t+1}:
+    loss = feature_weight * SmoothL1(y, f_{t+1}) + token_weight * KL(softmax(LM f_{t+1}) || softmax(LM y))
+the token term on the draft vocabulary through the base model's frozen LM head, at `loss_positions`
+sampled positions per step (the LM head is most of the cost); the feature term at every position.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from .heads import _sequence_bounds, run_fingerprint
+from .hidden_cache import HiddenStates
+
+
+class _Windows:
+    """Per step, `seqs` windows of at most `window` tokens, drawn by trainable positions (a sequence
+    with more trained tokens is drawn more often; a window starts uniformly inside it)."""
+
+    def __init__(self, data: HiddenStates, seqs: int, window: int, gen: torch.Generator):
+        self.data, self.seqs, self.window, self.gen = data, seqs, window, gen
+        self.starts, self.ends = _sequence_bounds(data)
+        trainable = data.trainable if data.trainable is not None else torch.ones(data.num_tokens, dtype=torch.bool)
+        seq_of = torch.repeat_interleave(torch.arange(self.starts.numel()), self.ends - self.starts)
+        self.weight = torch.bincount(seq_of[trainable], minlength=self.starts.numel()).double()
+        if self.weight.sum() == 0:
+            raise ValueError("the training data has no trainable position")
+        self.trainable = trainable
+
+    def sample(self):
+        """-> ids [S, L], feats [S, L, H] (bf16/fp32 as stored), train [S, L] bool (position q's token
+        q+1 is trained: q in a trained span, q+1 inside the window), lengths [S]."""
+        d = self.data
+        seqs = torch.multinomial(self.weight, self.seqs, replacement=True, generator=self.gen).tolist()
+        spans = []
+        for s in seqs:
+            a, b = int(self.starts[s]), int(self.ends[s])
+            if b - a > self.window:
+                a = a + int(torch.randint(0, b - a - self.window + 1, (1,), generator=self.gen))
+                b = a + self.window
+            spans.append((a, b))
+        L = max(b - a for a, b in spans)
+        ids = torch.zeros(len(spans), L, dtype=torch.long)
+        feats = torch.zeros(len(spans), L, d.hidden.shape[1], dtype=d.hidden.dtype)
+        train = torch.zeros(len(spans), L, dtype=torch.bool)
+        for i, (a, b) in enumerate(spans):
+            ids[i, : b - a] = d.ids[a:b]
+            feats[i, : b - a] = d.hidden[a:b]
+            train[i, : b - a - 1] = self.trainable[a: b - 1]
+        return ids, feats, train, torch.tensor([b - a for a, b in spans])
+
+
+def unrolled_features(layer, x1: torch.Tensor, fuse_next, unroll: int) -> list[torch.Tensor]:
+    """x1 [S, L, H] step-1 inputs (true features); fuse_next(y_prev [S, L, H]) -> the next step's inputs
+    (the previous step's predictions shifted one position right, fused with the same next tokens).
+    Returns the predictions [S, L, H] of steps 1..unroll (row t of step s is valid for t >= s-1)."""
+    S, L, _ = x1.shape
+    dev = x1.device
+    pos = torch.arange(L, device=dev)
+    q1, k1, v1 = layer.qkv(x1, pos.expand(S, L), L)
+    causal = pos[None, :] <= pos[:, None]  # [L, L]
+    ys = [layer.attend(x1, q1, k1, v1, causal.expand(S, L, L))]
+    keys, values = [k1], [v1]
+    for s in range(2, unroll + 1):
+        x = fuse_next(ys[-1])
+        q, k, v = layer.qkv(x, pos.expand(S, L), L)
+        keys.append(k)
+        values.append(v)
+        blocks = [pos[None, :] <= pos[:, None] - s + 1]  # true-feature keys: the committed prefix
+        blocks += [pos[None, :] == pos[:, None] - s + u for u in range(2, s + 1)]  # ancestors, then itself
+        mask = torch.cat(blocks, dim=1)  # [L, s*L]; every row sees at least itself (u = s)
+        ys.append(layer.attend(x, q, torch.cat(keys, 1), torch.cat(values, 1), mask.expand(S, L, s * L)))
+    return ys
+
+
+def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float = 1e-3, *, seqs_per_step: int = 8,
+                window: int = 256, loss_positions: int = 384, unroll: int = 3, noise: float = 0.1,
+                feature_weight: float = 1.0, token_weight: float = 1.0, warmup: int = 20, grad_clip: float = 0.5,
+                seed: int = 0, checkpoint_dir: str | Path | None = None, checkpoint_every: int = 50,
+                progress: bool = True) -> dict:
+    """AdamW, linear warmup then cosine decay. noise: uniform noise on the step-1 input features, as a
+    fraction of each feature vector's RMS (EAGLE's robustness to its own errors). Resumable: the
+    checkpoint <checkpoint_dir>/ckpt-eagle-<fingerprint>.pt is named by run_fingerprint.
+    Returns {"loss": [...], "step_loss": [[per unroll step]...], "accuracy": [[top-1 vs base, per unroll step]...]}."""
+    if unroll < 1 or seqs_per_step < 1 or window < 3 or loss_positions < 1:
+        raise ValueError("unroll, seqs_per_step and loss_positions must be >= 1 and window >= 3")
+    settings = dict(steps=steps, lr=lr, seqs_per_step=seqs_per_step, window=window, loss_positions=loss_positions,
+                    unroll=unroll, noise=noise, feature_weight=feature_weight, token_weight=token_weight,
+                    warmup=warmup, grad_clip=grad_clip, seed=seed)
+    fingerprint = run_fingerprint(model, drafter, data, settings)
+    ckpt = None
+    if checkpoint_dir is not None:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        ckpt = Path(checkpoint_dir) / f"ckpt-eagle-{fingerprint}.pt"
+    dev, dtype = model.device, model.dtype
+    gen = torch.Generator().manual_seed(seed)
+    windows = _Windows(data, seqs_per_step, window, gen)
+    layer = drafter.layer
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    history = {"loss": [], "step_loss": [], "accuracy": []}
+    start = 0
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, map_location=dev, weights_only=False)
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        history, start = state["history"], state["step"]
+
+    def save(step):
+        if ckpt is not None:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "gen": gen.get_state(), "history": history, "step": step, "fingerprint": fingerprint}, tmp)
+            tmp.replace(ckpt)
+
+    model_grad = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    drafter.train()
+    try:
+        bar = tqdm(range(start, steps), desc="training eagle", disable=not progress, initial=start, total=steps)
+        for step in bar:
+            ids, feats, train, lengths = windows.sample()
+            ids, feats, train = ids.to(dev), feats.to(dev, dtype), train.to(dev)
+            with torch.enable_grad():
+                emb = model.tok_embeddings(ids[:, 1:])  # E(x_{t+1}) [S, L-1, H]
+                f_in = feats[:, :-1]
+                rms = f_in.pow(2).mean(-1, keepdim=True).sqrt()
+                u = torch.rand(f_in.shape, generator=gen).to(dev, dtype)
+                x1 = layer.fuse(emb, f_in + (u - 0.5) * 2 * noise * rms)
+
+                def fuse_next(y):  # step s's input at t: step s-1's prediction at t-1
+                    return layer.fuse(emb, torch.cat((y[:, :1], y[:, :-1]), dim=1))
+
+                ys = unrolled_features(layer, x1, fuse_next, unroll)
+                target = feats[:, 1:]  # f_{t+1}
+                W = drafter.lm_weight(model)
+                total, per_step, acc = 0.0, [], []
+                Lm = ids.shape[1] - 1
+                t_idx = torch.arange(Lm, device=dev)
+                for s, y in enumerate(ys, start=1):
+                    # [S, L-1]: teacher position q = t+1 trained (so f_{t+1} and x_{t+2} lie in the window)
+                    ok = train[:, 1:] & (t_idx >= s - 1)
+                    pos = ok.nonzero()
+                    if pos.shape[0] == 0:
+                        continue
+                    y_ok, t_ok = y[pos[:, 0], pos[:, 1]], target[pos[:, 0], pos[:, 1]]
+                    f_loss = F.smooth_l1_loss(y_ok.float(), t_ok.float())
+                    pick = pos[torch.randperm(pos.shape[0], device=dev)[:loss_positions]]
+                    with torch.no_grad():
+                        log_p = F.log_softmax(F.linear(target[pick[:, 0], pick[:, 1]], W).float(), dim=-1)
+                    log_q = F.log_softmax(F.linear(y[pick[:, 0], pick[:, 1]], W).float(), dim=-1)
+                    t_loss = F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+                    loss = feature_weight * f_loss + token_weight * t_loss
+                    total = total + loss / len(ys)
+                    per_step.append(float(loss.detach()))
+                    acc.append(float((log_q.argmax(-1) == log_p.argmax(-1)).float().mean()))
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            opt.step()
+            sched.step()
+            history["loss"].append(float(total.detach()))
+            history["step_loss"].append(per_step)
+            history["accuracy"].append(acc)
+            bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in acc))
+            if (step + 1) % checkpoint_every == 0:
+                save(step + 1)
+        save(steps)
+    finally:
+        drafter.eval()
+        for p, g in zip(model.parameters(), model_grad):
+            p.requires_grad_(g)
+    return history

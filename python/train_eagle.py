@@ -1,0 +1,88 @@
+"""Recipe: train an EAGLE draft layer for the embedded SmolLM2-135M-Instruct on its own answers to ShareGPT
+prompts (self-distillation), with EAGLE's losses and EAGLE-3's training-time test. Reproduces the
+shipped EAGLE drafter (python/ship_heads.py --package eagle packages it).
+
+    .venv/bin/python python/self_data.py --prompts 1024 --new-tokens 256 --batch 64
+    .venv/bin/python python/train_eagle.py --self-data ~/.cache/hydra_kernels/training/self-1024-256.json \
+        --out runs/eagle
+
+Writes runs/eagle/eagle/ (the drafter), runs/eagle/eagle_training.{csv,png} (loss and top-1 agreement
+with the base model per unroll step). Base hidden states and training checkpoints are kept under the
+cache dir, so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
+from hydra_kernels.training import compute_hidden_states, draft_vocabulary, self_data_sequences  # noqa: E402
+from hydra_kernels.training.eagle import train_eagle  # noqa: E402
+from benchmarks.report import write_results  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--self-data", required=True, help="JSON of the base model's own answers (python/self_data.py)")
+    ap.add_argument("--max-tokens", type=int, default=512, help="answer tokens kept per sequence")
+    ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the draft may propose (0: all)")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seqs-per-step", type=int, default=8)
+    ap.add_argument("--window", type=int, default=256, help="tokens per sequence window")
+    ap.add_argument("--loss-positions", type=int, default=384, help="positions per unroll step given the token loss")
+    ap.add_argument("--unroll", type=int, default=3, help="training-time test depth (1: EAGLE-1)")
+    ap.add_argument("--noise", type=float, default=0.1)
+    ap.add_argument("--feature-weight", type=float, default=1.0)
+    ap.add_argument("--token-weight", type=float, default=1.0)
+    ap.add_argument("--out", default="runs/eagle")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = cache_root() / "training"
+
+    model, tok = hk.load_model(dtype=torch.float32)
+    seqs, starts = self_data_sequences(args.self_data, args.max_tokens)
+    print(f"{len(seqs)} training sequences, {sum(map(len, seqs))} tokens")
+    dv = None
+    if args.draft_vocab:
+        end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
+        dv = draft_vocabulary([s[n:] for n, s in zip(starts, seqs)], args.draft_vocab, always=end_ids)
+    data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
+    torch.manual_seed(args.seed)
+    drafter = hk.new_drafter(model, "eagle", draft_vocab=dv)
+    t0 = time.perf_counter()
+    hist = train_eagle(model, drafter, data, steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
+                       window=args.window, loss_positions=args.loss_positions, unroll=args.unroll, noise=args.noise,
+                       feature_weight=args.feature_weight, token_weight=args.token_weight, seed=args.seed,
+                       warmup=max(1, args.steps // 20), checkpoint_dir=work, checkpoint_every=25)
+    print(f"eagle: {args.steps} steps in {time.perf_counter() - t0:.0f} s, final loss {hist['loss'][-1]:.3f}, "
+          f"top-1 agreement per unroll step {hist['accuracy'][-1]}")
+    drafter.save(out / "eagle")
+    rows = [{"step": s, "loss": loss, **{f"acc{i + 1}": a for i, a in enumerate(acc)}}
+            for s, (loss, acc) in enumerate(zip(hist["loss"], hist["accuracy"]))]
+
+    def plot(ax):
+        k = 25  # running mean: one step's figures are noisy
+        smooth = lambda ys: (torch.nn.functional.avg_pool1d(torch.tensor(ys)[None, None], k, 1)[0, 0].tolist()  # noqa: E731
+                             if len(ys) > k else ys)
+        ax.plot(smooth([r["loss"] for r in rows]), label="loss")
+        for i in range(args.unroll):
+            ax.plot(smooth([r.get(f"acc{i + 1}", float("nan")) for r in rows]), label=f"top-1 agreement, depth {i + 1}")
+        ax.set_xlabel("step")
+        ax.set_title("EAGLE layer training, SmolLM2-135M-Instruct, self-generated answers")
+        ax.legend()
+
+    write_results(rows, out, "eagle_training", plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""EAGLE drafter: drafting (dynamic EAGLE-2 trees and static trees) equals a brute-force replay through the
+layer's cache-free forward, across two steps and a ragged batch; greedy output is plain greedy's;
+the training unroll computes what drafting computes; checkpoints round-trip; bad input is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.drafters.eagle import DynamicTree, EagleDrafter
+from hydra_kernels.generate import generate
+from hydra_kernels.training import HiddenStates
+from hydra_kernels.training.eagle import train_eagle, unrolled_features
+from helpers import assert_close_rel
+from test_llama_vs_transformers import make_hf
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+
+
+def randomised(model, seed=0, **opts) -> EagleDrafter:
+    d = hk.new_drafter(model, kind="eagle", **opts)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():  # norms near 1, biases and matrices random
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim > 1 else 0.2) + (1.0 if "norm" in name else 0.0))
+    return d
+
+
+class Replay:
+    """Brute force: each draft node's feature from the layer's causal forward over the whole path
+    (committed positions with true features, then the node's ancestors with predicted ones)."""
+
+    def __init__(self, model, drafter, text: list[int]):
+        # text: the committed tokens followed by the root; features of the committed ones from the base model
+        self.model, self.d = model, drafter
+        feats = model.hidden_states(torch.tensor([text[:-1]]))[0]
+        emb = model.tok_embeddings(torch.tensor(text[1:]))
+        self.prefix = drafter.layer.fuse(emb, feats)  # [L, H] inputs of positions 0..L-1
+
+    def feature(self, path: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """path: (token, its parent's predicted feature) of each ancestor, the node last -> its feature."""
+        extra = [self.d.layer.fuse(self.model.tok_embeddings(torch.tensor(t)), f) for t, f in path]
+        x = torch.cat([self.prefix] + [e[None] for e in extra])[None]
+        return self.d.layer.forward_full(x)[0, -1]
+
+    def log_probs(self, y):
+        return self.d.draft_log_probs(self.model, y)
+
+    def dynamic(self, spec: DynamicTree):
+        """EAGLE-2 on one sequence, node by node -> (tokens, parents) of the chosen tree."""
+        K = spec.top_k
+        y_root = self.feature([])
+        lp, idx = self.log_probs(y_root).topk(K)
+        # candidate: (token, score, parent candidate or -1, path to it [(token, parent feature)])
+        cands = [(int(self.d.token_ids(i)), float(s), -1, [(int(self.d.token_ids(i)), y_root)]) for s, i in zip(lp, idx)]
+        front = list(range(K))
+        for _ in range(1, spec.depth):
+            children = []
+            for c in front:
+                tok, score, _, path = cands[c]
+                y = self.feature(path)
+                lp, idx = self.log_probs(y).topk(K)
+                for s, i in zip(lp, idx):
+                    t = int(self.d.token_ids(i))
+                    children.append((t, score + float(s), c, path + [(t, y)]))
+            base = len(cands)
+            cands += children
+            order = sorted(range(len(children)), key=lambda j: -children[j][1])[:K]
+            front = [base + j for j in order]
+        chosen = sorted(sorted(range(len(cands)), key=lambda j: -cands[j][1])[: spec.total_tokens - 1])
+        node = {c: i + 1 for i, c in enumerate(chosen)}
+        return [cands[c][0] for c in chosen], [0 if cands[c][2] < 0 else node[cands[c][2]] for c in chosen]
+
+
+def run_two_proposals(model, drafter, prompts, accepted, roots, tree):
+    """prefill -> propose (root = roots[0]) -> accept `accepted[b]` tokens (root first) -> propose
+    (root = roots[1]); returns the two proposals."""
+    B = len(prompts)
+    plan = model.backend_plan("reference")
+    bound = drafter.resolve_tree(tree, "cpu")
+    state = drafter.start(model, B, 64, bound, plan)
+    L = max(map(len, prompts))
+    ids = torch.tensor([p + [0] * (L - len(p)) for p in prompts])
+    drafter.after_prefill(state, model.hidden_states(ids), torch.tensor([len(p) for p in prompts]))
+    drafter.observe_tokens(state, [p + [r] for p, r in zip(prompts, roots[0])])
+    p1 = drafter.propose(state, torch.tensor(roots[0]), None)
+    W = max(map(len, accepted))
+    texts = [p + a for p, a in zip(prompts, accepted)]
+    hidden = torch.zeros(B, W, model.config.hidden_size)
+    tok = torch.zeros(B, W, dtype=torch.long)
+    for b, (p, a) in enumerate(zip(prompts, accepted)):
+        hidden[b, : len(a)] = model.hidden_states(torch.tensor([texts[b]]))[0, len(p):]
+        tok[b, : len(a)] = torch.tensor(a)
+    drafter.after_step(state, hidden, tok, torch.tensor([len(a) for a in accepted]))
+    drafter.observe_tokens(state, [a[1:] + [r] for a, r in zip(accepted, roots[1])])
+    p2 = drafter.propose(state, torch.tensor(roots[1]), None)
+    return p1, p2, texts
+
+
+@pytest.mark.parametrize("spec", [DynamicTree(8, 3, 3), DynamicTree(5, 2, 2), DynamicTree(12, 4, 2)])
+@pytest.mark.parametrize("draft_vocab", [None, list(range(100, 0, -3))])
+def test_dynamic_tree_equals_brute_force_replay(model, spec, draft_vocab):
+    torch.manual_seed(0)
+    d = randomised(model, draft_vocab=draft_vocab)
+    prompts = [[5, 17, 3, 44, 9, 21, 7], [2, 8], [60, 61, 62, 63, 64]]  # ragged
+    accepted = [[30, 31, 32], [40], [50, 51]]  # root first; different accept lengths
+    roots = [[30, 40, 50], [33, 41, 52]]
+    p1, p2, texts = run_two_proposals(model, d, prompts, accepted, roots, spec)
+    for prop, step_texts, step_roots in ((p1, prompts, roots[0]), (p2, texts, roots[1])):
+        assert prop.tokens.shape == (3, spec.total_tokens)
+        for b in range(3):
+            toks, parents = Replay(model, d, step_texts[b] + [step_roots[b]]).dynamic(spec)
+            assert prop.tokens[b, 0] == step_roots[b]
+            assert prop.tokens[b, 1:].tolist() == toks, f"sequence {b}"
+            assert prop.tree.parents[b, 1:].tolist() == parents, f"sequence {b}"
+            assert bool(prop.tree.valid[b].all())
+
+
+def test_static_tree_equals_brute_force_replay(model):
+    d = randomised(model, seed=3)
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [2]]
+    tree = hk.tree.Tree(choices)
+    prompts = [[5, 17, 3, 44], [2, 8, 9, 10, 11, 12]]
+    accepted = [[30, 31], [40, 41, 42]]
+    roots = [[30, 40], [33, 43]]
+    p1, p2, texts = run_two_proposals(model, d, prompts, accepted, roots, choices)
+    for prop, step_texts, step_roots in ((p1, prompts, roots[0]), (p2, texts, roots[1])):
+        for b in range(2):
+            r = Replay(model, d, step_texts[b] + [step_roots[b]])
+            feats = {0: r.feature([])}
+            paths = {0: []}
+            for i in range(1, tree.num_nodes):
+                par, rank = int(tree.parents[i]), int(tree.ranks[i])
+                want = int(d.token_ids(r.log_probs(feats[par]).topk(rank + 1).indices[rank]))
+                assert int(prop.tokens[b, i]) == want, f"sequence {b} node {i}"
+                paths[i] = paths[par] + [(want, feats[par])]
+                feats[i] = r.feature(paths[i])
+
+
+def test_training_unroll_is_what_drafting_computes(model):
+    """Unroll step s at position t == a depth-(s-1) node drafted after committing positions < t-s+2."""
+    d = randomised(model, seed=4)
+    text = [5, 17, 3, 44, 9, 21, 7, 11, 13, 2]
+    feats = model.hidden_states(torch.tensor([text]))  # [1, L, H]
+    emb = model.tok_embeddings(torch.tensor([text[1:]]))
+    x1 = d.layer.fuse(emb, feats[:, :-1])
+    ys = unrolled_features(d.layer, x1, lambda y: d.layer.fuse(emb, torch.cat((y[:, :1], y[:, :-1]), 1)), 3)
+    for s in (2, 3):
+        for t in range(s - 1, len(text) - 1):
+            c = t - s + 2  # committed positions 0..c-1; root = text[c]
+            r = Replay(model, d, text[: c + 1])
+            path, f = [], r.feature([])
+            for j in range(1, s):  # ancestors: the true next tokens, fed the predicted features
+                path = path + [(text[c + j], f)]
+                f = r.feature(path)
+            assert_close_rel(ys[s - 1][0, t], f, 1e-4, f"step {s} position {t}")
+
+
+@pytest.mark.parametrize("tree", [None, dict(total_tokens=6, depth=3, top_k=2), "chain-3", [[0], [1], [0, 0]]])
+@pytest.mark.backends("reference", "native")
+def test_greedy_output_is_plain_greedy(model, tree, backend):
+    d = randomised(model, seed=1)
+    prompts = [[5, 17, 3, 44, 9], [2, 8], [60, 61, 62, 63, 64, 65, 66, 67]]
+    ref = generate(model, prompts, max_new_tokens=24, backend=backend)
+    out = generate(model, prompts, drafter=d, max_new_tokens=24, tree=tree, backend=backend)
+    assert out.sequences == ref.sequences
+
+
+@pytest.mark.backends("triton")
+def test_greedy_output_is_plain_greedy_on_triton(model, backend):
+    """The interpreter is slow: one dynamic tree, a few steps (every verify op of a TreeBatch runs)."""
+    d = randomised(model, seed=1)
+    prompts = [[5, 17, 3, 44, 9], [2, 8]]
+    ref = generate(model, prompts, max_new_tokens=6, backend=backend)
+    out = generate(model, prompts, drafter=d, max_new_tokens=6, tree=dict(total_tokens=5, depth=2, top_k=2),
+                   backend=backend)
+    assert out.sequences == ref.sequences
+
+
+def test_an_oracle_layer_is_accepted(model):
+    """A drafter whose top-1 is always the base model's next token is accepted to full depth: the
+    drafted tree reaches the verifier intact (a self-check of propose -> verify -> commit)."""
+    d = randomised(model, seed=2)
+    prompts = [[5, 17, 3, 44, 9]]
+    ref = generate(model, prompts, max_new_tokens=30).sequences[0]
+    text = prompts[0] + ref
+
+    def oracle_propose(state, root, seqlens, _orig=d.propose):
+        p = _orig(state, root, seqlens)
+        n = state.host_len[0]  # committed tokens; root at n
+        toks = p.tokens.clone()
+        par = p.tree.parents[0].tolist()
+        for i in range(1, toks.shape[1]):  # the right tokens along root -> first child -> its first child ...
+            depth = int(p.tree.depths[0, i])
+            if _first_child_chain(par, i) and n + depth < len(text):
+                toks[0, i] = text[n + depth]
+        return type(p)(toks, p.tree, p.positions)
+
+    d.propose = oracle_propose
+    out = generate(model, prompts, drafter=d, max_new_tokens=30, tree=dict(total_tokens=6, depth=3, top_k=2))
+    assert out.sequences[0] == ref
+    assert out.num_steps <= 30 // 3 + 2  # ~depth + 1 tokens per step
+
+
+def _first_child_chain(parents: list[int], i: int) -> bool:
+    """Node i lies on the chain root -> its first child -> that node's first child -> ..."""
+    while i > 0:
+        p = parents[i]
+        if parents.index(p, 1) != i:
+            return False
+        i = p
+    return True
+
+
+def test_checkpoint_round_trip_and_device_trees(model, tmp_path):
+    d = randomised(model, seed=5, draft_vocab=list(range(0, 101, 2)))
+    d.dynamic_trees["cpu"] = DynamicTree(6, 3, 2)
+    d.save(tmp_path / "e")
+    e = hk.load_drafter(tmp_path / "e", model=model)
+    assert isinstance(e, EagleDrafter) and e.dynamic_trees == {"cpu": DynamicTree(6, 3, 2)}
+    assert e.resolve_tree(None, "cpu").dynamic == DynamicTree(6, 3, 2)
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, e.state_dict()[k]), k
+    prompts = [[5, 17, 3, 44, 9]]
+    assert (generate(model, prompts, drafter=d, max_new_tokens=12).num_steps
+            == generate(model, prompts, drafter=e, max_new_tokens=12).num_steps)
+
+
+def test_bad_input_is_refused_before_work(model):
+    d = hk.new_drafter(model, kind="eagle")
+    with pytest.raises(ValueError, match="fewer than total_tokens"):
+        d.resolve_tree(dict(total_tokens=40, depth=2, top_k=2), "cpu")
+    with pytest.raises(ValueError, match="unknown"):
+        d.resolve_tree(dict(total_tokens=4, width=2), "cpu")
+    with pytest.raises(ValueError, match="positive int"):
+        DynamicTree(4, 0, 2)
+    other = hk.Llama.from_hf(make_hf("mha-untied"))
+    with pytest.raises(ValueError, match="another model"):
+        generate(other, [[1, 2, 3]], drafter=d, max_new_tokens=4)
+
+
+def test_training_lowers_the_loss_and_resumes(model, tmp_path):
+    torch.manual_seed(0)
+    seqs = [torch.randint(0, 101, (n,)).tolist() for n in (40, 33, 57, 25)]
+    h = torch.cat([model.hidden_states(torch.tensor([s]))[0] for s in seqs])
+    after = torch.cat([torch.arange(len(s) - 1, -1, -1) for s in seqs])
+    data = HiddenStates(torch.tensor([t for s in seqs for t in s]), h, after)
+    d = hk.new_drafter(model, kind="eagle")
+    hist = train_eagle(model, d, data, steps=30, lr=3e-3, seqs_per_step=3, window=32, loss_positions=64, unroll=2,
+                       warmup=2, progress=False)
+    assert sum(hist["loss"][-5:]) < sum(hist["loss"][:5])
+    d2 = hk.new_drafter(model, kind="eagle")
+    train_eagle(model, d2, data, steps=4, seqs_per_step=2, window=16, unroll=2, checkpoint_dir=tmp_path,
+                checkpoint_every=2, progress=False)
+    d3 = hk.new_drafter(model, kind="eagle")  # resumes at step 4 of 4: nothing left to do, same weights
+    h3 = train_eagle(model, d3, data, steps=4, seqs_per_step=2, window=16, unroll=2, checkpoint_dir=tmp_path,
+                     checkpoint_every=2, progress=False)
+    assert len(h3["loss"]) == 4
+    for k, v in d2.state_dict().items():
+        assert torch.equal(v, d3.state_dict()[k]), k
