@@ -120,9 +120,11 @@ class TreeBatch:
     Padded nodes lie on no path, so they are never accepted; their K/V rows are written and dropped.
     """
 
-    def __init__(self, parents: torch.Tensor, valid: torch.Tensor | None = None):
+    def __init__(self, parents: torch.Tensor, valid: torch.Tensor | None = None, max_depth: int | None = None):
         """parents int [B, T]: node i's parent index (< i; -1 for the root, node 0, and for padded nodes);
-        valid bool [B, T] (default: every node). Built on parents' device, without a host read there."""
+        valid bool [B, T] (default: every node); max_depth: a known bound on the trees' depth (the
+        ancestor walk then stops there instead of at T - 1 levels). Built on parents' device, without a
+        host read there."""
         if parents.dim() != 2 or parents.dtype.is_floating_point or parents.shape[1] < 1:
             raise ValueError(f"parents must be an integer [B, T] tensor with T >= 1, got {parents.dtype} {tuple(parents.shape)}")
         B, T = parents.shape
@@ -146,7 +148,7 @@ class TreeBatch:
         mask[bidx, node, node] = True
         depths = torch.zeros(B, T, dtype=torch.long, device=dev)
         anc = parents
-        for _ in range(T - 1):  # at most T-1 levels; padded and root nodes stop at once
+        for _ in range(T - 1 if max_depth is None else min(T - 1, max_depth)):  # padded and root nodes stop at once
             up = anc >= 0
             mask[bidx.expand(B, T)[up], node[up], anc[up]] = True
             depths += up.long()

@@ -22,7 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
-from hydra_kernels.training import compute_hidden_states, draft_vocabulary, self_data_sequences  # noqa: E402
+from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, self_data_sequences,  # noqa: E402
+                                    sharegpt_token_sequences)
 from hydra_kernels.training.eagle import train_eagle  # noqa: E402
 from benchmarks.report import write_results  # noqa: E402
 
@@ -32,6 +33,7 @@ def main(argv=None):
     ap.add_argument("--self-data", required=True, help="JSON of the base model's own answers (python/self_data.py)")
     ap.add_argument("--max-tokens", type=int, default=512, help="answer tokens kept per sequence")
     ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the draft may propose (0: all)")
+    ap.add_argument("--vocab-seqs", type=int, default=3000, help="ShareGPT conversations counted for the draft vocabulary")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seqs-per-step", type=int, default=8)
@@ -55,7 +57,8 @@ def main(argv=None):
     dv = None
     if args.draft_vocab:
         end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
-        dv = draft_vocabulary([s[n:] for n, s in zip(starts, seqs)], args.draft_vocab, always=end_ids)
+        counted = sharegpt_token_sequences(tok, args.vocab_seqs, 1024) + [s[n:] for n, s in zip(starts, seqs)]
+        dv = draft_vocabulary(counted, args.draft_vocab, always=end_ids)  # as python/train_heads.py counts it
     data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
     torch.manual_seed(args.seed)
     drafter = hk.new_drafter(model, "eagle", draft_vocab=dv)

@@ -247,7 +247,7 @@ class EagleDrafter(Drafter):
         y_root = self._chunk(state, root)  # [B, H]: the predicted feature at the root
         if state.dynamic is not None:
             tokens, parents = self._dynamic(state, y_root, root)
-            return Proposal(tokens, TreeBatch(parents))
+            return Proposal(tokens, TreeBatch(parents, max_depth=state.dynamic.depth))
         return Proposal(self._static(state, y_root, root), state.tree)
 
     # ---- drafting ---------------------------------------------------------------------------------
