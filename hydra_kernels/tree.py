@@ -185,6 +185,44 @@ class TreeBatch:
             valid[b, : len(p)] = True
         return cls(parents.to(device), valid.to(device))
 
+    @classmethod
+    def from_paths(cls, paths: torch.Tensor, num_nodes: int) -> "TreeBatch":
+        """A tree per sequence given by its leaf paths, built with device ops only (no host read, so a
+        drafter can build it on the GPU inside a step): paths int [B, P, D+1], row p = the node ids of leaf
+        p's path from the root (column d: its node at depth d, column 0 the root 0; -1 past the leaf, a row
+        [0, -1, ...] is padding); num_nodes T > every id. Nodes no path names are padding. The caller
+        vouches that the paths form a tree (a node has one depth and one parent, parent id < child id) and
+        that every row ends at a leaf; the leaves keep the rows' order (the constructor's is by node id)."""
+        if paths.dim() != 3 or paths.dtype.is_floating_point or paths.shape[2] < 1:
+            raise ValueError(f"paths must be an integer [B, P, D+1] tensor, got {paths.dtype} {tuple(paths.shape)}")
+        B, P, D1 = paths.shape
+        T, dev = num_nodes, paths.device
+        paths = paths.long()
+        idx = torch.where(paths >= 0, paths, torch.full_like(paths, T))  # unnamed entries write to a spare column T
+        flat = idx.reshape(B, P * D1)
+        valid = torch.zeros(B, T + 1, dtype=torch.bool, device=dev).scatter_(1, flat, True)[:, :T].contiguous()
+        valid[:, 0] = True
+        level = torch.arange(D1, device=dev).expand(B, P, D1).reshape(B, P * D1)
+        depths = torch.zeros(B, T + 1, dtype=torch.long, device=dev).scatter_(1, flat, level)[:, :T].contiguous()
+        parents = torch.full((B, T + 1), -1, dtype=torch.long, device=dev)
+        if D1 > 1:
+            parents.scatter_(1, idx[:, :, 1:].reshape(B, -1), paths[:, :, :-1].reshape(B, -1))
+        parents = parents[:, :T].contiguous()
+        parents[:, 0] = -1
+        # ancestor-or-self: along a row, the node at depth d sees the nodes at depths <= d
+        below = torch.ones(D1, D1, dtype=torch.bool, device=dev).tril()
+        rows = idx[:, :, :, None].expand(B, P, D1, D1)
+        cols = torch.where(below, idx[:, :, None, :], torch.full_like(rows, T))
+        mask = torch.zeros(B, T + 1, T + 1, dtype=torch.bool, device=dev)
+        mask.index_put_((torch.arange(B, device=dev)[:, None, None, None], rows, cols),
+                        torch.ones((), dtype=torch.bool, device=dev))
+        mask = mask[:, :T, :T].contiguous()
+        mask.diagonal(dim1=1, dim2=2).fill_(True)  # padded nodes see only themselves
+        t = object.__new__(cls)
+        t.parents, t.depths, t.mask, t.valid = parents, depths, mask, valid
+        t.num_nodes, t.depth, t.paths = T, D1 - 1, paths
+        return t
+
     def to(self, device) -> "TreeBatch":
         """A copy whose tensors live on `device` (build on the CPU, where construction reads nothing
         back from a device, then move)."""

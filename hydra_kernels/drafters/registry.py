@@ -15,11 +15,12 @@ from .eagle import EagleDrafter
 from .hydra import HydraDrafter
 from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
+from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramDrafter
 from .protocol import Drafter
 
-FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, NgramDrafter, LookaheadDrafter,
-                                      CombinedDrafter)
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, MLPSpeculatorDrafter, NgramDrafter,
+                                      LookaheadDrafter, CombinedDrafter)
 KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
 # kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
 _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
@@ -50,8 +51,15 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     hk.training.draft_vocabulary's most frequent; their LM head then reads only those rows),
     prefix_final_norm (Hydra++: False drops the prefix layer's final RMSNorm, so the fresh drafter's
     heads see exactly the base h).
+    "mlp_speculator" (IBM's MLPSpeculator: a chain of MLP stages fed the previous stage's token; its own tree
+    per sequence and step) takes n_predict=3, inner_dim=0 (the model's width), top_k_tokens_per_head (one k
+    per stage, default [4, 3, 2, 2, ...]), n_candidates (suffixes kept, default min(8, prod of the ks)),
+    tie_weights, scale_input, draft_vocab.
     "ngram" (prompt lookup, no weights) takes max_ngram=4, min_ngram=1, num_tokens=10, num_branches=1.
     "lookahead" (Jacobi lookahead + n-gram pool, no weights; greedy only) takes window=4, ngram=3, guesses=4.
+    "eagle" (one draft decoder layer over the base features) takes draft_vocab, tree (its default
+    DynamicTree or dict(total_tokens=8, depth=4, top_k=4)), input_norm / final_norm (False: EAGLE-1's layer).
+    "mlp_speculator": see MLPSpeculatorDrafter.new.
     "combined" takes drafters=[an ngram drafter, a trained drafter] (e.g. hk.load_drafter(model=model), the
     shipped heads), node_budget, strong_match (see CombinedDrafter)."""
     cls = family(kind)
@@ -67,12 +75,12 @@ def shipped_drafters() -> dict[str, Path]:
 
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
-    """Load a drafter, recognising its format: ours (any kind), an original Hydra checkpoint dir or
-    original Medusa heads (also vLLM's layout). model (optional): moves the drafter to its device/dtype
-    and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter shipped for the
-    embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters() (default: the best
-    measured one). A head drafter's `trees` holds the tree searched per device class; generate(tree=None)
-    uses it."""
+    """Load a drafter, recognising its format: ours (any kind), an original Hydra checkpoint dir,
+    original Medusa heads (also vLLM's layout) or an fms-extras MLPSpeculator (HF hub or vLLM naming).
+    model (optional): moves the drafter to its device/dtype and supplies the base config a Hydra++
+    checkpoint may lack. path=None: the drafter shipped for the embedded default model
+    (SmolLM2-135M-Instruct), `kind` among shipped_drafters() (default: the best measured one). A head
+    drafter's `trees` holds the tree searched per device class; generate(tree=None) uses it."""
     if path is None:
         shipped = shipped_drafters()
         kind = kind or next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
@@ -110,7 +118,8 @@ def _load_dir(path: Path, model) -> Drafter:
         cls = next((c for c in FAMILIES if hasattr(c, "recognizes") and c.recognizes(cfg_dict)), None)
         if cls is None:
             raise ValueError(f"{cfg_file} is neither a hydra_kernels drafter (format {FORMAT!r}) nor a checkpoint "
-                             "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads)")
+                             "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads; "
+                             "MLPSpeculator: model_type 'mlp_speculator')")
         drafter = cls.load_original(path, cfg_dict, model)
     if hasattr(drafter, "trees"):
         from ..tree import Tree
