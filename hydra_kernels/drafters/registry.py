@@ -59,7 +59,6 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     "lookahead" (Jacobi lookahead + n-gram pool, no weights; greedy only) takes window=4, ngram=3, guesses=4.
     "eagle" (one draft decoder layer over the base features) takes draft_vocab, tree (its default
     DynamicTree or dict(total_tokens=8, depth=4, top_k=4)), input_norm / final_norm (False: EAGLE-1's layer).
-    "mlp_speculator": see MLPSpeculatorDrafter.new.
     "combined" takes drafters=[an ngram drafter, a trained drafter] (e.g. hk.load_drafter(model=model), the
     shipped heads), node_budget, strong_match (see CombinedDrafter)."""
     cls = family(kind)
