@@ -20,13 +20,15 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                      host_seqlens: list[int], stats, prompts: list[list[int]], top_k: int = 0,
                      top_p: float = 1.0) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
-    prefill_hidden [B, L, H] (right-padded), root [B] (already emitted); backends: the run's
+    prefill_hidden [B, L, H] (right-padded; for a drafter with feature_layers, the prefill's captured
+    layer inputs [B, L, n * H]), root [B] (already emitted); backends: the run's
     BackendPlan. acceptance: "greedy" | "rejection" | "typical"; top_k / top_p shape the base
     distribution of the sampling kinds. prompts: the host token lists. `stats.num_steps` counts
     verify forwards."""
     B = root.shape[0]
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
+    capture = drafter.feature_layers  # None: the drafter reads the final hidden states
     state = drafter.start(model, B, cache.max_seq_len, tree, backends)
     drafter.after_prefill(state, prefill_hidden, lengths)
     drafter.observe_tokens(state, [p + s[:1] for p, s in zip(prompts, emitter.sequences)])  # prompt + root
@@ -41,7 +43,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = max(host_seqlens) + tr.num_nodes
         hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
-                            backends=backends)  # [B, T, H]
+                            backends=backends, capture=capture)  # [B, T, H]
+        if capture is not None:  # the drafter's features: the captured layers' inputs [B, T, n * H]
+            hidden, feats = hidden
+        else:
+            feats = hidden
         if greedy:  # the base argmax after every node, as plain decoding picks it (Llama.greedy_tokens)
             target = model.greedy_tokens(hidden, backends)  # [B, T]
             v = ops.greedy_verify(target, tokens, tr.paths, backend=backends["greedy_verify"])
@@ -67,7 +73,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         ops.commit_kv(cache.kv, cache.seqlens, v.accept_indices, n, backend=backends["commit_kv"])
         idx = v.accept_indices.clamp(min=0)  # [B, D+1]
         accepted_tokens = tokens.gather(1, idx)  # [B, D+1], root first
-        drafter.after_step(state, hidden[bidx, idx], accepted_tokens, n)
+        drafter.after_step(state, feats[bidx, idx], accepted_tokens, n)
         cache.advance(n.to(cache.seqlens.dtype))
         root = v.next_root
         stats.num_steps += 1

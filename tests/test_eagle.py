@@ -29,6 +29,14 @@ def randomised(model, seed=0, **opts) -> EagleDrafter:
     return d
 
 
+def base_features(model, drafter, ids: torch.Tensor) -> torch.Tensor:
+    """What the drafter reads of the base model at every position of ids [B, L]: its final hidden
+    states, or (EAGLE-3) the inputs of its feature layers, concatenated."""
+    if drafter.feature_layers is None:
+        return model.hidden_states(ids)
+    return model.hidden_states(ids, capture=drafter.feature_layers)[1]
+
+
 class Replay:
     """Brute force: each draft node's feature from the layer's causal forward over the whole path
     (committed positions with true features, then the node's ancestors with predicted ones)."""
@@ -36,13 +44,13 @@ class Replay:
     def __init__(self, model, drafter, text: list[int]):
         # text: the committed tokens followed by the root; features of the committed ones from the base model
         self.model, self.d = model, drafter
-        feats = model.hidden_states(torch.tensor([text[:-1]]))[0]
+        feats = base_features(model, drafter, torch.tensor([text[:-1]]))[0]
         emb = model.tok_embeddings(torch.tensor(text[1:]))
         self.prefix = drafter.layer.fuse(emb, feats)  # [L, H] inputs of positions 0..L-1
 
     def feature(self, path: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """path: (token, its parent's predicted feature) of each ancestor, the node last -> its feature."""
-        extra = [self.d.layer.fuse(self.model.tok_embeddings(torch.tensor(t)), f) for t, f in path]
+        extra = [self.d.layer.fuse_node(self.model.tok_embeddings(torch.tensor(t)), f) for t, f in path]
         x = torch.cat([self.prefix] + [e[None] for e in extra])[None]
         return self.d.layer.forward_full(x)[0, -1]
 
@@ -84,15 +92,16 @@ def run_two_proposals(model, drafter, prompts, accepted, roots, tree):
     state = drafter.start(model, B, 64, bound, plan)
     L = max(map(len, prompts))
     ids = torch.tensor([p + [0] * (L - len(p)) for p in prompts])
-    drafter.after_prefill(state, model.hidden_states(ids), torch.tensor([len(p) for p in prompts]))
+    drafter.after_prefill(state, base_features(model, drafter, ids), torch.tensor([len(p) for p in prompts]))
     drafter.observe_tokens(state, [p + [r] for p, r in zip(prompts, roots[0])])
     p1 = drafter.propose(state, torch.tensor(roots[0]), None)
     W = max(map(len, accepted))
     texts = [p + a for p, a in zip(prompts, accepted)]
-    hidden = torch.zeros(B, W, model.config.hidden_size)
+    F = model.config.hidden_size * len(drafter.feature_layers or [0])
+    hidden = torch.zeros(B, W, F)
     tok = torch.zeros(B, W, dtype=torch.long)
     for b, (p, a) in enumerate(zip(prompts, accepted)):
-        hidden[b, : len(a)] = model.hidden_states(torch.tensor([texts[b]]))[0, len(p):]
+        hidden[b, : len(a)] = base_features(model, drafter, torch.tensor([texts[b]]))[0, len(p):]
         tok[b, : len(a)] = torch.tensor(a)
     drafter.after_step(state, hidden, tok, torch.tensor([len(a) for a in accepted]))
     drafter.observe_tokens(state, [a[1:] + [r] for a, r in zip(accepted, roots[1])])

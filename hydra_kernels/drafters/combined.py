@@ -55,6 +55,10 @@ class CombinedDrafter(Drafter):
     def kind(self) -> str:
         return "combined"
 
+    @property
+    def feature_layers(self):  # the n-gram part reads no features: the trained part's
+        return self.heads.feature_layers
+
     @classmethod
     def new(cls, model, kind: str = "combined", drafters=None, node_budget: int | None = None,
             strong_match: int = 2) -> "CombinedDrafter":

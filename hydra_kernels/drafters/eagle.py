@@ -14,6 +14,13 @@ Per step (all on the device, no host read):
    closed under parents). Every sequence gets its own tree, all of size total_tokens.
    static: the nodes of a fixed Tree, depth by depth, each parent's top-k children by rank.
 The accepted path's base features replace the drafted ones next step (step 1 again), as EAGLE does.
+
+EAGLE-3 (config feature_layers set; loaded from its original checkpoint, drafters/eagle_original.py)
+drafts the same way with eagle_layer.Eagle3Layer: its base features are the residual streams entering
+feature_layers of the base model (the loop captures them: Drafter.feature_layers), a node reads its
+parent's predicted feature without fc, and its own LM head ranks a draft vocabulary (draft_vocab: the
+target id of each draft index, EAGLE-3's index + d2t[index]).
+Original EAGLE-1 checkpoints (config.json + pytorch_model.bin / model.safetensors) load too.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, TreeBatch, as_tree
 from ..weight_cache import DerivedCache
 from .draft_heads import DRAFT_PACK_DTYPE
-from .eagle_layer import EagleLayer
+from .eagle_layer import Eagle3Layer, EagleLayer
 from .protocol import Drafter, Proposal
 
 
@@ -90,10 +97,18 @@ class EagleConfig:
     fc_bias: bool = True
     draft_vocab_size: int | None = None  # the draft ranks only these token ids (buffer draft_vocab)
     tree: dict = field(default_factory=lambda: asdict(DynamicTree()))  # default dynamic tree
+    # EAGLE-3: the base model's layers whose inputs (residual streams) are the features, low to high;
+    # None: EAGLE-1/2 (the final-normed hidden state)
+    feature_layers: list[int] | None = None
 
     def __post_init__(self):
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.feature_layers is not None:
+            fl = list(self.feature_layers)
+            if not fl or len(set(fl)) != len(fl) or any(not isinstance(k, int) or k < 0 for k in fl):
+                raise ValueError(f"feature_layers must be distinct layer indices >= 0, got {self.feature_layers}")
+            self.feature_layers = fl
         DynamicTree(**self.tree)
 
     def to_dict(self) -> dict:
@@ -121,7 +136,10 @@ class EagleDrafter(Drafter):
     def __init__(self, cfg: EagleConfig):
         super().__init__()
         self.config = cfg
-        self.layer = EagleLayer(cfg.base_config, cfg.input_norm, cfg.final_norm, cfg.fc_bias)
+        if cfg.feature_layers is not None:  # EAGLE-3: its own LM head over the draft vocabulary
+            self.layer = Eagle3Layer(cfg.base_config, len(cfg.feature_layers), cfg.draft_vocab_size or cfg.vocab_size)
+        else:
+            self.layer = EagleLayer(cfg.base_config, cfg.input_norm, cfg.final_norm, cfg.fc_bias)
         n = cfg.draft_vocab_size
         self.register_buffer("draft_vocab", torch.arange(n) if n else None)
         self.trees: dict[str, Tree] = {}  # static trees searched per device class (none by default)
@@ -133,6 +151,11 @@ class EagleDrafter(Drafter):
     @property
     def kind(self) -> str:
         return "eagle"
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        fl = self.config.feature_layers
+        return None if fl is None else tuple(fl)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -170,14 +193,16 @@ class EagleDrafter(Drafter):
 
     # ---- checks before any work -----------------------------------------------------------------
     def check_model(self, model) -> None:
-        mc, c = model.config, self.layer.config
+        """The draft meets the base model in the token embeddings, the features and (EAGLE-1/2) the LM
+        head: vocabulary and hidden size must match; the layer's own shape (heads, MLP) is its own."""
+        mc = model.config
         if (self.config.vocab_size, self.config.hidden_size) != (mc.vocab_size, mc.hidden_size):
             raise ValueError(f"EAGLE layer built for vocab {self.config.vocab_size} / hidden {self.config.hidden_size}, "
                              f"the model has {mc.vocab_size} / {mc.hidden_size}: it was trained for another model")
-        shape = lambda x: (x.num_heads, x.num_kv_heads, x.head_dim, x.intermediate_size)  # noqa: E731
-        if shape(c) != shape(mc):
-            raise ValueError(f"EAGLE layer shape {shape(c)} (heads, kv heads, head_dim, intermediate) differs from the "
-                             f"model's {shape(mc)}")
+        fl = self.config.feature_layers
+        if fl is not None and max(fl) >= mc.num_layers:
+            raise ValueError(f"this EAGLE-3 draft reads the inputs of base layers {fl}, but the model has "
+                             f"{mc.num_layers} layers: it was trained for another model")
         p = next(self.parameters())
         if p.device != model.device or p.dtype != model.dtype:
             raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
@@ -282,12 +307,14 @@ class EagleDrafter(Drafter):
         tree_part = anc.gather(2, rel.clamp(0, R - 1)[:, None, :].expand(-1, tok.shape[1], -1))
         mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)  # [B, n, kv_len]
         positions = (dlen + depth - 1)[:, None].expand_as(rows_rel)
-        x = self.layer.fuse(state.model.tok_embeddings(tok), feat)
+        x = self.layer.fuse_node(state.model.tok_embeddings(tok), feat)
         return self.layer.forward_masked(x, positions, state.cache.layers[0], dlen[:, None] + rows_rel, mask)
 
     def draft_log_probs(self, model, y: torch.Tensor) -> torch.Tensor:
         """Predicted features [..., H] -> log-probabilities [..., Vd] over the draft vocabulary (the base
-        model's LM head rows; column j is token draft_vocab[j])."""
+        model's LM head rows; EAGLE-3: its own norm and LM head; column j is token draft_vocab[j])."""
+        if self.layer.lm_head is not None:
+            return F.log_softmax(self.layer.lm_head(self.layer.logit_input(y)).float(), dim=-1)
         w = self.lm_weight(model)
         if (self.packed and y.is_cpu and y.dtype is torch.float32 and not torch.is_grad_enabled()
                 and y.numel() <= MAX_PACKED_ROWS * y.shape[-1] and w.dtype is torch.float32):
@@ -297,6 +324,9 @@ class EagleDrafter(Drafter):
         return F.log_softmax(F.linear(y, w).float(), dim=-1)
 
     def lm_weight(self, model) -> torch.Tensor:
+        """The LM head rows the draft ranks with (EAGLE-3: its own LM head's weight)."""
+        if self.layer.lm_head is not None:
+            return self.layer.lm_head.weight
         w = model.output.weight
         if self.draft_vocab is None:
             return w
@@ -378,6 +408,20 @@ class EagleDrafter(Drafter):
         save_ours(self, path, dtype)
         for device_kind, spec in self.dynamic_trees.items():
             (Path(path) / f"dynamic_{device_kind}.json").write_text(json.dumps(asdict(spec)))
+
+    @staticmethod
+    def recognizes(cfg_dict: dict) -> bool:
+        """An original EAGLE checkpoint's config.json: a one-layer Llama config (drafters/eagle_original.py)."""
+        from .eagle_original import recognizes
+
+        return recognizes(cfg_dict)
+
+    @classmethod
+    def load_original(cls, path: Path, cfg_dict: dict, model=None) -> "EagleDrafter":
+        """An original EAGLE-1 or EAGLE-3 checkpoint (SafeAILab/EAGLE); needs the base model."""
+        from .eagle_original import load_original
+
+        return load_original(cls, path, cfg_dict, model)
 
     @classmethod
     def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "EagleDrafter":

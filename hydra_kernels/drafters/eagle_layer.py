@@ -4,6 +4,7 @@ At draft position t the input is fc(cat(E(x_{t+1}), f_t)): the embedding of the 
 base model's feature at t (its final-normed last hidden state, the vector its LM head reads). The layer
 predicts f_{t+1}; the base model's frozen LM head turns that into the distribution of x_{t+2}.
 EAGLE-1's layer has no input RMSNorm (its fc output goes straight into attention) and no final norm.
+EAGLE-3 (`Eagle3Layer`) differs in what it reads and predicts; see its docstring.
 
 Two ways to run it:
 - `forward_full(x)`: causal over whole sequences, no cache (training);
@@ -39,41 +40,56 @@ class EagleLayer(nn.Module):
         if not input_norm:  # EAGLE-1: layer 0 has no input_layernorm
             self.block.attention_norm = nn.Identity()
         self.norm = RMSNorm(H, cfg.rms_norm_eps) if final_norm else nn.Identity()
+        self.lm_head = None  # EAGLE-1/2 rank tokens with the base model's LM head (EAGLE-3: its own)
         self._rope = RopeCache(self.config)
 
     def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
-        """emb, feat [..., H] -> fc(cat(emb, feat)) [..., H] (EAGLE's order: the token embedding first)."""
+        """emb, feat [..., H] -> fc(cat(emb, feat)) [..., H] (EAGLE's order: the token embedding first).
+        feat: a base-model feature (a committed position)."""
         return self.fc(torch.cat((emb, feat), dim=-1))
+
+    def fuse_node(self, emb: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The input of a draft node: its token's embedding and its parent's predicted feature y."""
+        return self.fuse(emb, y)
+
+    def logit_input(self, y: torch.Tensor) -> torch.Tensor:
+        """A predicted feature -> what the LM head reads (EAGLE-1/2: the feature itself)."""
+        return y
+
+    def _attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block.attention_norm(x)
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
         blk = self.block
         return self.norm(h + blk.feed_forward(blk.ffn_norm(h)))
 
     def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, L, H] fused inputs of positions 0..L-1 -> predicted features [B, L, H], causal, no cache."""
+        """x [B, L, *] fused inputs of positions 0..L-1 -> predicted features [B, L, H], causal, no cache."""
         B, L, _ = x.shape
         pos = torch.arange(L, device=x.device).expand(B, L)
         cos, sin = self._rope(pos, L, x.dtype)
-        blk = self.block
-        h = x + blk.attention(blk.attention_norm(x), cos, sin)
+        h = self._residual(x) + self.block.attention(self._attn_in(x), cos, sin)
         return self._mlp(h)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, max_pos: int):
         cos, sin = self._rope(positions, max_pos, x.dtype)
-        return self.block.attention.qkv(self.block.attention_norm(x), cos, sin)
+        return self.block.attention.qkv(self._attn_in(x), cos, sin)
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor) -> torch.Tensor:
-        """Residual x [B, Tq, H], roped q [B, Tq, Hq, D], keys/values [B, S, Hkv, D], mask bool
-        [B, Tq, S] (True: visible) -> predicted features [B, Tq, H]."""
+        """Fused inputs x [B, Tq, *] (their residual part), roped q [B, Tq, Hq, D], keys/values [B, S, Hkv, D],
+        mask bool [B, Tq, S] (True: visible) -> predicted features [B, Tq, H]."""
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2])
-        h = x + self.block.attention.wo(o.transpose(1, 2).flatten(2))
+        h = self._residual(x) + self.block.attention.wo(o.transpose(1, 2).flatten(2))
         return self._mlp(h)
 
     def forward_masked(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """x [B, Tq, H] fused inputs at rope positions [B, Tq]; kv [2, B, S_max, Hkv, D] the drafter's
+        """x [B, Tq, *] fused inputs at rope positions [B, Tq]; kv [2, B, S_max, Hkv, D] the drafter's
         buffer, the inputs' K/V written at rows [B, Tq]; mask bool [B, Tq, kv_len] the buffer rows each
         query sees (kv_len <= S_max, a host-known bound) -> predicted features [B, Tq, H]."""
         q, k, v = self.qkv(x, positions, kv.shape[2])
@@ -81,3 +97,44 @@ class EagleLayer(nn.Module):
         kv[:, bidx, rows] = torch.stack((k, v))
         n = mask.shape[-1]
         return self.attend(x, q, kv[0, :, :n], kv[1, :, :n], mask)
+
+
+class Eagle3Layer(EagleLayer):
+    """EAGLE-3's draft layer (SafeAILab/EAGLE eagle/model/cnets.py, `Model` with its `midlayer`).
+
+    A committed position t reads g_t = cat of the base model's residual streams entering a few layers
+    (feature_layers, low to high) and h_t = fc(g_t) (nH -> H, no bias); a draft node reads h = its
+    parent's predicted feature as is (no fc). With e = the embedding of the next token, the layer is
+        a = attention(cat(input_layernorm(e), hidden_norm(h)))   (q/k/v read 2H, no biases)
+        y = (h + a) + mlp(post_attention_layernorm(h + a))        (the residual is h, not e)
+    and y is the predicted feature; the tokens are ranked by lm_head(norm(y)) over a draft vocabulary
+    of `lm_rows` tokens (its own LM head, not the base model's). The fused input this class passes
+    around is cat(e, h) [..., 2H]. Parameter names: block.attention_norm = input_layernorm,
+    block.ffn_norm = post_attention_layernorm."""
+
+    def __init__(self, base_config: dict, num_features: int, lm_rows: int):
+        super().__init__(base_config, input_norm=True, final_norm=False, fc_bias=False)
+        c, H = self.config, self.config.hidden_size
+        self.fc = Linear(num_features * H, H, bias=False, pack_dtype=torch.bfloat16)
+        out = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        self.block.attention.wqkv = Linear(2 * H, out, bias=c.attention_bias)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.logit_norm = RMSNorm(H, c.rms_norm_eps)
+        self.lm_head = Linear(H, lm_rows, bias=False, pack_dtype=torch.bfloat16)
+
+    def fuse(self, emb: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """emb [..., H], feat [..., nH] the base features of a committed position -> cat(emb, fc(feat))."""
+        return torch.cat((emb, self.fc(feat)), dim=-1)
+
+    def fuse_node(self, emb: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cat((emb, y), dim=-1)
+
+    def logit_input(self, y: torch.Tensor) -> torch.Tensor:
+        return self.logit_norm(y)
+
+    def _attn_in(self, x: torch.Tensor) -> torch.Tensor:
+        emb, h = x.chunk(2, dim=-1)
+        return torch.cat((self.block.attention_norm(emb), self.hidden_norm(h)), dim=-1)
+
+    def _residual(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., x.shape[-1] // 2:]

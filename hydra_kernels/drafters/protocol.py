@@ -5,7 +5,7 @@ implements these methods, plus its registry entry (drafters/registry.py). The lo
 
     tree  = drafter.resolve_tree(tree_arg, device_type)     # before any work: validated, bounds the KV rows
     state = drafter.start(model, B, max_seq_len, tree, backends)
-    drafter.after_prefill(state, hidden [B, L, H], lengths [B])
+    drafter.after_prefill(state, hidden [B, L, H], lengths [B])          # or [B, L, n*H]: see feature_layers
     loop:  p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
            ... verify (p.tree), commit ...
            drafter.after_step(state, accepted_hidden [B, K+1, H], accepted_tokens [B, K+1], accept_lengths [B])
@@ -40,6 +40,10 @@ class Drafter(nn.Module):
     and implement the methods below; `kind` names this instance's family."""
 
     kinds: tuple[str, ...] = ()
+    # None: after_prefill / after_step get the base model's final-normed hidden states. A tuple of layer
+    # indices (EAGLE-3): they get instead the residual streams entering those layers of the base model,
+    # concatenated along the last dimension ([..., len(feature_layers) * H]; Llama's `capture`).
+    feature_layers: tuple[int, ...] | None = None
 
     @property
     def kind(self) -> str:
@@ -61,7 +65,8 @@ class Drafter(nn.Module):
         raise NotImplementedError
 
     def after_prefill(self, state, hidden: torch.Tensor, lengths: torch.Tensor) -> None:
-        """hidden [B, L, H]: the base model's final-normed states of the right-padded prompts; lengths [B]."""
+        """hidden [B, L, H]: the base model's final-normed states of the right-padded prompts (or the
+        captured layers' inputs [B, L, n * H] when feature_layers is set); lengths [B]."""
         raise NotImplementedError
 
     def propose(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
@@ -71,8 +76,9 @@ class Drafter(nn.Module):
 
     def after_step(self, state, accepted_hidden: torch.Tensor, accepted_tokens: torch.Tensor,
                    accept_lengths: torch.Tensor) -> None:
-        """The step's committed tokens: accepted_hidden [B, K+1, H] and accepted_tokens [B, K+1] along
-        the accepted path (root first), valid up to accept_lengths[b] (0 for a finished sequence)."""
+        """The step's committed tokens: accepted_hidden [B, K+1, H] (as after_prefill's hidden) and
+        accepted_tokens [B, K+1] along the accepted path (root first), valid up to accept_lengths[b] (0 for
+        a finished sequence)."""
         raise NotImplementedError
 
     def observe_tokens(self, state, new_tokens: list[list[int]], step_argmax: torch.Tensor | None = None) -> None:

@@ -75,11 +75,12 @@ def shipped_drafters() -> dict[str, Path]:
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     """Load a drafter, recognising its format: ours (any kind), an original Hydra checkpoint dir,
-    original Medusa heads (also vLLM's layout) or an fms-extras MLPSpeculator (HF hub or vLLM naming).
-    model (optional): moves the drafter to its device/dtype and supplies the base config a Hydra++
-    checkpoint may lack. path=None: the drafter shipped for the embedded default model
-    (SmolLM2-135M-Instruct), `kind` among shipped_drafters() (default: the best measured one). A head
-    drafter's `trees` holds the tree searched per device class; generate(tree=None) uses it."""
+    original Medusa heads (also vLLM's layout), an fms-extras MLPSpeculator (HF hub or vLLM naming) or an
+    original EAGLE-1/EAGLE-3 checkpoint (needs model). model (optional): moves the drafter to its
+    device/dtype and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter
+    shipped for the embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters()
+    (default: the best measured one). A head drafter's `trees` holds the tree searched per device class;
+    generate(tree=None) uses it."""
     if path is None:
         shipped = shipped_drafters()
         kind = kind or next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
@@ -118,7 +119,7 @@ def _load_dir(path: Path, model) -> Drafter:
         if cls is None:
             raise ValueError(f"{cfg_file} is neither a hydra_kernels drafter (format {FORMAT!r}) nor a checkpoint "
                              "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads; "
-                             "MLPSpeculator: model_type 'mlp_speculator')")
+                             "MLPSpeculator: model_type 'mlp_speculator'; EAGLE: a one-layer Llama config)")
         drafter = cls.load_original(path, cfg_dict, model)
     if hasattr(drafter, "trees"):
         from ..tree import Tree

@@ -143,7 +143,9 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     t1 = None
     try:
         with torch.inference_mode():
-            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None)
+            capture = None if drafter is None else drafter.feature_layers  # EAGLE-3 reads intermediate layers
+            hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None, capture=capture)
+            hidden, feats = hidden if capture is not None else (hidden, hidden)  # feats: what the drafter reads
             last = hidden if drafter is None else hidden[torch.arange(B, device=device), lengths.long() - 1]
             nxt = pick(last)
             for b, t in enumerate(nxt.tolist()):
@@ -153,7 +155,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             if drafter is None:
                 _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out)
             elif not emitter.all_done:
-                speculative_loop(model, drafter, tree_obj, cache, hidden, lengths, nxt, emitter,
+                speculative_loop(model, drafter, tree_obj, cache, feats, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                  generator=gen, backends=backends, host_seqlens=list(lens), stats=out,

@@ -7,6 +7,10 @@
   committed prefix at positions ``seqlens + depths``; attention through ``hk.ops.tree_attention``,
   one tree for the batch or one per sequence.
 
+Each also takes ``capture`` (layer indices k: the residual stream entering layer k, 0 = the token
+embeddings), for drafters that read intermediate layers (EAGLE-3): it then returns the pair (its usual
+output, those streams concatenated along the last dimension). Without it, nothing changes.
+
 Each runs every TransformerBlock with its own AttentionSite (model/attention.py): none, PREFILL, or a
 step's rows / mask / backend.
 """
@@ -122,12 +126,35 @@ class Llama(nn.Module):
         return KVCache(self.config, batch_size, max_seq_len, dtype=self.dtype, device=self.device)
 
     # ---- entry points ---------------------------------------------------------------------------
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full causal forward, no cache: input_ids [B, L] -> final-normed hidden states [B, L, H]."""
+    def _capturing_layers(self, x, cos, sin, site, kvs, capture: tuple[int, ...]):
+        """Every layer, keeping the residual stream entering layer k for each k in `capture` (each in
+        [0, num_layers)) -> (the last layer's output, the kept streams concatenated [B, T, len(capture) * H])."""
+        kept = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                kept[i] = x
+            x = layer(x, cos, sin, site, None if kvs is None else kvs[i])
+        return x, torch.cat([kept[k] for k in capture], dim=-1)
+
+    def check_capture(self, capture) -> tuple[int, ...]:
+        """capture as a tuple of distinct layer indices in [0, num_layers) (ValueError otherwise)."""
+        capture = tuple(capture)
+        L = self.config.num_layers
+        if not capture or len(set(capture)) != len(capture) or any(
+                not isinstance(k, int) or not 0 <= k < L for k in capture):
+            raise ValueError(f"capture must be distinct layer indices in [0, {L}), got {capture}")
+        return capture
+
+    def hidden_states(self, input_ids: torch.Tensor, capture=None):
+        """Full causal forward, no cache: input_ids [B, L] -> final-normed hidden states [B, L, H]
+        (with capture: the pair (them, the captured layers' inputs [B, L, len(capture) * H]))."""
         B, L = input_ids.shape
         x = self.tok_embeddings(input_ids)  # [B, L, H]
         pos = torch.arange(L, device=input_ids.device).expand(B, L)
         cos, sin = self._rope(pos, L, x.dtype)  # [B, L, D]
+        if capture is not None:
+            x, feats = self._capturing_layers(x, cos, sin, None, None, self.check_capture(capture))
+            return self.norm(x), feats
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
@@ -136,31 +163,40 @@ class Llama(nn.Module):
         """Full causal forward, no cache: input_ids [B, L] -> logits [B, L, V]."""
         return self.output(self.hidden_states(input_ids))
 
-    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False):
+    def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False,
+                capture=None):
         """Prefill an empty cache with a right-padded ragged batch.
 
         tokens [B, L] (sequence b is real in [0, lengths[b]), padding after); lengths int [B] on the
         device. Right padding is exact under a causal mask: a real token only sees real tokens before
         it. Writes K/V rows [0, L) of every sequence and sets cache.seqlens = lengths.
         Returns the final-normed hidden state of each sequence's last real token [B, H], or with
-        all_hidden=True the hidden states of every position [B, L, H].
+        all_hidden=True the hidden states of every position [B, L, H]. capture (layer indices): the
+        pair (that, the captured layers' inputs at the same positions, [B, len(capture) * H] or
+        [B, L, len(capture) * H]).
         """
         B, L = tokens.shape
         x = self.tok_embeddings(tokens)  # [B, L, H]
         pos = torch.arange(L, device=tokens.device).expand(B, L)
         cos, sin = self._rope(pos, L, x.dtype)  # [B, L, D]
-        for layer, kv in zip(self.layers, cache.layers):
-            x = layer(x, cos, sin, PREFILL, kv)
+        feats = None
+        if capture is not None:
+            x, feats = self._capturing_layers(x, cos, sin, PREFILL, cache.layers, self.check_capture(capture))
+        else:
+            for layer, kv in zip(self.layers, cache.layers):
+                x = layer(x, cos, sin, PREFILL, kv)
         h = self.norm(x)
         cache.seqlens.copy_(lengths)
-        if all_hidden:
-            return h
-        last = (lengths.long() - 1).clamp(min=0)
-        return h[torch.arange(B, device=h.device), last]
+        if not all_hidden:
+            last = (lengths.long() - 1).clamp(min=0)
+            bidx = torch.arange(B, device=h.device)
+            h = h[bidx, last]
+            feats = None if feats is None else feats[bidx, last]
+        return h if capture is None else (h, feats)
 
     def step(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
              depths: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, kv_len: int | None = None,
-             backends: BackendPlan | str | None = None) -> torch.Tensor:
+             backends: BackendPlan | str | None = None, capture=None):
         """Append T tokens per sequence after the committed prefix and run them through the model.
 
         tokens [B, T] (tree nodes in BFS order, node 0 the root). tree_mask bool [T, T] (one tree for
@@ -172,7 +208,8 @@ class Llama(nn.Module):
         optional (depths are then unused). kv_len: a host-known bound on seqlens + T (attention reads
         only rows [0, kv_len)). backends: a BackendPlan (tree_attention's entry is used), or a backend
         name resolved here (see backend_plan).
-        Returns final-normed hidden states [B, T, H].
+        Returns final-normed hidden states [B, T, H]; with capture (layer indices), the pair (them, the
+        captured layers' inputs [B, T, len(capture) * H]).
         """
         B, T = tokens.shape
         dev = tokens.device
@@ -191,6 +228,9 @@ class Llama(nn.Module):
         cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)  # [B, T, D]
         site = AttentionSite(rows, cache.seqlens, tree_mask, cache.max_seq_len if kv_len is None else kv_len,
                              plan["tree_attention"])
+        if capture is not None:
+            x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, self.check_capture(capture))
+            return self.norm(x), feats
         for layer, kv in zip(self.layers, cache.layers):
             x = layer(x, cos, sin, site, kv)
         return self.norm(x)

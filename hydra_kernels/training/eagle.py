@@ -95,6 +95,9 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
     Returns {"loss": [...], "step_loss": [[per unroll step]...], "accuracy": [[top-1 vs base, per unroll step]...]}."""
     if unroll < 1 or seqs_per_step < 1 or window < 3 or loss_positions < 1:
         raise ValueError("unroll, seqs_per_step and loss_positions must be >= 1 and window >= 3")
+    if drafter.feature_layers is not None:
+        raise ValueError("train_eagle trains EAGLE-1/2 layers (final-normed features); an EAGLE-3 drafter "
+                         "(feature_layers) can only be loaded from its original checkpoint")
     settings = dict(steps=steps, lr=lr, seqs_per_step=seqs_per_step, window=window, loss_positions=loss_positions,
                     unroll=unroll, noise=noise, feature_weight=feature_weight, token_weight=token_weight,
                     warmup=warmup, grad_clip=grad_clip, seed=seed)
