@@ -1,4 +1,4 @@
-"""`make demo`: stream a chat answer from the embedded default with the shipped draft heads, then
+"""`make demo`: stream a chat answer from the embedded default with the shipped drafter, then
 the same prompt with plain greedy decoding, and print both speeds (the outputs are checked equal)."""
 from __future__ import annotations
 
@@ -28,13 +28,15 @@ def main() -> None:
     print(f"\n> {prompt}\n", flush=True)
     n = 200
     if drafter is not None:
-        tree = drafter.trees.get(model.device.type)
+        bound = drafter.resolve_tree(None, model.device.type)  # the tree (or dynamic tree) used by default here
+        dynamic = getattr(bound, "dynamic", None)
+        tree_desc = f"dynamic {dynamic.total_tokens}-node trees" if dynamic else f"{bound.num_nodes}-node tree"
         # one short run of each path first, so neither timing below includes one-time costs (first-call
         # dispatch, buffers, packing the draft heads for the CPU kernel)
         generate(model, [ids], drafter=drafter, max_new_tokens=8)
         generate(model, [ids], max_new_tokens=8)
         out = generate(model, [ids], drafter=drafter, max_new_tokens=n, streamer=TextStreamer(tok))
-        print(f"\n\nspeculative ({drafter.kind} heads, {tree.num_nodes if tree else 'default'}-node tree): "
+        print(f"\n\nspeculative ({drafter.kind} drafter, {tree_desc}): "
               f"{len(out.sequences[0])} tokens, {out.tokens_per_second:.1f} tokens/s, "
               f"{out.mean_accepted_tokens:.2f} tokens/step")
         print("plain greedy decoding of the same prompt, for comparison ...", flush=True)
