@@ -2,6 +2,7 @@
 registry of kinds (registry.py): hk.new_drafter, hk.load_drafter, drafter.save."""
 from __future__ import annotations
 
+from .amphista import AmphistaConfig, AmphistaDrafter
 from .combined import CombinedDrafter
 from .config import DrafterConfig
 from .draft_heads import DraftHead, HeadDrafter, ResBlock
@@ -16,5 +17,6 @@ from .registry import (FAMILIES, KINDS, SHIPPED_DIR, SHIPPED_MODEL, family, load
                        shipped_drafters)
 
 __all__ = ["Drafter", "Proposal", "HeadDrafter", "MedusaDrafter", "HydraDrafter", "EagleDrafter", "DynamicTree", "MLPSpeculatorDrafter",
+           "AmphistaDrafter", "AmphistaConfig",
            "NgramDrafter", "LookaheadDrafter", "CombinedDrafter", "DrafterConfig", "DraftHead", "ResBlock", "FAMILIES",
            "KINDS", "SHIPPED_DIR", "SHIPPED_MODEL", "family", "new_drafter", "load_drafter", "shipped_drafters"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .amphista import AmphistaDrafter
 from .checkpoint import FORMAT, load_ours
 from .combined import CombinedDrafter
 from .config import DrafterConfig
@@ -19,8 +20,8 @@ from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramDrafter
 from .protocol import Drafter
 
-FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, MLPSpeculatorDrafter, NgramDrafter,
-                                      LookaheadDrafter, CombinedDrafter)
+FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, MLPSpeculatorDrafter, AmphistaDrafter,
+                                      NgramDrafter, LookaheadDrafter, CombinedDrafter)
 KINDS: tuple[str, ...] = tuple(k for cls in FAMILIES for k in cls.kinds)
 # kinds only original checkpoints produce (Hydra's prefix-mlp with grounded_heads false)
 _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
@@ -55,6 +56,11 @@ def new_drafter(model, kind: str = "hydra", **options) -> Drafter:
     per sequence and step) takes n_predict=3, inner_dim=0 (the model's width), top_k_tokens_per_head (one k
     per stage, default [4, 3, 2, 2, ...]), n_candidates (suffixes kept, default min(8, prod of the ks)),
     tie_weights, scale_input, draft_vocab.
+    "amphista" (AMD's Amphista: Medusa-style heads from the last committed position, fed by two staged causal
+    adaptation layers over the base states and the sampled token, mixed by one bi-directional block across the
+    heads; a static tree, all depths in one pass) takes num_heads=4, draft_vocab, lm_head "tied" (the base LM
+    head's draft-vocabulary rows) | "low_rank" (lm_head_rank=256), stage_split (heads fed by the first
+    adaptation layer, default ceil(num_heads / 2)).
     "ngram" (prompt lookup, no weights) takes max_ngram=4, min_ngram=1, num_tokens=10, num_branches=1.
     "lookahead" (Jacobi lookahead + n-gram pool, no weights; greedy only) takes window=4, ngram=3, guesses=4.
     "eagle" (one draft decoder layer over the base features) takes draft_vocab, tree (its default

@@ -23,6 +23,8 @@ def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], ma
     are the model's own (len(prompt) - 1). -> ranks int64 [n_positions, num_heads]: rank of the true
     token in head d's ranking (UNRANKED if not in its top max_rank), -1 where the sequence has ended."""
     data = data or compute_hidden_states(model, sequences, progress=False)
+    if getattr(drafter, "kind", None) == "amphista":
+        return _amphista_ranks(model, drafter, sequences, starts, max_rank, data)
     dev, dtype = model.device, model.dtype
     ids = data.ids.to(dev)
     out, offset = [], 0
@@ -44,6 +46,33 @@ def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], ma
             hit = top == ids[(p + offset + 2 + d).to(dev)][:, None]
             r = torch.where(hit.any(1), hit.float().argmax(1), torch.full_like(hit[:, 0], UNRANKED, dtype=torch.long))
             ranks[ok.nonzero().flatten(), d] = r.cpu().long()
+        out.append(ranks)
+        offset += L
+    return torch.cat(out)
+
+
+def _amphista_ranks(model, drafter, sequences, starts, max_rank: int, data: HiddenStates) -> torch.Tensor:
+    """head_ranks for an Amphista drafter (drafters/amphista.py): its heads all read the adaptation layers'
+    outputs at p, fed (h_t, x_{t+1}) for t <= p (x_{p+1}: the root), so one causal pass per sequence
+    ranks every head at every position."""
+    dev, dtype = model.device, model.dtype
+    ids = data.ids.to(dev)
+    K = drafter.num_heads
+    k = min(max_rank, drafter.config.draft_vocab_size or drafter.config.vocab_size)
+    out, offset = [], 0
+    for seq, s0 in zip(sequences, starts):
+        L = len(seq)
+        pos = torch.arange(max(0, s0), L - 2)
+        ranks = torch.full((pos.numel(), K), -1, dtype=torch.long)
+        if pos.numel():
+            stages = drafter.adapt_full(model, data.hidden[offset: offset + L - 1].to(dev, dtype)[None],
+                                        ids[offset + 1: offset + L][None])
+            y = drafter.head_states([o[0, pos.to(dev)] for o in stages])  # [n, K, H]
+            top = drafter.token_ids(drafter.logits(model, y).topk(k, dim=-1).indices)  # [n, K, k]
+            target = pos[:, None] + 2 + torch.arange(K)  # [n, K] positions of head d's tokens
+            hit = top == ids[offset + target.clamp(max=L - 1).to(dev)][..., None]
+            r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), UNRANKED).cpu()
+            ranks = torch.where(target < L, r, -1)
         out.append(ranks)
         offset += L
     return torch.cat(out)
