@@ -132,7 +132,10 @@ def main(argv=None):
         drafters[f"eagle ({cpu_tree.total_tokens}/{cpu_tree.depth}/{cpu_tree.top_k})"] = (eagle, cpu_tree)
     for path in args.extra:
         d = hk.load_drafter(path, model=model)
-        drafters[f"{d.kind} ({Path(path).name})"] = (d, None)
+        tree = None
+        if getattr(d, "trees", None) is not None and "cpu" not in d.trees and "hydra" in drafters:
+            tree = drafters["hydra"][0].trees.get("cpu")  # no searched tree: the shipped Hydra heads' CPU tree
+        drafters[f"{d.kind}" + (f" ({tree.num_nodes}-node Hydra tree)" if tree is not None else "")] = (d, tree)
     drafters["ngram"] = (hk.new_drafter(model, kind="ngram"), None)
 
     # 1. tokens per step and lossless count, batched

@@ -35,7 +35,7 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the draft may propose (0: all)")
     ap.add_argument("--vocab-seqs", type=int, default=3000, help="ShareGPT conversations counted for the draft vocabulary")
     ap.add_argument("--steps", type=int, default=450)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--seqs-per-step", type=int, default=8)
     ap.add_argument("--window", type=int, default=256, help="tokens per sequence window")
     ap.add_argument("--loss-positions", type=int, default=384, help="positions per unroll step given the token loss")

@@ -80,7 +80,7 @@ def main(argv=None):
     else:
         dv = None
         if args.draft_vocab:
-            vocab_seqs = [] if args.self_only else sharegpt_token_sequences(tok, args.vocab_seqs, 1024)
+            vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)  # as train_heads counts it, --self-only too
             vocab_seqs += [s[n:] for n, s in zip(starts, seqs) if n > 0]  # the base model's own answers count too
             end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
             dv = draft_vocabulary(vocab_seqs, args.draft_vocab, always=end_ids)

@@ -95,6 +95,7 @@ class EagleConfig:
     input_norm: bool = False  # EAGLE-1: no RMSNorm before the layer's attention
     final_norm: bool = False  # EAGLE-1: the layer's output is the feature itself
     fc_bias: bool = True
+    emb_scale: float = 1.0  # token embeddings scaled by this before fc (EagleLayer); 1.0 in EAGLE's own layers
     draft_vocab_size: int | None = None  # the draft ranks only these token ids (buffer draft_vocab)
     tree: dict = field(default_factory=lambda: asdict(DynamicTree()))  # default dynamic tree
     # EAGLE-3: the base model's layers whose inputs (residual streams) are the features, low to high;
@@ -139,7 +140,7 @@ class EagleDrafter(Drafter):
         if cfg.feature_layers is not None:  # EAGLE-3: its own LM head over the draft vocabulary
             self.layer = Eagle3Layer(cfg.base_config, len(cfg.feature_layers), cfg.draft_vocab_size or cfg.vocab_size)
         else:
-            self.layer = EagleLayer(cfg.base_config, cfg.input_norm, cfg.final_norm, cfg.fc_bias)
+            self.layer = EagleLayer(cfg.base_config, cfg.input_norm, cfg.final_norm, cfg.fc_bias, cfg.emb_scale)
         n = cfg.draft_vocab_size
         self.register_buffer("draft_vocab", torch.arange(n) if n else None)
         self.trees: dict[str, Tree] = {}  # static trees searched per device class (none by default)
@@ -163,10 +164,13 @@ class EagleDrafter(Drafter):
             final_norm: bool = False) -> "EagleDrafter":
         mc = model.config
         spec = as_dynamic(tree) or DynamicTree()
+        with torch.no_grad():  # features are final-normed: their RMS is about the final norm weight's
+            rms = lambda w: float(w.float().pow(2).mean().sqrt())  # noqa: E731
+            emb_scale = round(rms(model.norm.weight) / max(rms(model.tok_embeddings.weight), 1e-6), 4)
         cfg = EagleConfig(hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
                           base_config=mc.to_hf_dict(include_extra=False), input_norm=input_norm,
                           final_norm=final_norm, draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
-                          tree=asdict(spec))
+                          tree=asdict(spec), emb_scale=emb_scale)
         drafter = cls(cfg)
         drafter.init_from(model)
         drafter = drafter.to(model.device, model.dtype).eval()
