@@ -13,15 +13,13 @@ the window.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from .eagle import _Windows
-from .heads import run_fingerprint
+from .loop import TrainingRun
 from .hidden_cache import HiddenStates
 
 
@@ -49,49 +47,20 @@ def train_amphista(model, drafter, data: HiddenStates, steps: int = 400, lr: flo
     settings = dict(steps=steps, lr=lr, seqs_per_step=seqs_per_step, window=window, loss_positions=loss_positions,
                     ce_weight=ce_weight, warmup=warmup, weight_decay=weight_decay, grad_clip=grad_clip, seed=seed,
                     amp_dtype=amp_dtype, stage_split=drafter.config.stage_split)
-    fingerprint = run_fingerprint(model, drafter, data, settings)
-    ckpt = None
-    if checkpoint_dir is not None:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        ckpt = Path(checkpoint_dir) / f"ckpt-amphista-{fingerprint}.pt"
     dev, dtype = model.device, model.dtype
     K = drafter.num_heads
-    gen = torch.Generator().manual_seed(seed)
+    run = TrainingRun(model, drafter, data, settings, steps=steps, lr=lr, warmup=warmup, grad_clip=grad_clip, seed=seed,
+                      weight_decay=weight_decay, history={"loss": [], "head_loss": [], "accuracy": [], "steps": steps},
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    gen, history = run.gen, run.history
     windows = _Windows(data, seqs_per_step, window, gen)
     V = model.config.vocab_size
     to_draft = torch.full((V,), -100, dtype=torch.long, device=dev)  # token id -> draft index (-100: none)
     dv = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(V, device=dev)
     to_draft[dv] = torch.arange(dv.numel(), device=dev)
 
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    history = {"loss": [], "head_loss": [], "accuracy": [], "steps": steps}
-    start = 0
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, map_location=dev, weights_only=False)
-        if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"checkpoint {ckpt} was written by a different training run: delete it")
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        history, start = state["history"], state["step"]
-
-    def save(step):
-        if ckpt is not None:
-            tmp = Path(str(ckpt) + ".tmp")
-            torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "gen": gen.get_state(), "history": history, "step": step, "fingerprint": fingerprint}, tmp)
-            tmp.replace(ckpt)
-
-    model_grad = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    drafter.train()
     heads = torch.arange(K)
-    try:
-        bar = tqdm(range(start, steps), desc="training amphista", disable=not progress, initial=start, total=steps)
+    with run.steps_left("training amphista", progress) as bar:
         for step in bar:
             ids, feats, train, _ = windows.sample()  # [S, L], [S, L, H], [S, L]
             S, L = ids.shape
@@ -131,21 +100,9 @@ def train_amphista(model, drafter, data: HiddenStates, steps: int = 400, lr: flo
                     total = total + loss
                     n_heads += 1
                 total = total / max(1, n_heads)
-            opt.zero_grad(set_to_none=True)
-            if torch.is_tensor(total) and total.requires_grad:
-                total.backward()
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                opt.step()
-            sched.step()
-            history["loss"].append(float(total.detach()) if torch.is_tensor(total) else float(total))
+            history["loss"].append(run.update(total))
             history["head_loss"].append(per_head)
             history["accuracy"].append(acc)
             bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in acc))
-            if (step + 1) % checkpoint_every == 0:
-                save(step + 1)
-        save(steps)
-    finally:
-        drafter.eval()
-        for p, g in zip(model.parameters(), model_grad):
-            p.requires_grad_(g)
+            run.done(step)
     return history

@@ -13,14 +13,13 @@ sampled positions per step (the LM head is most of the cost); the feature term a
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from .heads import _sequence_bounds, run_fingerprint
+from .heads import _sequence_bounds
+from .loop import TrainingRun
 from .hidden_cache import HiddenStates
 
 
@@ -101,41 +100,14 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
     settings = dict(steps=steps, lr=lr, seqs_per_step=seqs_per_step, window=window, loss_positions=loss_positions,
                     unroll=unroll, noise=noise, feature_weight=feature_weight, token_weight=token_weight,
                     warmup=warmup, grad_clip=grad_clip, seed=seed)
-    fingerprint = run_fingerprint(model, drafter, data, settings)
-    ckpt = None
-    if checkpoint_dir is not None:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        ckpt = Path(checkpoint_dir) / f"ckpt-eagle-{fingerprint}.pt"
     dev, dtype = model.device, model.dtype
-    gen = torch.Generator().manual_seed(seed)
+    run = TrainingRun(model, drafter, data, settings, steps=steps, lr=lr, warmup=warmup, grad_clip=grad_clip, seed=seed,
+                      history={"loss": [], "step_loss": [], "accuracy": []}, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every)
+    gen, history = run.gen, run.history
     windows = _Windows(data, seqs_per_step, window, gen)
     layer = drafter.layer
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    history = {"loss": [], "step_loss": [], "accuracy": []}
-    start = 0
-    if ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, map_location=dev, weights_only=False)
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        history, start = state["history"], state["step"]
-
-    def save(step):
-        if ckpt is not None:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "gen": gen.get_state(), "history": history, "step": step, "fingerprint": fingerprint}, tmp)
-            tmp.replace(ckpt)
-
-    model_grad = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    drafter.train()
-    try:
-        bar = tqdm(range(start, steps), desc="training eagle", disable=not progress, initial=start, total=steps)
+    with run.steps_left("training eagle", progress) as bar:
         for step in bar:
             ids, feats, train, lengths = windows.sample()
             ids, feats, train = ids.to(dev), feats.to(dev, dtype), train.to(dev)
@@ -147,14 +119,13 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
                 x1 = layer.fuse(emb, f_in + (u - 0.5) * 2 * noise * rms)
 
                 def fuse_next(y):  # step s's input at t: step s-1's prediction at t-1
-                    return layer.fuse(emb, torch.cat((y[:, :1], y[:, :-1]), dim=1))
+                    return layer.fuse_node(emb, torch.cat((y[:, :1], y[:, :-1]), dim=1))
 
                 ys = unrolled_features(layer, x1, fuse_next, unroll)
                 target = feats[:, 1:]  # f_{t+1}
                 W = drafter.lm_weight(model)
                 total, per_step, acc = 0.0, [], []
-                Lm = ids.shape[1] - 1
-                t_idx = torch.arange(Lm, device=dev)
+                t_idx = torch.arange(ids.shape[1] - 1, device=dev)
                 for s, y in enumerate(ys, start=1):
                     # [S, L-1]: teacher position q = t+1 trained (so f_{t+1} and x_{t+2} lie in the window)
                     ok = train[:, 1:] & (t_idx >= s - 1)
@@ -163,7 +134,7 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
                         continue
                     y_ok, t_ok = y[pos[:, 0], pos[:, 1]], target[pos[:, 0], pos[:, 1]]
                     f_loss = F.smooth_l1_loss(y_ok.float(), t_ok.float())
-                    pick = pos[torch.randperm(pos.shape[0], device=dev)[:loss_positions]]
+                    pick = pos[torch.randperm(pos.shape[0], generator=gen)[:loss_positions].to(dev)]
                     with torch.no_grad():
                         log_p = F.log_softmax(F.linear(target[pick[:, 0], pick[:, 1]], W).float(), dim=-1)
                     log_q = F.log_softmax(F.linear(y[pick[:, 0], pick[:, 1]], W).float(), dim=-1)
@@ -172,20 +143,9 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
                     total = total + loss / len(ys)
                     per_step.append(float(loss.detach()))
                     acc.append(float((log_q.argmax(-1) == log_p.argmax(-1)).float().mean()))
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            opt.step()
-            sched.step()
-            history["loss"].append(float(total.detach()))
+            history["loss"].append(run.update(total))
             history["step_loss"].append(per_step)
             history["accuracy"].append(acc)
             bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in acc))
-            if (step + 1) % checkpoint_every == 0:
-                save(step + 1)
-        save(steps)
-    finally:
-        drafter.eval()
-        for p, g in zip(model.parameters(), model_grad):
-            p.requires_grad_(g)
+            run.done(step)
     return history

@@ -10,16 +10,13 @@ distribution there). loss = distill_weight * KL(teacher || head) + (1 - distill_
 """
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from .hidden_cache import HiddenStates, _model_key, compute_hidden_states
+from .hidden_cache import HiddenStates, compute_hidden_states
+from .loop import TrainingRun, run_fingerprint  # noqa: F401 (run_fingerprint: its old home)
 
 
 def head_inputs(model, drafter, ids: torch.Tensor, h_rows: torch.Tensor, positions: torch.Tensor, head: int):
@@ -98,22 +95,6 @@ class _Batcher:
         return torch.cat(qs), lambda p: out[rows[torch.searchsorted(positions, p)].to(device)]
 
 
-def run_fingerprint(model, drafter, data: HiddenStates, settings: dict) -> str:
-    """16 hex digits naming what a training run depends on: the base model (config, a weight sample), the
-    drafter's kind, parameter shapes and draft vocabulary, the data's token ids and trained positions,
-    and the optimisation settings. Hidden states are not hashed: they follow from ids and model."""
-    h = hashlib.sha256()
-    h.update(_model_key(model, model.dtype).encode())
-    h.update(json.dumps({"kind": drafter.kind, **{k: str(v) for k, v in settings.items()},
-                         "shapes": [[k, list(v.shape)] for k, v in drafter.state_dict().items()]}).encode())
-    if drafter.draft_vocab is not None:
-        h.update(drafter.draft_vocab.cpu().numpy().tobytes())
-    for t in (data.ids, data.after, data.trainable):
-        if t is not None:
-            h.update(t.cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, positions_per_step: int = 256,
                   seqs_per_step: int = 32, warmup: int = 10, weight_decay: float = 0.0, grad_clip: float = 1.0,
                   distill_weight: float = 1.0, prefix_lr_scale: float = 1.0, seed: int = 0,
@@ -142,53 +123,23 @@ def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, p
                     seed=seed, amp_dtype=amp_dtype)
     if drafter.prefix is not None:  # checkpoints from the older whole-sequence batches are not resumed
         settings.update(prefix_batches="rows of sequences drawn by trainable positions", prefix_lr_scale=prefix_lr_scale)
-    fingerprint = run_fingerprint(model, drafter, data, settings)
-    if checkpoint_dir is not None:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        checkpoint = Path(checkpoint_dir) / f"ckpt-{drafter.kind}-{fingerprint}.pt"
     dev, dtype = model.device, model.dtype
-    gen = torch.Generator().manual_seed(seed)
-    batcher = _Batcher(data, drafter, positions_per_step, seqs_per_step, gen)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    in_prefix = {id(p) for p in drafter.prefix.parameters()} if drafter.prefix is not None else set()
+    groups = [{"params": [p for p in params if id(p) not in in_prefix], "lr": lr},
+              {"params": [p for p in params if id(p) in in_prefix], "lr": lr * prefix_lr_scale}]
+    run = TrainingRun(model, drafter, data, settings, steps=steps, lr=lr, warmup=warmup, grad_clip=grad_clip, seed=seed,
+                      weight_decay=weight_decay, param_groups=[g for g in groups if g["params"]],
+                      history={"loss": [], "head_loss": [], "steps": steps}, checkpoint=checkpoint,
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    batcher = _Batcher(data, drafter, positions_per_step, seqs_per_step, run.gen)
     ids = data.ids.to(dev)
     V = model.config.vocab_size
     to_draft = torch.full((V,), -100, dtype=torch.long, device=dev)  # token id -> draft index (-100: none)
     dv = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(V, device=dev)
     to_draft[dv] = torch.arange(dv.numel(), device=dev)
-
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    in_prefix = {id(p) for p in drafter.prefix.parameters()} if drafter.prefix is not None else set()
-    groups = [{"params": [p for p in params if id(p) not in in_prefix], "lr": lr},
-              {"params": [p for p in params if id(p) in in_prefix], "lr": lr * prefix_lr_scale}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    history = {"loss": [], "head_loss": [], "steps": steps}
-    start = 0
-    if checkpoint is not None and Path(checkpoint).exists():
-        state = torch.load(checkpoint, map_location=dev, weights_only=False)
-        if state.get("fingerprint") != fingerprint:  # resuming it would hand back heads of another run
-            raise ValueError(f"checkpoint {checkpoint} was written by a different training run (other data, drafter, "
-                             f"draft vocabulary or settings): delete it, or pass another checkpoint path or checkpoint_dir")
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        history, start = state["history"], state["step"]
-
-    def save(step):
-        if checkpoint is None:
-            return
-        tmp = Path(str(checkpoint) + ".tmp")
-        torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "gen": gen.get_state(), "history": history, "step": step, "fingerprint": fingerprint}, tmp)
-        tmp.replace(checkpoint)
-
-    model_grad = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    drafter.train()
-    try:
-        bar = tqdm(range(start, steps), desc=f"training {drafter.kind} heads", disable=not progress,
-                   initial=start, total=steps)
+    history = run.history
+    with run.steps_left(f"training {drafter.kind} heads", progress) as bar:
         for step in bar:
             with torch.enable_grad(), torch.autocast(dev.type, dtype=amp_dtype or torch.bfloat16,
                                                      enabled=amp_dtype is not None):
@@ -216,20 +167,9 @@ def train_drafter(model, drafter, data, steps: int = 100, lr: float = 1e-3, *, p
                     per_head.append(float(loss.detach()) if torch.is_tensor(loss) else float(loss))
                     total = total + loss
                 total = total / max(1, len(per_head))
-            opt.zero_grad(set_to_none=True)
-            total.backward()
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            opt.step()
-            sched.step()
-            history["loss"].append(float(total.detach()))
+            history["loss"].append(run.update(total))
             history["head_loss"].append(per_head)
             bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", heads=" ".join(f"{l:.2f}" for l in per_head))
-            if (step + 1) % checkpoint_every == 0:
-                save(step + 1)
-        save(steps)
-    finally:
-        drafter.eval()
-        for p, g in zip(model.parameters(), model_grad):
-            p.requires_grad_(g)
+            run.done(step)
     return history
 

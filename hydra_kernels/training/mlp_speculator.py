@@ -12,14 +12,12 @@ The paper's second stage (the base model's own generations) is this function on 
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
-from .heads import run_fingerprint
+from .loop import TrainingRun
 from .hidden_cache import HiddenStates, compute_hidden_states
 
 
@@ -51,8 +49,6 @@ def train_mlp_speculator(model, drafter, data, steps: int = 100, lr: float = 1e-
     Returns {"loss": [per step], "stage_loss": [per step, per stage], "steps": steps}."""
     if not 0.0 <= distill_weight <= 1.0:
         raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}")
-    if checkpoint is not None and checkpoint_dir is not None:
-        raise ValueError("pass checkpoint (a file) or checkpoint_dir (a folder), not both")
     if getattr(drafter, "kind", None) != "mlp_speculator":
         raise ValueError(f"train_mlp_speculator trains an mlp_speculator drafter, got {getattr(drafter, 'kind', drafter)!r} "
                          "(head drafters: hk.training.train_drafter)")
@@ -63,12 +59,7 @@ def train_mlp_speculator(model, drafter, data, steps: int = 100, lr: float = 1e-
     settings = dict(steps=steps, lr=lr, positions_per_step=positions_per_step, warmup=warmup,
                     weight_decay=weight_decay, grad_clip=grad_clip, distill_weight=distill_weight, seed=seed,
                     amp_dtype=amp_dtype, scale_input=drafter.config.scale_input)
-    fingerprint = run_fingerprint(model, drafter, data, settings)
-    if checkpoint_dir is not None:
-        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
-        checkpoint = Path(checkpoint_dir) / f"ckpt-{drafter.kind}-{fingerprint}.pt"
     dev, dtype = model.device, model.dtype
-    gen = torch.Generator().manual_seed(seed)
     valid, keep = speculator_positions(data, P)
     N = data.num_tokens
     ids = data.ids.to(dev)
@@ -78,37 +69,11 @@ def train_mlp_speculator(model, drafter, data, steps: int = 100, lr: float = 1e-
     to_draft[dv] = torch.arange(dv.numel(), device=dev)
     lm = model.output.weight if drafter.draft_vocab is None else model.output.weight[drafter.draft_vocab]
 
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    history = {"loss": [], "stage_loss": [], "steps": steps}
-    start = 0
-    if checkpoint is not None and Path(checkpoint).exists():
-        state = torch.load(checkpoint, map_location=dev, weights_only=False)
-        if state.get("fingerprint") != fingerprint:
-            raise ValueError(f"checkpoint {checkpoint} was written by a different training run (other data, drafter, "
-                             f"draft vocabulary or settings): delete it, or pass another checkpoint path or checkpoint_dir")
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        history, start = state["history"], state["step"]
-
-    def save(step):
-        if checkpoint is None:
-            return
-        tmp = Path(str(checkpoint) + ".tmp")
-        torch.save({"drafter": drafter.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "gen": gen.get_state(), "history": history, "step": step, "fingerprint": fingerprint}, tmp)
-        tmp.replace(checkpoint)
-
-    model_grad = [p.requires_grad for p in model.parameters()]
-    model.requires_grad_(False)
-    drafter.train()
-    try:
-        bar = tqdm(range(start, steps), desc="training mlp_speculator", disable=not progress, initial=start,
-                   total=steps)
+    run = TrainingRun(model, drafter, data, settings, steps=steps, lr=lr, warmup=warmup, grad_clip=grad_clip, seed=seed,
+                      weight_decay=weight_decay, history={"loss": [], "stage_loss": [], "steps": steps},
+                      checkpoint=checkpoint, checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every)
+    gen, history = run.gen, run.history
+    with run.steps_left("training mlp_speculator", progress) as bar:
         for step in bar:
             p = valid[torch.randint(0, valid.numel(), (positions_per_step,), generator=gen)]  # [n] cpu
             at = lambda off: (p + off).clamp(max=N - 1)  # noqa: E731 (rows past a sequence are masked below)
@@ -137,20 +102,8 @@ def train_mlp_speculator(model, drafter, data, steps: int = 100, lr: float = 1e-
                     per_stage.append(float(loss.detach()) if torch.is_tensor(loss) else float(loss))
                     total = total + loss
                 total = total / max(1, sum(1 for x in per_stage if x == x))
-            opt.zero_grad(set_to_none=True)
-            if torch.is_tensor(total) and total.requires_grad:
-                total.backward()
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                opt.step()
-            sched.step()
-            history["loss"].append(float(total.detach()) if torch.is_tensor(total) else float(total))
+            history["loss"].append(run.update(total))
             history["stage_loss"].append(per_stage)
             bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", stages=" ".join(f"{v:.2f}" for v in per_stage))
-            if (step + 1) % checkpoint_every == 0:
-                save(step + 1)
-        save(steps)
-    finally:
-        drafter.eval()
-        for q, g in zip(model.parameters(), model_grad):
-            q.requires_grad_(g)
+            run.done(step)
     return history
