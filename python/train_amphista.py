@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
-from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, self_data_sequences,  # noqa: E402
-                                    sharegpt_token_sequences, train_amphista)
+from hydra_kernels.training import (compute_hidden_states, recipe_draft_vocabulary, self_data_sequences,  # noqa: E402
+                                    train_amphista)
 from benchmarks.report import write_results  # noqa: E402
 
 
@@ -56,9 +56,7 @@ def main(argv=None):
     print(f"{len(seqs)} training sequences, {sum(map(len, seqs))} tokens")
     dv = None
     if args.draft_vocab:
-        end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
-        counted = sharegpt_token_sequences(tok, args.vocab_seqs, 1024) + [s[n:] for n, s in zip(starts, seqs)]
-        dv = draft_vocabulary(counted, args.draft_vocab, always=end_ids)  # as python/train_heads.py counts it
+        dv = recipe_draft_vocabulary(tok, seqs, starts, args.draft_vocab, args.vocab_seqs)
     data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
     torch.manual_seed(args.seed)
     drafter = hk.new_drafter(model, "amphista", num_heads=args.num_heads, draft_vocab=dv, lm_head=args.lm_head,

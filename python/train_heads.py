@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
-from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, self_data_sequences,  # noqa: E402
+from hydra_kernels.training import (compute_hidden_states, recipe_draft_vocabulary, self_data_sequences,  # noqa: E402
                                     sharegpt_token_sequences, train_drafter)
 from benchmarks.report import write_results  # noqa: E402
 
@@ -76,10 +76,7 @@ def main(argv=None):
         more, more_starts = self_data_sequences(args.self_data, args.max_tokens)
         seqs, starts = seqs + more, starts + more_starts
     print(f"{len(seqs)} training sequences, {sum(map(len, seqs))} tokens")
-    vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)
-    vocab_seqs += [s[n:] for n, s in zip(starts, seqs) if n > 0]  # the base model's own answers count too
-    end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
-    dv = draft_vocabulary(vocab_seqs, args.draft_vocab, always=end_ids)
+    dv = recipe_draft_vocabulary(tok, seqs, starts, args.draft_vocab, args.vocab_seqs)
     data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
 
     rows = []

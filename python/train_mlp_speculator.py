@@ -15,7 +15,6 @@ so an interrupted run resumes (checkpoints are named by the run's fingerprint).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
-from hydra_kernels.training import (compute_hidden_states, draft_vocabulary, sharegpt_token_sequences,  # noqa: E402
-                                    train_mlp_speculator)
+from hydra_kernels.training import (compute_hidden_states, recipe_draft_vocabulary, self_data_sequences,  # noqa: E402
+                                    sharegpt_token_sequences, train_mlp_speculator)
 from benchmarks.report import write_results  # noqa: E402
 
 
@@ -64,12 +63,9 @@ def main(argv=None):
     model, tok = hk.load_model(dtype=torch.float32)
     seqs = [] if args.self_only else sharegpt_token_sequences(tok, args.train_seqs, args.max_tokens)
     starts = [0] * len(seqs)  # ShareGPT: every position
-    if args.self_data:
-        self_data = json.loads(Path(args.self_data).read_text())
-        for n, s in zip(self_data["prompt_lengths"], self_data["sequences"]):
-            if len(s) > n + 2:  # an answer of at least 3 tokens (stage 0 reads one token, predicts the next)
-                seqs.append(s[: n + args.max_tokens])
-                starts.append(n - 1)  # the base model's own answer only
+    if args.self_data:  # the base model's own answers only are trained on
+        more, more_starts = self_data_sequences(args.self_data, args.max_tokens)
+        seqs, starts = seqs + more, starts + more_starts
     if not seqs:
         raise SystemExit("no training sequences")
     print(f"{len(seqs)} training sequences, {sum(map(len, seqs))} tokens")
@@ -80,10 +76,7 @@ def main(argv=None):
     else:
         dv = None
         if args.draft_vocab:
-            vocab_seqs = sharegpt_token_sequences(tok, args.vocab_seqs, 1024)  # as train_heads counts it, --self-only too
-            vocab_seqs += [s[n:] for n, s in zip(starts, seqs) if n > 0]  # the base model's own answers count too
-            end_ids = sorted({tok.eos_token_id, *[i for i in [tok.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
-            dv = draft_vocabulary(vocab_seqs, args.draft_vocab, always=end_ids)
+            dv = recipe_draft_vocabulary(tok, seqs, starts, args.draft_vocab, args.vocab_seqs)
         drafter = hk.new_drafter(model, "mlp_speculator", n_predict=args.n_predict, inner_dim=args.inner_dim,
                                  top_k_tokens_per_head=args.top_k, n_candidates=args.n_candidates,
                                  tie_weights=args.tie_weights, scale_input=args.scale_input, draft_vocab=dv)

@@ -124,3 +124,18 @@ def self_data_sequences(path, max_tokens: int = 512) -> tuple[list[list[int]], l
             seqs.append(s[: n + max_tokens])
             starts.append(n - 1)
     return seqs, starts
+
+
+def recipe_draft_vocabulary(tokenizer, sequences: list[list[int]], starts: list[int], size: int,
+                            vocab_seqs: int = 3000) -> "torch.Tensor":
+    """The draft vocabulary every training recipe uses: the `size` most frequent token ids over
+    `vocab_seqs` ShareGPT conversations (1024 tokens each) plus the trained answers (sequence i from
+    starts[i] on, where starts[i] > 0), the end-of-turn tokens always in (a reply must be able to end
+    inside a tree)."""
+    from .hidden_cache import draft_vocabulary
+
+    counted = sharegpt_token_sequences(tokenizer, vocab_seqs, 1024)
+    counted += [s[n:] for n, s in zip(starts, sequences) if n > 0]
+    end_ids = sorted({tokenizer.eos_token_id,
+                      *[i for i in [tokenizer.convert_tokens_to_ids("<|im_end|>")] if i is not None]})
+    return draft_vocabulary(counted, size, always=end_ids)
