@@ -17,6 +17,8 @@ Same model (the embedded SmolLM2-135M-Instruct, fp32, this machine's CPU), same 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import itertools
 import json
 import logging
@@ -136,6 +138,11 @@ def main(argv=None):
         if getattr(d, "trees", None) is not None and "cpu" not in d.trees and "hydra" in drafters:
             tree = drafters["hydra"][0].trees.get("cpu")  # no searched tree: the shipped Hydra heads' CPU tree
         drafters[f"{d.kind}" + (f" ({tree.num_nodes}-node Hydra tree)" if tree is not None else "")] = (d, tree)
+        if d.kind == "mlp_speculator":  # also at a CPU-sized budget: 2 candidates, top-k 2 then 1 per stage
+            small = copy.deepcopy(d)
+            ks = [2] + [1] * (d.config.n_predict - 1)
+            small.config = dataclasses.replace(d.config, top_k_tokens_per_head=ks, n_candidates=2)
+            drafters[f"mlp_speculator (2 candidates, top-k {'/'.join(map(str, ks))})"] = (small, None)
     drafters["ngram"] = (hk.new_drafter(model, kind="ngram"), None)
 
     # 1. tokens per step and lossless count, batched
