@@ -106,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--search-prompts", type=int, default=6)
     ap.add_argument("--search-tokens", type=int, default=128)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--skip-steps", action="store_true", help="only the batch-1 timing (tokens/step from an earlier run)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -154,10 +155,10 @@ def main(argv=None):
             acc += o.accept_lengths
         return seqs, sum(map(sum, acc)) / max(1, sum(map(len, acc)))
 
-    plain, _ = batched()
     summary = {}
-    runs = list(drafters.items())
-    if eagle is not None:
+    runs = [] if args.skip_steps else list(drafters.items())
+    plain = [] if args.skip_steps else batched()[0]
+    if eagle is not None and not args.skip_steps:
         runs += [(f"eagle (budget {b})", (eagle, DynamicTree(b, min(8, b - 1), 8 if b >= 32 else 4)))
                  for b in args.eagle_budgets]
     for name, (d, tree) in tqdm(runs, desc="tokens/step, all prompts"):

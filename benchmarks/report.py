@@ -78,3 +78,25 @@ def write_results(rows: list[dict], out_dir: str | Path, name: str, plot: Callab
     fig.savefig(out_dir / f"{name}.png", dpi=120)
     plt.close(fig)
     print(f"wrote {out_dir / name}.csv and {out_dir / name}.png")
+
+
+def running_mean(values: list[float], k: int = 25) -> list[float]:
+    """Mean over a sliding window of k (one training step's figures are noisy); shorter lists as they are."""
+    ys = torch.tensor(values, dtype=torch.float64)
+    return torch.nn.functional.avg_pool1d(ys[None, None], k, 1)[0, 0].tolist() if len(ys) > k else ys.tolist()
+
+
+def plot_training(ax, rows: list[dict], acc_cols: list[str], acc_labels: list[str], title: str) -> None:
+    """A training run's curves: the loss on the left axis, top-1 agreement with the base model (0..1) on
+    the right one, each a running mean over 25 steps."""
+    ax.plot(running_mean([r["loss"] for r in rows]), color="k", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax2 = ax.twinx()
+    for col, label in zip(acc_cols, acc_labels):
+        ax2.plot(running_mean([r.get(col, float("nan")) for r in rows]), label=label)
+    ax2.set_ylabel("top-1 agreement with the base model")
+    ax2.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.legend(loc="upper left")
+    ax2.legend(loc="upper right")

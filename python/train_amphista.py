@@ -24,7 +24,7 @@ import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.model.gguf_convert import cache_root  # noqa: E402
 from hydra_kernels.training import (compute_hidden_states, recipe_draft_vocabulary, self_data_sequences,  # noqa: E402
                                     train_amphista)
-from benchmarks.report import write_results  # noqa: E402
+from benchmarks.report import plot_training, write_results  # noqa: E402
 
 
 def main(argv=None):
@@ -74,15 +74,9 @@ def main(argv=None):
             for s, (loss, hl, acc) in enumerate(zip(hist["loss"], hist["head_loss"], hist["accuracy"]))]
 
     def plot(ax):
-        k = 25  # running mean: one step's figures are noisy
-        smooth = lambda ys: (torch.nn.functional.avg_pool1d(torch.tensor(ys)[None, None], k, 1)[0, 0].tolist()  # noqa: E731
-                             if len(ys) > k else ys)
-        ax.plot(smooth([r["loss"] for r in rows]), label="loss")
-        for i in range(args.num_heads):
-            ax.plot(smooth([r.get(f"acc{i + 1}", float("nan")) for r in rows]), label=f"top-1 agreement, head {i + 1}")
-        ax.set_xlabel("step")
-        ax.set_title("Amphista training, SmolLM2-135M-Instruct, self-generated answers")
-        ax.legend()
+        plot_training(ax, rows, [f"acc{i + 1}" for i in range(args.num_heads)],
+                      [f"top-1 agreement, head {i + 1}" for i in range(args.num_heads)],
+                      "Amphista training, SmolLM2-135M-Instruct, self-generated answers")
 
     write_results(rows, out, "amphista_training", plot)
 
