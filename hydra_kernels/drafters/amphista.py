@@ -51,6 +51,7 @@ from ..tree import Tree, as_tree, default_tree
 from ..weight_cache import DerivedCache
 from .checkpoint import save_ours
 from .draft_heads import DRAFT_PACK_DTYPE, ResBlock
+from .fit import check_device_dtype, draft_vocab_ids, lm_head_rows
 from .protocol import Drafter, Proposal
 
 LM_HEADS = ("tied", "low_rank")
@@ -161,11 +162,7 @@ class AmphistaDrafter(Drafter):
                              base_config=mc.to_hf_dict(include_extra=False), num_heads=num_heads,
                              stage_split=stage_split, lm_head=lm_head, lm_head_rank=lm_head_rank,
                              draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
-        ids = None
-        if draft_vocab is not None:
-            ids = torch.as_tensor(draft_vocab, dtype=torch.long)
-            if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
-                raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
+        ids = draft_vocab_ids(draft_vocab, mc.vocab_size)
         drafter = cls(cfg)
         if ids is not None:
             drafter.draft_vocab.copy_(ids)
@@ -216,10 +213,7 @@ class AmphistaDrafter(Drafter):
         if shape(c) != shape(mc):
             raise ValueError(f"amphista layer shape {shape(c)} (heads, kv heads, head_dim, intermediate) differs from "
                              f"the model's {shape(mc)}: it was trained for another model")
-        p = next(self.parameters())
-        if p.device != model.device or p.dtype != model.dtype:
-            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
-                             "call drafter.to(model.device, model.dtype)")
+        check_device_dtype(self, model)
 
     def resolve_tree(self, tree, device_type: str) -> Tree:
         """None: the tree searched for this device class with these heads (self.trees), else the prior
@@ -306,12 +300,7 @@ class AmphistaDrafter(Drafter):
         if self.draft_vocab is None:
             return w
 
-        def gather():
-            with torch.no_grad():
-                s = w.index_select(0, self.draft_vocab)
-                return s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
-
-        return self._tied_slice.get((w, self.draft_vocab), gather)
+        return self._tied_slice.get((w, self.draft_vocab), lambda: lm_head_rows(w, self.draft_vocab))
 
     def logits(self, model, y: torch.Tensor) -> torch.Tensor:
         """Head states [..., H] -> logits [..., Vd] over the draft vocabulary (column j: token draft_vocab[j]).

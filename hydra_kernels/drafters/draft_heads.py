@@ -29,6 +29,7 @@ from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, as_tree, default_tree
 from ..weight_cache import DerivedCache
 from .config import DrafterConfig
+from .fit import check_device_dtype, draft_vocab_ids, lm_head_rows
 from .prefix import PrefixLayer
 from .protocol import Drafter
 
@@ -153,10 +154,7 @@ class HeadDrafter(Drafter):
                              f"({mc.hidden_size}): these heads were trained for another model")
         if self.prefix is not None:
             self.prefix.check_model(model)
-        p = next(self.parameters(), None)
-        if p is not None and (p.device != model.device or p.dtype != model.dtype):
-            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
-                             "call drafter.to(model.device, model.dtype)")
+        check_device_dtype(self, model)
 
     def resolve_tree(self, tree, device_type: str) -> Tree:
         """None: the tree searched for this device class with these heads (self.trees), else the prior
@@ -227,12 +225,7 @@ class HeadDrafter(Drafter):
         if self.draft_vocab is None:
             return w
 
-        def gather():
-            with torch.no_grad():
-                s = w.index_select(0, self.draft_vocab)
-                return s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
-
-        return self._tied_slice.get((w, self.draft_vocab), gather)
+        return self._tied_slice.get((w, self.draft_vocab), lambda: lm_head_rows(w, self.draft_vocab))
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> token ids."""
@@ -268,10 +261,7 @@ class HeadDrafter(Drafter):
                             base_config=mc.to_hf_dict(include_extra=False) if kind == "hydra++" else None)
         drafter = cls(cfg).to(model.device, model.dtype).eval()
         if draft_vocab is not None:
-            ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=model.device)
-            if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
-                raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
-            drafter.draft_vocab.copy_(ids)
+            drafter.draft_vocab.copy_(draft_vocab_ids(draft_vocab, mc.vocab_size, model.device))
         if drafter.prefix is not None:
             drafter.prefix.init_identity(model)
         return drafter

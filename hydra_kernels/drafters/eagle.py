@@ -38,6 +38,7 @@ from ..tree import Tree, TreeBatch, as_tree
 from ..weight_cache import DerivedCache
 from .draft_heads import DRAFT_PACK_DTYPE
 from .eagle_layer import Eagle3Layer, EagleLayer
+from .fit import check_device_dtype, draft_vocab_ids
 from .protocol import Drafter, Proposal
 
 
@@ -175,10 +176,7 @@ class EagleDrafter(Drafter):
         drafter.init_from(model)
         drafter = drafter.to(model.device, model.dtype).eval()
         if draft_vocab is not None:
-            ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=model.device)
-            if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
-                raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
-            drafter.draft_vocab.copy_(ids)
+            drafter.draft_vocab.copy_(draft_vocab_ids(draft_vocab, mc.vocab_size, model.device))
         return drafter
 
     @torch.no_grad()
@@ -216,10 +214,7 @@ class EagleDrafter(Drafter):
         if fl is not None and max(fl) >= mc.num_layers:
             raise ValueError(f"this EAGLE-3 draft reads the inputs of base layers {fl}, but the model has "
                              f"{mc.num_layers} layers: it was trained for another model")
-        p = next(self.parameters())
-        if p.device != model.device or p.dtype != model.dtype:
-            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
-                             "call drafter.to(model.device, model.dtype)")
+        check_device_dtype(self, model)
 
     def resolve_tree(self, tree, device_type: str) -> Tree:
         """None: the dynamic tree searched for this device class (else the config's); a DynamicTree or a

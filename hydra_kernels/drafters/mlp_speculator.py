@@ -44,6 +44,7 @@ from torch import nn
 
 from ..tree import Tree, TreeBatch
 from .checkpoint import save_ours
+from .fit import check_device_dtype, draft_vocab_ids
 from .protocol import Drafter, Proposal
 
 EPS = 1e-6  # fms LayerNormParameterized's default, used by the speculator's norms
@@ -256,10 +257,7 @@ class MLPSpeculatorDrafter(Drafter):
         if cfg.vocab_size != mc.vocab_size:
             raise ValueError(f"mlp_speculator vocab ({cfg.vocab_size}) does not match the model's ({mc.vocab_size}): "
                              "this speculator was trained for another model")
-        p = next(self.parameters())
-        if p.device != model.device or p.dtype != model.dtype:
-            raise ValueError(f"drafter is {p.dtype} on {p.device} but the model is {model.dtype} on {model.device}; "
-                             "call drafter.to(model.device, model.dtype)")
+        check_device_dtype(self, model)
 
     def resolve_tree(self, tree, device_type: str) -> Tree:
         """The bound on every proposal: n_candidates chains of n_predict under the root."""
@@ -304,10 +302,7 @@ class MLPSpeculatorDrafter(Drafter):
                     nn.init.normal_(m.weight, 0.0, 1 / math.sqrt(cfg.inner_dim))
         d = d.to(model.device, model.dtype).eval()
         if draft_vocab is not None:
-            ids = torch.as_tensor(draft_vocab, dtype=torch.long, device=model.device)
-            if ids.ndim != 1 or ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= mc.vocab_size:
-                raise ValueError(f"draft_vocab must be distinct token ids in [0, {mc.vocab_size})")
-            d.draft_vocab.copy_(ids)
+            d.draft_vocab.copy_(draft_vocab_ids(draft_vocab, mc.vocab_size, model.device))
         return d
 
     def save(self, path, dtype: torch.dtype | None = None) -> None:
