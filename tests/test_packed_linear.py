@@ -83,6 +83,37 @@ def test_packed_kernel_off_switches_to_f_linear_and_back():
     assert all(m.packed_on and m.packed_weight() is p for m, p in zip(net, saved))
 
 
+def test_released_linear_keeps_only_its_panels_and_computes_the_same():
+    """release_original: the fp32 panels are the weight's only copy; small and large M run the packed kernel
+    (each row bit-identical to its M = 1 result), autograd unpacks, state_dict / .to() / packed_kernel_off
+    see the real weight."""
+    torch.manual_seed(2)
+    lin = Linear(48, 70, bias=True)
+    w = lin.weight.detach().clone()
+    lin.pack_cpu()
+    assert lin.release_original() and lin.released and lin.weight.is_meta
+    x, big = torch.randn(3, 48), torch.randn(MAX_PACKED_ROWS + 9, 48)
+    with torch.no_grad():
+        assert torch.equal(lin.unpacked_weight(), w)
+        assert torch.equal(lin(x), ops.packed_linear(x, ops.pack_linear_weight(w), 70, lin.bias))
+        rows = torch.cat([lin(big[i:i + 1]) for i in range(big.shape[0])])
+        assert torch.equal(lin(big), rows)  # prefill rows = decode rows, bit for bit
+        assert_close_rel(lin(big), torch.nn.functional.linear(big, w, lin.bias), RTOL[torch.float32], "released")
+    with torch.enable_grad():
+        x.requires_grad_(True)
+        lin(x).sum().backward()  # through the unpacked weight
+        assert x.grad is not None
+    assert torch.equal(lin.state_dict()["weight"], w)
+    with packed_kernel_off(lin):
+        assert not lin.released and torch.equal(lin.weight, w)
+    assert lin.released and lin.packed_on
+    copy = Linear(48, 70, bias=True)
+    copy.load_state_dict(lin.state_dict())
+    assert torch.equal(copy.weight, w)
+    lin.to(torch.float64)  # .to() brings the original back first
+    assert not lin.released and torch.equal(lin.weight, w.double())
+
+
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads /proc/cpuinfo flags")
 def test_cpu_feature_check_matches_the_machine():
     """csrc/cpu_features.h decides whether the AVX-512 paths of both CPU kernels run: it must agree with

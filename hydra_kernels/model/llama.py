@@ -58,6 +58,9 @@ class Llama(nn.Module):
             sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
         model.load_state_dict(sd, strict=False, assign=True)
         model.tie_weights()  # assign=True replaced the shared Parameter
+        still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+        if still_meta:
+            raise ValueError(f"checkpoint did not provide {still_meta[:5]}")
         if model.device.type == "cpu":
             # Input-major weights: MKL's M = 1 GEMV streams them ~2x faster (the fallback where the packed
             # kernel is unavailable). Then the packed small-M kernel for decode and verify steps: as fast as
@@ -65,9 +68,6 @@ class Llama(nn.Module):
             # verify step), with every row bit-identical to its M = 1 result (model/packed_linear.py).
             model.use_input_major_weights()
             model.use_packed_cpu_weights()
-        still_meta = [n for n, p in model.named_parameters() if p.is_meta]
-        if still_meta:
-            raise ValueError(f"checkpoint did not provide {still_meta[:5]}")
         return model.eval()
 
     @classmethod
@@ -82,21 +82,24 @@ class Llama(nn.Module):
         GEMV of decoding then streams weights about 2x faster (MKL, measured: LM head 11 -> 23 GB/s,
         whole decode step ~1.7x), because decoding is bound by reading the weights from DRAM."""
         for mod in self.modules():
-            if isinstance(mod, nn.Linear) and mod.weight.is_contiguous():
+            if isinstance(mod, nn.Linear) and mod.weight.is_contiguous() and not mod.weight.is_meta:
                 mod.weight.data = mod.weight.data.t().contiguous().t()
         self.tie_weights()
         return self
 
     def use_packed_cpu_weights(self) -> bool:
-        """CPU speed choice: keep every projection weight (and the LM head) a second time packed for
-        the native small-M kernel (model/packed_linear.py), used by decode and verify steps (M <= 64
-        rows); prefill keeps MKL. Costs one more copy of the weights in memory. Returns False (and
-        changes nothing) where the extension or its AVX-512 path is missing."""
+        """CPU speed choice: store every projection weight packed for the native kernel
+        (model/packed_linear.py), the only copy of it (release_original; prefill runs the packed kernel
+        too, its rows bit-identical to decode rows); the LM head is kept as is beside its packed copy (the
+        ops and tied drafters read it; tied, it is the embedding). Returns False (and changes nothing)
+        where the extension or its AVX-512 path is missing."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not packed_linear_available():
             return False
         for mod in self.modules():
             if isinstance(mod, Linear):
                 mod.pack_cpu()
+                if mod is not self.output:  # the LM head's weight is read by the ops and tied drafters
+                    mod.release_original()  # the panels are then the only copy (model/packed_linear.py)
         return True
 
     # ---- properties -----------------------------------------------------------------------------
