@@ -3,7 +3,10 @@ on input-major weights (the same model with the packed copies switched off), int
 --reps. A step is model.step over T chain tokens after a --context-token prefill, plus the greedy LM
 head; both layouts' hidden states are checked against each other first.
 
-    python benchmarks/bench_cpu_step.py [--reps 9] [--context 300] [--sizes 1 6 16]
+    python benchmarks/bench_cpu_step.py [--reps 9] [--context 300] [--sizes 1 6 16] [--prefill 128 1500]
+
+--prefill also times a batch-1 prefill of each given length on both paths (the packed panels are the only
+copy of the projections since load_model releases the originals, so prefill runs the packed kernel too).
 
 What it shows: whether a T-node verify step costs about one single-token step (weights streamed once,
 the condition for speculative decoding to pay off on a CPU) or T times more compute than it should.
@@ -31,6 +34,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--sizes", type=int, nargs="+", default=list(TREE_SIZES), help="tree sizes T to time")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[], help="prompt lengths to time a prefill at")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, _ = hk.load_model(device="cpu")
@@ -60,8 +64,16 @@ def main(argv=None) -> list[dict]:
                     t0 = time.perf_counter()
                     model.greedy_tokens(model.step(toks[:, :T], cache, kv_len=C + T))
                     times.setdefault((T, on), []).append(time.perf_counter() - t0)
+    for _ in range(args.reps if args.prefill else 0):
+        for L in args.prefill:
+            for on in (True, False):
+                pc = model.new_kv_cache(1, L)
+                with path(on):
+                    t0 = time.perf_counter()
+                    model.prefill(torch.randint(0, V, (1, L)), torch.tensor([L], dtype=torch.int32), pc)
+                    times.setdefault((f"prefill {L}", on), []).append(time.perf_counter() - t0)
     rows = [{"T": T, "packed_ms": 1e3 * statistics.median(times[(T, True)]),
-             "mkl_ms": 1e3 * statistics.median(times[(T, False)])} for T in sizes]
+             "mkl_ms": 1e3 * statistics.median(times[(T, False)])} for T in sizes + [f"prefill {L}" for L in args.prefill]]
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, context {C}; ms per step "
           f"(median of {args.reps}); packed vs MKL hidden states agree to {err:.1e}")
     print("| T | packed (default) | MKL input-major |\n|---|---|---|")

@@ -114,6 +114,24 @@ def test_released_linear_keeps_only_its_panels_and_computes_the_same():
     assert not lin.released and torch.equal(lin.weight, w.double())
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's memory maps")
+def test_a_loaded_model_keeps_no_view_of_its_checkpoint_file(tmp_path):
+    """safetensors hands out views of one mmap of the file: a single tensor kept as is (a norm weight) held
+    every page of it resident beside the packed copy (513 MB for SmolLM2). After loading, the file must not
+    be mapped any more."""
+    import gc
+
+    import hydra_kernels as hk
+    from hydra_kernels.model.hf_checkpoint import save_hf_dir
+    from test_llama_vs_transformers import make_hf
+
+    save_hf_dir(hk.Llama.from_hf(make_hf("gqa3-tied", seed=4)), tmp_path)
+    model, _ = hk.load_model(tmp_path, device="cpu")
+    gc.collect()
+    assert str(tmp_path / "model.safetensors") not in Path("/proc/self/maps").read_text()
+    assert model.norm.weight.isfinite().all()
+
+
 @pytest.mark.skipif(platform.system() != "Linux" or platform.machine() != "x86_64", reason="reads /proc/cpuinfo flags")
 def test_cpu_feature_check_matches_the_machine():
     """csrc/cpu_features.h decides whether the AVX-512 paths of both CPU kernels run: it must agree with

@@ -50,6 +50,9 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors' own error type (SafetensorError) is not exported stably
             raise ValueError(f"{path / f} is not a readable safetensors file ({e}); the checkpoint is corrupt "
                              "or truncated") from e
+        # safetensors' tensors are views of one mmap of the file: a single one kept as is (a 2 KB norm
+        # weight) held the whole file's pages resident (513 MB for SmolLM2). Own copies let it go.
+        part = {name: w.clone() for name, w in part.items()}
         for name, w in part.items():
             if w.is_floating_point():
                 check_finite(name, w, path / f)  # once, at load (corrupt bytes would decode as garbage)
