@@ -35,8 +35,8 @@ import hydra_kernels as hk
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.drafters.eagle import DynamicTree
 from hydra_kernels.generate import generate
-from hydra_kernels.training import mtbench_questions, sharegpt_records
-from hydra_kernels.training.data import conversation_messages, is_heldout
+from hydra_kernels.training import mtbench_questions
+from hydra_kernels.training.data import heldout_chat_prompts
 
 SEARCH_GRID = [DynamicTree(t, d, k) for t, d, k in [(3, 2, 1), (4, 3, 1), (4, 2, 2), (5, 3, 2), (5, 4, 1), (6, 3, 2),
                                                      (6, 4, 2), (8, 4, 2), (8, 3, 3), (10, 4, 3), (12, 5, 3)]]
@@ -60,17 +60,6 @@ class ProposeTimer:
 
     def ms_per_step(self) -> float:
         return 1e3 * self.seconds / max(1, self.calls)
-
-
-def heldout_prompts(tok, n: int) -> list[list[int]]:
-    out = []
-    for rec in sharegpt_records():
-        msgs = conversation_messages(rec) if is_heldout(rec, 5) else []
-        if msgs and len(msgs[0]["content"]) < 2000:
-            out.append(chat_prompt_ids(tok, msgs[0]["content"]))
-            if len(out) == n:
-                break
-    return out
 
 
 def search_dynamic_tree(model, drafter, prompts, new_tokens: int) -> tuple[DynamicTree, list[dict]]:
@@ -125,7 +114,7 @@ def main(argv=None):
     if eagle_dir is not None:
         eagle = hk.load_drafter(eagle_dir, model=model)
         if args.search:
-            best, rows = search_dynamic_tree(model, eagle, heldout_prompts(tok, args.search_prompts), args.search_tokens)
+            best, rows = search_dynamic_tree(model, eagle, heldout_chat_prompts(tok, args.search_prompts), args.search_tokens)
             write_results(rows, out, "eagle_tree_search")
             print("dynamic tree search (tokens/s):", *(f"{r['total_tokens']}/{r['depth']}/{r['top_k']}: "
                                                        f"{r['tokens_per_s']:.1f} ({r['tokens_per_step']:.2f}/step)" for r in rows))

@@ -17,6 +17,8 @@ def parse_args(argv=None):
     p.add_argument("--drafter", default=None,
                    help="drafter directory (ours, original Hydra or original Medusa); default: the shipped heads")
     p.add_argument("--tree", default=None, help="tree: JSON file of choices, 'default' or 'chain-N'")
+    p.add_argument("--budget", default=None,
+                   help="tree nodes per step: 'auto' (the drafter's searched table) or a number (1 = plain steps)")
     p.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
                    help="default: greedy at temperature 0, else rejection (exact sampling)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -47,13 +49,14 @@ def main(argv=None) -> None:
             if args.drafter is not None:
                 raise
             print(f"[{e}; plain decoding]", file=sys.stderr)
-    if drafter is None and (args.tree or args.acceptance not in (None, "greedy")):
-        sys.exit("--tree and --acceptance need a drafter (--drafter PATH)")
+    if drafter is None and (args.tree or args.budget or args.acceptance not in (None, "greedy")):
+        sys.exit("--tree, --budget and --acceptance need a drafter (--drafter PATH)")
+    budget = int(args.budget) if args.budget and args.budget.isdigit() else args.budget
     ids = chat_prompt_ids(tokenizer, args.prompt, args.system)
     streamer = TextStreamer(tokenizer)
     try:
         out = generate(model, [ids], drafter=drafter, max_new_tokens=args.max_new_tokens, tree=args.tree,
-                       temperature=args.temperature, acceptance=args.acceptance, top_p=args.top_p,
+                       budget=budget, temperature=args.temperature, acceptance=args.acceptance, top_p=args.top_p,
                        top_k=args.top_k, seed=args.seed, backend=args.backend, streamer=streamer)
     except GenerationError as e:
         print(f"\n[stopped: {e.__cause__!r}; {len(e.output.sequences[0])} tokens were produced]", file=sys.stderr)

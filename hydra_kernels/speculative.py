@@ -1,7 +1,8 @@
 """One speculative decoding step, all on the device, and the loop around it. Knows no drafting family:
 it calls only the Drafter protocol (drafters/protocol.py).
 
-propose (draft tokens + their tree: static or one per sequence) -> verify forward (tree attention) ->
+budget (budget.py: the step's node count from the batch size and context; 1 = a plain step, the root
+alone, the drafter only catching up) -> propose (draft tokens + their tree: static or one per sequence) -> verify forward (tree attention) ->
 acceptance (path, accept length, next root) -> commit_kv -> seqlens += accept length -> the drafter
 sees the committed tokens (host-side drafters also get their host copy: Drafter.observe_tokens). The
 host reads each step's accepted tokens once, to stream them and to stop on EOS / max_new_tokens.
@@ -12,19 +13,23 @@ import torch
 
 from . import ops
 from .emit import Emitter
+from .budget import StepBudget
+from .drafters.protocol import Proposal
 from .sampling import filter_top_k_top_p
+from .tree import Tree
 
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
                      temperature, acceptance, posterior_threshold, posterior_alpha, generator, backends,
                      host_seqlens: list[int], stats, prompts: list[list[int]], top_k: int = 0,
-                     top_p: float = 1.0) -> None:
+                     top_p: float = 1.0, budget: StepBudget | None = None) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
     prefill_hidden [B, L, H] (right-padded; for a drafter with feature_layers, the prefill's captured
     layer inputs [B, L, n * H]), root [B] (already emitted); backends: the run's
     BackendPlan. acceptance: "greedy" | "rejection" | "typical"; top_k / top_p shape the base
     distribution of the sampling kinds. prompts: the host token lists. `stats.num_steps` counts
-    verify forwards."""
+    verify forwards, `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the
+    full tree every step)."""
     B = root.shape[0]
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
@@ -38,8 +43,20 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     filtered = top_k > 0 or top_p < 1.0
     typical_fused = (acceptance == "typical" and not greedy and not filtered and model.output.bias is None
                      and backends.fused_lm_head_statistics)
+    budget = budget or StepBudget(tree.num_nodes)
+    drafting = tree.num_nodes  # the node budget the drafter's state drafts now (start: the full tree)
+    root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
     while not emitter.all_done:
-        prop = drafter.propose(state, root, cache.seqlens)
+        nodes = budget.nodes(B, max(host_seqlens))  # B: finished sequences still take their rows in the step
+        if nodes <= 1:
+            drafter.skip_step(state, root, cache.seqlens)
+            prop = Proposal(root[:, None], root_only)
+        else:
+            if nodes != drafting:
+                drafter.set_budget(state, nodes)
+                drafting = nodes
+            prop = drafter.propose(state, root, cache.seqlens)
+        stats.step_nodes.append(nodes)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = max(host_seqlens) + tr.num_nodes
         hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,

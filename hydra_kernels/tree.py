@@ -91,6 +91,23 @@ class Tree:
                              p.child_rank.to(device)) for p in self.plans]
         return t
 
+    def subtree(self, num_nodes: int) -> "Tree":
+        """The `num_nodes` nodes (root included) this tree keeps at a smaller draft budget: its nodes ranked
+        by the prior expected acceptance default_tree grows by (p(d, r) = top1[d] * decay^r along the path;
+        a child always ranks below its parent, so every prefix of the ranking is a tree). Nested: the
+        subtree of n nodes contains that of n - 1. num_nodes = self.num_nodes gives this tree's nodes."""
+        if not 1 <= num_nodes <= self.num_nodes:
+            raise ValueError(f"a subtree of {num_nodes} nodes: this tree has {self.num_nodes} (root included)")
+
+        def value(c: tuple[int, ...]) -> float:
+            v = 1.0
+            for d, r in enumerate(c):
+                v *= _PRIOR_TOP1[min(d, len(_PRIOR_TOP1) - 1)] * _PRIOR_RANK_DECAY**r
+            return v
+
+        kept = sorted(self.choices, key=lambda c: (-value(c), len(c), c))[: num_nodes - 1]
+        return Tree(kept)
+
     def check_heads(self, num_heads: int) -> None:
         if self.depth > num_heads:
             raise ValueError(
@@ -239,6 +256,16 @@ class TreeBatch:
 
     def __repr__(self) -> str:
         return f"TreeBatch(batch={self.parents.shape[0]}, num_nodes={self.num_nodes}, depth={self.depth})"
+
+
+def run_subtree(full: Tree, nodes: int, built: dict, device) -> Tree:
+    """full.subtree(nodes) on `device`, built once per run (`built`: the run state's dict of them); the
+    full tree's size gives `full` itself. For a drafter's set_budget."""
+    if nodes == full.num_nodes:
+        return full
+    if nodes not in built:
+        built[nodes] = full.subtree(nodes).to(device)
+    return built[nodes]
 
 
 def chain(depth: int) -> Tree:

@@ -16,7 +16,8 @@ children not removed: the classic bug), are refused by the same test at p < 1e-6
 Drafters: fresh Medusa / Hydra / Hydra++ heads with randomised weights (drafts away from the base
 argmax, so acceptance and rejection both happen at every depth), a static tree with siblings at two
 depths, and a test drafter proposing a random tree per sequence per step (TreeBatch, ragged, repeated
-sibling tokens); settings with top-k, top-p and a batch of two different prompts.
+sibling tokens); settings with top-k, top-p, a batch of two different prompts, and a node budget that
+changes with the context (the full tree, then a plain step: hydra_kernels/budget.py).
 """
 from __future__ import annotations
 
@@ -132,7 +133,9 @@ def histogram(sequences, rows) -> torch.Tensor:
 def sample(model, drafter, prompts, temperature, top_k, top_p, acceptance, seed=0):
     """N sequences, prompts cycled through the batch -> (out, {prompt index: histogram})."""
     batch = [prompts[i % len(prompts)] for i in range(N)]
+    auto = drafter is not None and bool(drafter.budget_tables)
     out = generate(model, batch, drafter=drafter, tree=TREE if getattr(drafter, "num_heads", 0) else None,
+                   budget="auto" if auto else None,
                    max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    acceptance=acceptance if drafter is not None else None, eos_token_id=[], backend="reference")
     assert all(len(s) == NEW for s in out.sequences)
@@ -150,6 +153,7 @@ SETTINGS = {  # name: (drafter kind or None (plain sampling), temperature, top_k
     "medusa-top_p": ("medusa", 0.8, 0, 0.8, 1),
     "per-sequence-trees-top_k-top_p": ("random-trees", 1.0, 5, 0.9, 1),
     "hydra-batch-2-prompts": ("hydra", 0.8, 0, 1.0, 2),
+    "hydra-varying-budget": ("hydra-budget", 0.8, 0, 1.0, 1),  # the full tree, then a plain step
 }
 M = sum(n for *_, n in SETTINGS.values())  # number of G-tests among the positive settings
 
@@ -157,6 +161,13 @@ M = sum(n for *_, n in SETTINGS.values())  # number of G-tests among the positiv
 def make_drafter(model, kind):
     if kind is None:
         return None
+    if kind == "hydra-budget":  # the node budget changes with the context at every position (budget.py)
+        from hydra_kernels.budget import BudgetTable, tree_key
+
+        d = random_head_drafter(model, "hydra")  # 3 new tokens: a full-tree step, then a plain step if needed
+        d.budget_tables["cpu"] = BudgetTable(device="cpu", tree=tree_key(TREE), full=TREE.num_nodes, batch_sizes=[1],
+                                             contexts=[5, 6, 7], nodes=[[TREE.num_nodes, 1, 3]])
+        return d
     return RandomTreeDrafter() if kind == "random-trees" else random_head_drafter(model, kind)
 
 

@@ -47,7 +47,7 @@ from ..model.layers import TransformerBlock
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..model.rope import RopeCache
 from ..ops.packed_linear import pack_linear_weight, packed_linear
-from ..tree import Tree, as_tree, default_tree
+from ..tree import Tree, as_tree, default_tree, run_subtree
 from ..weight_cache import DerivedCache
 from .checkpoint import save_ours
 from .draft_heads import DRAFT_PACK_DTYPE, ResBlock
@@ -101,15 +101,20 @@ class AmphistaState:
 
     def __init__(self, model, backends, cache: KVCache, tree: Tree):
         self.model, self.backends, self.cache = model, backends, cache
-        self.tree = tree.to(model.device)
-        # one top-k of kmax per head; node t's token is column (depth-1) * kmax + rank of the flat candidates
-        self.kmax = max([p.topk for p in tree.plans] + [1])
-        self.source = torch.tensor([0] + [(len(c) - 1) * self.kmax + c[-1] for c in tree.choices],
-                                   dtype=torch.long, device=model.device)
+        self.full_tree = tree.to(model.device)  # the run's tree; set_budget may draft a subtree of it
+        self.subtrees: dict = {}
+        self.use_tree(self.full_tree)
         self.pend_h: torch.Tensor | None = None  # [B, P, H] base hidden states of the pending positions
         self.pend_tok: torch.Tensor | None = None  # [B, P] the token after each (the last valid one: the root)
         self.pend_n: torch.Tensor | None = None  # [B] valid pending positions
         self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
+
+    def use_tree(self, tree: Tree) -> None:
+        self.tree = tree
+        # one top-k of kmax per head; node t's token is column (depth-1) * kmax + rank of the flat candidates
+        self.kmax = max([p.topk for p in tree.plans] + [1])
+        self.source = torch.tensor([0] + [(len(c) - 1) * self.kmax + c[-1] for c in tree.choices],
+                                   dtype=torch.long, device=tree.parents.device)
 
 
 class AmphistaDrafter(Drafter):
@@ -359,6 +364,15 @@ class AmphistaDrafter(Drafter):
     def after_step(self, state: AmphistaState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         state.pend_h, state.pend_n = accepted_hidden, accept_lengths.long()
         state.pend_tok = torch.cat((accepted_tokens[:, 1:], accepted_tokens[:, :1]), dim=1)  # last: root, at propose
+
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        return tuple(range(1, tree.num_nodes + 1))  # any subtree (Tree.subtree)
+
+    def set_budget(self, state: AmphistaState, nodes: int) -> None:
+        state.use_tree(run_subtree(state.full_tree, nodes, state.subtrees, state.full_tree.parents.device))
+
+    def skip_step(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
+        self._adapt_chunk(state, root)  # the pending positions still enter the adaptation layers' buffers
 
     def propose(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor | None) -> Proposal:
         if state.pend_tok is None:

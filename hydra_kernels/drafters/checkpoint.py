@@ -1,7 +1,8 @@
 """Our drafter checkpoint format, and what the original formats' loaders share.
 
 Ours: config.json ({"format": "hydra_kernels.drafter", "version": 1, "kind": ..., ...config}) +
-model.safetensors + tree_<device>.json for each tree searched for the heads. Checkpoints written before
+model.safetensors + tree_<device>.json for each tree searched for the heads + budget_<device>.json for
+each budget table searched (hydra_kernels/budget.py). Checkpoints written before
 "kind" was recorded (the shipped heads among them) name their family through the config's fields.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ import re
 from pathlib import Path
 
 import torch
+
+from ..budget import save_tables
 
 FORMAT = "hydra_kernels.drafter"
 
@@ -29,6 +32,7 @@ def save_ours(drafter, path, dtype: torch.dtype | None = None) -> None:
     save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
     for device_kind, tree in getattr(drafter, "trees", {}).items():
         tree.save(path / f"tree_{device_kind}.json")
+    save_tables(drafter, path)
 
 
 def load_ours(cls, path: Path, cfg_dict: dict):

@@ -20,6 +20,7 @@ import torch
 from ..tree import Tree, TreeBatch
 from .checkpoint import FORMAT
 from .ngram import NgramDrafter
+from ..budget import save_tables
 from .protocol import Drafter, Proposal
 
 
@@ -101,6 +102,10 @@ class CombinedDrafter(Drafter):
         self.ngram.observe_tokens(state.ngram, new_tokens, step_argmax)
         self.heads.observe_tokens(state.heads, new_tokens, step_argmax)
 
+    def skip_step(self, state: CombinedState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
+        self.ngram.skip_step(state.ngram, root, seqlens)
+        self.heads.skip_step(state.heads, root, seqlens)
+
     def propose(self, state: CombinedState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         hp = self.heads.propose(state.heads, root, seqlens)  # tokens [B, Th] on the device
         if not isinstance(hp.tree, Tree):
@@ -144,6 +149,7 @@ class CombinedDrafter(Drafter):
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
         self.ngram.save(path / "ngram")
         self.heads.save(path / "heads", dtype=dtype)
+        save_tables(self, path)
 
     @classmethod
     def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "CombinedDrafter":

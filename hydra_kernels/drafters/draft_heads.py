@@ -16,7 +16,7 @@ model's); it can only change which guesses are proposed (the heads train under b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ from .. import ops
 from ..model.kv_cache import KVCache
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..ops.packed_linear import pack_linear_weight, packed_linear
-from ..tree import Tree, as_tree, default_tree
+from ..tree import Tree, as_tree, default_tree, run_subtree
 from ..weight_cache import DerivedCache
 from .config import DrafterConfig
 from .fit import check_device_dtype, draft_vocab_ids, lm_head_rows
@@ -106,6 +106,8 @@ class HeadState:
     tree: Tree
     prefix_cache: KVCache | None
     h: torch.Tensor | None = None
+    full_tree: Tree | None = None  # the run's tree; `tree` is it or a subtree of it (set_budget)
+    subtrees: dict = field(default_factory=dict)
 
 
 class HeadDrafter(Drafter):
@@ -179,7 +181,14 @@ class HeadDrafter(Drafter):
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> HeadState:
         self.use_packed_cpu_weights(backends.packed_linear)
         cache = self.prefix.new_cache(batch_size, max_seq_len, model) if self.prefix is not None else None
-        return HeadState(model, backends, tree.to(model.device), cache)
+        tree = tree.to(model.device)
+        return HeadState(model, backends, tree, cache, full_tree=tree)
+
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        return tuple(range(1, tree.num_nodes + 1))  # any subtree (Tree.subtree): heads draft per node
+
+    def set_budget(self, state: HeadState, nodes: int) -> None:
+        state.tree = run_subtree(state.full_tree, nodes, state.subtrees, state.model.device)
 
     def after_prefill(self, state: HeadState, hidden, lengths) -> None:
         out = hidden if self.prefix is None else self.prefix(hidden, state.prefix_cache, state.backends)

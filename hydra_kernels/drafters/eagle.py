@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..model.kv_cache import KVCache
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..ops.packed_linear import pack_linear_weight, packed_linear
-from ..tree import Tree, TreeBatch, as_tree
+from ..tree import Tree, TreeBatch, as_tree, run_subtree
 from ..weight_cache import DerivedCache
 from .draft_heads import DRAFT_PACK_DTYPE
 from .eagle_layer import Eagle3Layer, EagleLayer
@@ -121,7 +121,9 @@ class EagleState:
     def __init__(self, model, backends, cache: KVCache, tree: Tree, batch_size: int):
         self.model, self.backends, self.cache = model, backends, cache
         self.dynamic: DynamicTree | None = getattr(tree, "dynamic", None)
-        self.tree = tree.to(model.device)
+        self.full_dynamic = self.dynamic  # the run's settings; set_budget may draft fewer nodes
+        self.tree = self.full_tree = tree.to(model.device)
+        self.subtrees: dict = {}
         self.pend_h: torch.Tensor | None = None  # [B, P, H] base features of the positions not yet drafted over
         self.pend_tok: torch.Tensor | None = None  # [B, P] the token after each (the last: the root, at propose)
         self.pend_n: torch.Tensor | None = None  # [B] valid pending positions
@@ -275,6 +277,21 @@ class EagleDrafter(Drafter):
     def after_step(self, state: EagleState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         state.pend_h, state.pend_n = accepted_hidden, accept_lengths.long()
         state.pend_tok = torch.cat((accepted_tokens[:, 1:], accepted_tokens[:, :1]), dim=1)  # last: root, at propose
+
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        return tuple(range(1, tree.num_nodes + 1))
+
+    def set_budget(self, state: EagleState, nodes: int) -> None:
+        """Dynamic trees keep `nodes` nodes of the rerank and draft at most nodes - 1 levels deep; static
+        trees draft their subtree (Tree.subtree)."""
+        d = state.full_dynamic
+        if d is None:
+            state.tree = run_subtree(state.full_tree, nodes, state.subtrees, state.full_tree.parents.device)
+        else:
+            state.dynamic = d if nodes == d.total_tokens else DynamicTree(nodes, min(d.depth, nodes - 1), d.top_k)
+
+    def skip_step(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
+        self._chunk(state, root)  # the committed positions still enter the layer's buffer
 
     def propose(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         y_root = self._chunk(state, root)  # [B, H]: the predicted feature at the root

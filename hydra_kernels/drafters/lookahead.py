@@ -25,6 +25,7 @@ import torch
 from ..tree import Tree, TreeBatch
 from .checkpoint import FORMAT
 from .ngram import trie
+from ..budget import save_tables
 from .protocol import Drafter, Proposal
 
 
@@ -51,6 +52,7 @@ class LookaheadState:
         self.last = [0] * batch_size  # the current root per sequence (host)
         self.finished = [False] * batch_size
         self.la_start = 0  # index of the first lookahead node in the last proposal
+        self.skipped = False  # the last step was a plain step (skip_step): no lookahead nodes to learn from
         self.device = device
 
 
@@ -114,6 +116,13 @@ class LookaheadDrafter(Drafter):
                 state.rows[b] = [[rng.choice(toks) for _ in range(Wn)] for _ in range(R)]
                 state.last[b] = toks[-1]
             return
+        if state.skipped:  # a plain step ran no lookahead branch: only the root moves, the window waits
+            state.skipped = False
+            for b, toks in enumerate(new_tokens):
+                state.finished[b] = state.finished[b] or not toks
+                if toks:
+                    state.last[b] = toks[-1]
+            return
         if step_argmax is None:
             raise ValueError("lookahead decoding needs greedy acceptance (the base argmax at its lookahead nodes)")
         new_rows = step_argmax[:, state.la_start + (R - 1) * Wn: state.la_start + R * Wn].tolist()  # [B, W]
@@ -131,6 +140,9 @@ class LookaheadDrafter(Drafter):
                 del tails[: -c.guesses]
             state.rows[b] = rows[1:] + [new_rows[b]]
             state.last[b] = toks[-1]
+
+    def skip_step(self, state: LookaheadState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
+        state.skipped = True
 
     def propose(self, state: LookaheadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         c = self.config
@@ -172,6 +184,7 @@ class LookaheadDrafter(Drafter):
         path.mkdir(parents=True, exist_ok=True)
         cfg = {"format": FORMAT, "version": 1, "kind": self.kind, **self.config.to_dict()}
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_tables(self, path)
 
     @classmethod
     def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "LookaheadDrafter":

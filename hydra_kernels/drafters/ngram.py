@@ -22,6 +22,7 @@ import torch
 
 from ..tree import Tree, TreeBatch, chain
 from .checkpoint import FORMAT
+from ..budget import save_tables
 from .protocol import Drafter, Proposal
 
 # earlier occurrences examined per lookup when looking for distinct continuations (most recent first)
@@ -190,6 +191,7 @@ class NgramDrafter(Drafter):
         path.mkdir(parents=True, exist_ok=True)
         cfg = {"format": FORMAT, "version": 1, "kind": self.kind, **self.config.to_dict()}
         (path / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_tables(self, path)
 
     @classmethod
     def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "NgramDrafter":

@@ -6,7 +6,9 @@ implements these methods, plus its registry entry (drafters/registry.py). The lo
     tree  = drafter.resolve_tree(tree_arg, device_type)     # before any work: validated, bounds the KV rows
     state = drafter.start(model, B, max_seq_len, tree, backends)
     drafter.after_prefill(state, hidden [B, L, H], lengths [B])          # or [B, L, n*H]: see feature_layers
-    loop:  p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
+    loop:  drafter.set_budget(state, n)                 # only when the step's node budget changes (budget.py)
+           p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
+             or drafter.skip_step(state, root, seqlens)   # budget 1: a plain step (the root alone, no draft)
            ... verify (p.tree), commit ...
            drafter.after_step(state, accepted_hidden [B, K+1, H], accepted_tokens [B, K+1], accept_lengths [B])
            drafter.observe_tokens(state, new_tokens, step_argmax)   # host copies (no-op by default)
@@ -73,6 +75,27 @@ class Drafter(nn.Module):
         """root int64 [B] (the base model's next token, at position seqlens[b]); seqlens int32 [B] the
         base model's committed lengths (read-only) -> this step's draft."""
         raise NotImplementedError
+
+    # ---- the draft budget (hydra_kernels/budget.py decides it per step) -------------------------------
+    @property
+    def budget_tables(self) -> dict:
+        """device class -> BudgetTable searched for this drafter (budget_<device>.json beside its weights)."""
+        return self.__dict__.setdefault("_budget_tables", {})
+
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        """Node budgets a step of this run's `tree` can be held to, increasing: 1 (a plain step) and the
+        full tree at least; a family that can draft a smaller tree (set_budget) lists those sizes too."""
+        return (1, tree.num_nodes)
+
+    def set_budget(self, state, nodes: int) -> None:
+        """The following proposals draft at most `nodes` nodes (one of budget_levels, > 1; the full
+        tree's size restores it). Called only when the budget changes. The default drafts only the full
+        tree, the one size > 1 its budget_levels list."""
+
+    def skip_step(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> None:
+        """This step is a plain step: the base model runs the root alone (no propose() call). A drafter that
+        catches up on committed positions inside propose() (EAGLE, Amphista) does it here; after_step and
+        observe_tokens follow as after any step (one accepted token per active sequence)."""
 
     def after_step(self, state, accepted_hidden: torch.Tensor, accepted_tokens: torch.Tensor,
                    accept_lengths: torch.Tensor) -> None:

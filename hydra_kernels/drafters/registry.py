@@ -18,6 +18,7 @@ from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramDrafter
+from ..budget import load_tables
 from .protocol import Drafter
 
 FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, MLPSpeculatorDrafter, AmphistaDrafter,
@@ -127,6 +128,7 @@ def _load_dir(path: Path, model) -> Drafter:
                              "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads; "
                              "MLPSpeculator: model_type 'mlp_speculator'; EAGLE: a one-layer Llama config)")
         drafter = cls.load_original(path, cfg_dict, model)
+    drafter.budget_tables.update(load_tables(path))  # budget_<device>.json: searched node budgets (budget.py)
     if hasattr(drafter, "trees"):
         from ..tree import Tree
 

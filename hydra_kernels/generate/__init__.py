@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .. import budget as budgets
 from ..drafters.protocol import Drafter
 from ..emit import Emitter
 from ..model.llama import Llama
@@ -31,6 +32,7 @@ class GenerateOutput:
     accept_lengths: list[list[int]] = field(default_factory=list)  # per sequence: tokens emitted per step
     prefill_s: float = 0.0  # prefill forward and the first token
     decode_s: float = 0.0  # every step after it
+    step_nodes: list[int] = field(default_factory=list)  # speculative: each step's node budget (1 = a plain step)
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -67,7 +69,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
              temperature: float = 0.0, acceptance: str | None = None, eos_token_id=None, backend: str = "auto",
              *, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_seq_len: int | None = None,
              posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-             streamer: Callable[[int, list[int]], None] | None = None) -> GenerateOutput:
+             streamer: Callable[[int, list[int]], None] | None = None, budget=None) -> GenerateOutput:
     """Decode up to max_new_tokens new tokens for each prompt.
 
     model: a hydra_kernels Llama (hk.load_model / hk.Llama.from_hf). input_ids: LongTensor [B, L] or a
@@ -77,6 +79,10 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     drafter (hk.new_drafter / hk.load_drafter): speculative decoding over `tree` (a Tree, Medusa-format
     choices, a JSON file, "default" or "chain-N"; default: the tree searched for this device class and
     saved with the heads (drafter.trees, e.g. the shipped heads' CPU tree), else hk.tree.default_tree).
+    budget (speculative only): the node budget of each step, 1 = a plain step (hydra_kernels/budget.py).
+    None: the table searched for this drafter, tree and device class (budget_<device>.json), chosen
+    from the live batch size and context, when tree is None and a table exists; else the full tree.
+    "auto": that table (an error without one); an int: that many nodes every step.
     acceptance (None: "greedy" at temperature 0, else "rejection"): "greedy" (temperature must be 0)
     emits exactly the plain greedy tokens; "rejection" (temperature > 0) is recursive rejection sampling
     over the tree, its tokens distributed exactly as plain sampling with the same temperature / top_k /
@@ -105,10 +111,11 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     eos = args.eos_set(eos_token_id, cfg.eos_token_ids, cfg.vocab_size)
     lens = [len(p) for p in prompts]
     backends = plan_backends(backend, device, packed_weights=model.has_packed_weights)  # also HYDRA_KERNELS_BACKEND
-    extra, tree_obj = 0, None
+    extra, tree_obj, step_budget = 0, None, None
     if drafter is None:
-        if tree is not None:
-            raise ValueError("tree is only used with a drafter; pass tree=None for plain decoding")
+        for name, value in (("tree", tree), ("budget", budget)):
+            if value is not None:
+                raise ValueError(f"{name} is only used with a drafter; pass {name}=None for plain decoding")
     else:
         if not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hydra_kernels Drafter (hk.new_drafter / hk.load_drafter), got {type(drafter)}")
@@ -118,6 +125,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         drafter.check_model(model)
         tree_obj = drafter.resolve_tree(tree, device.type)  # validated; bounds every step's proposal
         backends.check_tree(tree_obj)  # the chosen kernels' own limits (e.g. accepted rows per commit)
+        step_budget = budgets.choose(budget, drafter, tree_obj, tree, device.type)
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
     S = args.kv_rows(max_seq_len, max(lens), max_new_tokens, extra, cfg.max_position_embeddings)
     gen = None
@@ -159,7 +167,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                  generator=gen, backends=backends, host_seqlens=list(lens), stats=out,
-                                 top_k=top_k, top_p=top_p, prompts=prompts)
+                                 top_k=top_k, top_p=top_p, prompts=prompts, budget=step_budget)
     except KeyboardInterrupt as exc:
         _finish_timing(out, t0, t1)
         raise GenerationInterrupted(out) from exc

@@ -113,6 +113,52 @@ def sharegpt_token_sequences(tokenizer, num_sequences: int, max_tokens: int = 51
     return out
 
 
+def heldout_chat_prompts(tokenizer, n: int, max_chars: int = 2000) -> list[list[int]]:
+    """The first user turns (under max_chars) of n held-out ShareGPT conversations, as chat prompts: text
+    no training recipe saw and not MT-Bench (the evaluation set), for searches (trees, budgets)."""
+    from ..chat import chat_prompt_ids
+
+    out = []
+    for rec in sharegpt_records():
+        msgs = conversation_messages(rec) if is_heldout(rec, 5) else []
+        if msgs and len(msgs[0]["content"]) < max_chars:
+            out.append(chat_prompt_ids(tokenizer, msgs[0]["content"]))
+            if len(out) == n:
+                break
+    return out
+
+
+def long_context_prompts(tokenizer, n: int, tokens: int, question: str) -> list[list[int]]:
+    """n chat prompts of `tokens` tokens (a few fewer where re-tokenizing merges at the seams): a user turn holding held-out ShareGPT conversations
+    (different ones per prompt, joined until long enough, cut at the front) followed by `question`."""
+    from ..chat import chat_prompt_ids
+
+    tail = chat_prompt_ids(tokenizer, "\n\n" + question)  # template + question: what must stay whole
+    out, text = [], []
+    budget = tokens - len(tail)
+    if budget < 16:
+        raise ValueError(f"a {tokens}-token prompt leaves no room for context beside its {len(tail)}-token question")
+    have = 0
+    for rec in sharegpt_records():
+        if not is_heldout(rec, 5):
+            continue
+        part = "\n\n".join(f"{m['role']}: {m['content']}" for m in conversation_messages(rec))
+        text.append(part)
+        have += len(part) // 3  # ~3+ characters per token: enough text before tokenizing
+        if have < budget * 1.2:
+            continue
+        body = tokenizer.encode("\n\n".join(text), add_special_tokens=False)[-budget:]
+        ids = chat_prompt_ids(tokenizer, tokenizer.decode(body) + "\n\n" + question)
+        while len(ids) > tokens:  # decode + encode may merge differently at the seams: trim the body's front
+            body = body[len(ids) - tokens:]
+            ids = chat_prompt_ids(tokenizer, tokenizer.decode(body) + "\n\n" + question)
+        out.append(ids)
+        text, have = [], 0
+        if len(out) == n:
+            return out
+    raise ValueError(f"the held-out ShareGPT split holds fewer than {n} prompts of {tokens} tokens")
+
+
 def self_data_sequences(path, max_tokens: int = 512) -> tuple[list[list[int]], list[int]]:
     """python/self_data.py's JSON -> (sequences: chat prompt + at most max_tokens answer tokens, starts:
     per sequence the first position to train on, prompt length - 1, so only the base model's own answer

@@ -1,0 +1,156 @@
+"""Plain vs speculative decoding across batch sizes and context lengths, one interleaved run (issue 26).
+
+At each (batch B, context C) point: B different prompts of C tokens (C = "short": MT-Bench first turns as
+they are; otherwise held-out ShareGPT conversations ending in an MT-Bench question, training/data.py's
+long_context_prompts), decoded greedily --new-tokens tokens by
+- plain decoding,
+- speculative decoding with the drafter's default budget (its budget table for this device, when it has
+  one: hydra_kernels/budget.py),
+- speculative decoding with its full tree every step (budget pinned), the behaviour before budget tables,
+in a rotating order, each call back to back. tok/s counts decode time only (prefill excluded), all
+sequences. Every speculative output is checked against plain decoding token for token (identical).
+
+Memory rates, plain decoding: weight GB/s = bytes of the weights one step reads / (step time - the
+attention's time), attention GB/s = K/V bytes one step reads / the attention's time, the latter timed
+alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, context C, one query row).
+
+    python benchmarks/bench_scaling.py [--drafter DIR] [--batches 1 2 4 8 16] [--contexts short 2048 8000]
+        [--max-batch-long 4] [--new-tokens 64] [--out benchmarks/results]
+
+--max-batch-long caps the batch at contexts >= 8000 (their prefill: ~10 s per sequence on a 2-core CPU,
+paid by each of the three variants).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from report import print_table, write_results
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels import ops  # noqa: E402
+from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
+from hydra_kernels.generate import generate  # noqa: E402
+from hydra_kernels.model.packed_linear import Linear  # noqa: E402
+from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
+
+VARIANTS = ("plain", "speculative (default budget)", "speculative (full tree)")
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of the weights one decode step reads: every projection's packed panels (the LM head's too)
+    or its weight where it has none, plus the norms; the embedding gathers one row per token (ignored)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, Linear):
+            p = m.packed_weight()
+            total += (p if p is not None else m.weight).numel() * 4
+    total += sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+    return total
+
+
+def kv_bytes_per_token(model) -> int:
+    c = model.config
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
+
+
+def attention_seconds(model, B: int, C: int, reps: int = 5) -> float:
+    """One decode step's attention alone: num_layers calls of tree_attention at batch B, context C, T = 1."""
+    c = model.config
+    k = torch.randn(B, C + 1, c.num_kv_heads, c.head_dim)
+    v = torch.randn_like(k)
+    q = torch.randn(B, 1, c.num_heads, c.head_dim)
+    seqlens = torch.full((B,), C, dtype=torch.int32)
+    mask = torch.ones(1, 1, dtype=torch.bool)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(c.num_layers):
+            ops.tree_attention(q, k, v, seqlens, mask)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def prompts_for(tok, C, B: int, questions: list[str]) -> list[list[int]]:
+    """B prompts: MT-Bench questions as they are (C "short"), or C-token ones ending in the first question."""
+    if C == "short":
+        return [chat_prompt_ids(tok, q) for q in questions[:B]]
+    return long_context_prompts(tok, B, int(C), questions[0])
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default=None, help="a drafter directory (default: the shipped one)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--contexts", nargs="+", default=["short", "2048", "8000"])
+    ap.add_argument("--max-batch-long", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=None, help="write scaling.csv / scaling.png there")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, tok = hk.load_model(device="cpu")
+    drafter = hk.load_drafter(args.drafter, model=model) if args.drafter else hk.load_drafter(model=model)
+    questions = [q["turns"][0] for q in mtbench_questions()]
+    W, kvt = weight_bytes_per_step(model), kv_bytes_per_token(model)
+    tables = drafter.budget_tables
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; drafter {drafter.kind}, budget tables for "
+          f"{sorted(tables) or 'no device'}; weights read per step {W / 2**20:.0f} MiB, K/V {kvt} B per token")
+    generate(model, [chat_prompt_ids(tok, questions[0])], drafter=drafter, max_new_tokens=8)  # warm-up
+    points = [(B, C) for C in args.contexts for B in args.batches
+              if C == "short" or int(C) < 8000 or B <= args.max_batch_long]
+    rows = []
+    for i, (B, C) in enumerate(tqdm(points, desc="batch x context")):
+        prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions)
+        full = drafter.resolve_tree(None, "cpu").num_nodes
+        kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full)}
+        res = {}
+        for v in VARIANTS[i % 3:] + VARIANTS[: i % 3]:
+            res[v] = generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **kw[v])
+        plain = res["plain"]
+        ctx = sum(map(len, prompts)) / B
+        att = attention_seconds(model, B, int(ctx + args.new_tokens / 2))
+        step = plain.decode_s / max(1, plain.num_steps)
+        kv = B * (ctx + args.new_tokens / 2) * kvt
+        row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "plain_tok_s": plain.tokens_per_second}
+        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full")):
+            o = res[v]
+            row[f"{name}_tok_s"] = o.tokens_per_second
+            row[f"{name}_ratio"] = o.tokens_per_second / plain.tokens_per_second
+            row[f"{name}_tokens_per_step"] = o.mean_accepted_tokens
+            row[f"{name}_identical"] = sum(a == b for a, b in zip(o.sequences, plain.sequences))
+        nodes = res[VARIANTS[1]].step_nodes
+        row["default_mean_nodes"] = sum(nodes) / max(1, len(nodes))
+        row["default_plain_step_share"] = sum(n == 1 for n in nodes) / max(1, len(nodes))
+        row["weight_gb_s"] = W / max(step - att, 1e-9) / 1e9
+        row["attention_gb_s"] = kv / att / 1e9
+        rows.append(row)
+    print_table(rows, list(rows[0]))
+    bad = [r for r in rows if r["default_identical"] != r["batch"] or r["full_identical"] != r["batch"]]
+    if bad:
+        print(f"NOT LOSSLESS at {[(r['batch'], r['context']) for r in bad]}")
+    if args.out:
+        write_results(rows, args.out, "scaling", plot=lambda ax: plot(ax, rows))
+    return rows
+
+
+def plot(ax, rows):
+    for C in dict.fromkeys(r["context"] for r in rows):
+        rs = [r for r in rows if r["context"] == C]
+        x = [r["batch"] for r in rs]
+        ax.plot(x, [r["default_ratio"] for r in rs], marker="o", label=f"default budget, context {C}")
+        ax.plot(x, [r["full_ratio"] for r in rs], marker="x", linestyle="--", label=f"full tree, context {C}")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("tokens/s relative to plain decoding")
+    ax.legend(fontsize=7)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Search a drafter's budget table (hydra_kernels/budget.py) on this device: the node budget of each step
+for each (batch size, context) bucket, down to 1 (a plain step) where speculation does not pay.
+
+tokens/s of a budget n at batch B and context C is predicted as B * a(n) / s(B, C, n):
+- a(n): tokens per step with n nodes, measured by real greedy decoding of held-out prompts at that budget
+  (one batched run per budget; acceptance does not depend on the batch size).
+- s(B, C, n): seconds per step, measured by the real decoding loop (speculative.py, the drafter's real
+  propose / skip_step, verify, commit) from a synthetic state: a KV buffer whose first C rows count as the
+  committed context (their values do not change the time) and random hidden states, so no C-token
+  prefill is paid per point (16 x 8k tokens would take minutes on a CPU). Per-step time = the difference
+  of two runs of different lengths / their difference in steps, which drops one-off work (a drafter's
+  first pass over the prompt).
+- plain decoding: the plain loop (generate's), timed the same way.
+A bucket keeps the fastest budget when it beats plain decoding by `margin` (default 3%, above the
+run-to-run noise of these timings), else 1: the worst case is plain decoding plus a skip_step.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from ..budget import BudgetTable, StepBudget, tree_key
+from ..emit import Emitter
+
+BATCH_SIZES = (1, 2, 4, 8, 16)
+CONTEXTS = (128, 2048, 8000)
+
+
+def candidate_budgets(levels: tuple[int, ...], max_candidates: int = 6) -> list[int]:
+    """The budgets worth timing, > 1: the full tree and up to max_candidates - 1 sizes spread
+    geometrically below it (a 64-node tree: 2, 4, 8, 16, 32, 64)."""
+    above = [n for n in levels if n > 1]
+    if len(above) <= max_candidates:
+        return above
+    picks = {above[-1]}
+    n = 2
+    while len(picks) < max_candidates and n < above[-1]:
+        picks.add(min(above, key=lambda x: abs(x - n)))
+        n *= 2
+    return sorted(picks)
+
+
+def tokens_per_step(model, drafter, tree_arg, prompts: list[list[int]], budgets: list[int], new_tokens: int,
+                    batch: int = 8) -> dict[int, float]:
+    """Mean tokens emitted per step per sequence at each budget, by greedy decoding of `prompts`."""
+    from ..generate import generate
+
+    out = {}
+    for n in tqdm(budgets, desc="tokens/step per budget"):
+        toks = steps = 0
+        for i in range(0, len(prompts), batch):
+            r = generate(model, prompts[i: i + batch], drafter=drafter, tree=tree_arg, budget=n,
+                         max_new_tokens=new_tokens)
+            toks += sum(map(sum, r.accept_lengths))
+            steps += sum(len(a) for a in r.accept_lengths)
+        out[n] = toks / max(1, steps)
+    return out
+
+
+def _synthetic_run(model, drafter, tree, B: int, C: int, nodes: int | None, steps: int, backends, seed: int) -> tuple[float, int]:
+    """One timed decoding run from a synthetic state at context C: (seconds, steps taken). nodes=None:
+    the plain loop; else the speculative loop with that budget every step."""
+    from ..generate import GenerateOutput, _plain_loop
+    from ..speculative import speculative_loop
+
+    g = torch.Generator().manual_seed(seed)
+    V, H = model.config.vocab_size, model.config.hidden_size
+    dev = model.device
+    extra = 0 if nodes is None else tree.num_nodes + tree.depth
+    cache = model.new_kv_cache(B, C + (steps + 2) * (tree.depth + 1) + extra)
+    cache.seqlens.fill_(C)
+    root = torch.randint(0, V, (B,), generator=g).to(dev)
+    emitter = Emitter(B, steps, set(), None)
+    stats = GenerateOutput(sequences=emitter.sequences, accept_lengths=emitter.accept_lengths)
+    for b in range(B):
+        emitter.emit(b, [int(root[b])], in_step=False)
+    with torch.inference_mode():
+        if nodes is None:
+            t = time.perf_counter()
+            _plain_loop(model, cache, root, emitter, lambda h: model.greedy_tokens(h, backends), backends, C, stats)
+            return time.perf_counter() - t, stats.num_steps
+        F = H * len(drafter.feature_layers or [0])
+        hidden = torch.randn(B, C, F, generator=g).to(dev, model.dtype)
+        prompts = torch.randint(0, V, (B, C), generator=g).tolist()
+        lengths = torch.full((B,), C, dtype=torch.int32, device=dev)
+        t = time.perf_counter()
+        speculative_loop(model, drafter, tree, cache, hidden, lengths, root, emitter, temperature=0.0,
+                         acceptance="greedy", posterior_threshold=0.09, posterior_alpha=0.3, generator=None,
+                         backends=backends, host_seqlens=[C] * B, stats=stats, prompts=prompts,
+                         budget=StepBudget(tree.num_nodes, pinned=nodes))
+        return time.perf_counter() - t, stats.num_steps
+
+
+def step_seconds(model, drafter, tree, B: int, C: int, nodes: int | None, backends, steps=(3, 11), reps: int = 3) -> float:
+    """Median over reps of (time(long run) - time(short run)) / (their step difference)."""
+    per = []
+    for r in range(reps):
+        t1, s1 = _synthetic_run(model, drafter, tree, B, C, nodes, steps[0], backends, seed=r)
+        t2, s2 = _synthetic_run(model, drafter, tree, B, C, nodes, steps[1], backends, seed=r)
+        per.append((t2 - t1) / max(1, s2 - s1))
+    per.sort()
+    return per[len(per) // 2]
+
+
+def search_budget_table(model, drafter, prompts: list[list[int]], *, tree_arg=None, batch_sizes=BATCH_SIZES,
+                        contexts=CONTEXTS, new_tokens: int = 64, margin: float = 1.03, backend: str = "auto"
+                        ) -> BudgetTable:
+    """The table for `drafter` with the tree generate(tree=tree_arg) resolves to on this device."""
+    dev = model.device.type
+    tree = drafter.resolve_tree(tree_arg, dev)
+    budgets = candidate_budgets(drafter.budget_levels(tree))
+    acc = tokens_per_step(model, drafter, tree_arg, prompts, budgets, new_tokens)
+    backends = model.backend_plan(backend)
+    limit = model.config.max_position_embeddings - 16 * (tree.depth + 1) - tree.num_nodes
+    contexts = [min(c, limit) for c in contexts]
+    nodes, measured = [], {"tokens_per_step": {str(n): a for n, a in acc.items()}, "points": []}
+    points = [(B, C) for B in batch_sizes for C in contexts]
+    for B, C in tqdm(points, desc="step time per batch size and context"):
+        plain = B / step_seconds(model, drafter, tree, B, C, None, backends)
+        spec = {n: B * acc[n] / step_seconds(model, drafter, tree, B, C, n, backends) for n in budgets}
+        best = max(spec, key=spec.get)
+        choice = best if spec[best] >= margin * plain else 1
+        measured["points"].append({"batch": B, "context": C, "plain_tok_s": plain,
+                                   **{f"nodes_{n}_tok_s": v for n, v in spec.items()}, "chosen": choice})
+        nodes.append(choice)
+    grid = [nodes[i * len(contexts):(i + 1) * len(contexts)] for i in range(len(batch_sizes))]
+    return BudgetTable(device=dev, tree=tree_key(tree), full=tree.num_nodes, batch_sizes=list(batch_sizes),
+                       contexts=list(contexts), nodes=grid, measured=measured)

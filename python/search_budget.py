@@ -1,0 +1,75 @@
+"""Recipe: search a drafter's budget table on this device (hydra_kernels/training/budget_search.py) and
+save it beside the drafter as budget_<device>.json, which generate() then uses by default.
+
+    .venv/bin/python python/search_budget.py [--drafter DIR | --kind hydra] [--prompts 24] [--new-tokens 64]
+        [--batches 1 2 4 8 16] [--contexts 128 2048 8000] [--margin 1.03] [--out benchmarks/results]
+
+tokens/step per budget: greedy decoding of --prompts held-out ShareGPT first turns (not MT-Bench, the
+evaluation set); step times: the real decoding loop from a synthetic state at each (batch, context).
+Prints the table and each point's predicted tokens/s per budget beside plain decoding; writes
+budget_search.csv (and .png) under --out when given. The shipped drafter's table is written into the
+package (hydra_kernels/heads/...), so this is also how the shipped budget_cpu.json was made.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.drafters import shipped_drafters  # noqa: E402
+from hydra_kernels.training.budget_search import search_budget_table  # noqa: E402
+from hydra_kernels.training.data import heldout_chat_prompts  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", default=None, help="a drafter directory (the table is written into it)")
+    ap.add_argument("--kind", default="hydra", help="a shipped drafter, when --drafter is not given")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2048, 8000])
+    ap.add_argument("--margin", type=float, default=1.03)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    model, tok = hk.load_model(device="cpu")
+    path = Path(args.drafter) if args.drafter else shipped_drafters()[args.kind]
+    drafter = hk.load_drafter(path, model=model)
+    table = search_budget_table(model, drafter, heldout_chat_prompts(tok, args.prompts), batch_sizes=args.batches,
+                                contexts=args.contexts, new_tokens=args.new_tokens, margin=args.margin)
+    print(json.dumps(table.measured["tokens_per_step"]))
+    from report import print_table, write_results
+
+    rows = table.measured["points"]
+    print_table(rows, list(rows[0]))
+    print("node budget (rows: batch sizes", table.batch_sizes, "; columns: contexts", table.contexts, ")")
+    for B, r in zip(table.batch_sizes, table.nodes):
+        print(f"  batch {B:3d}: {r}")
+    print("written:", table.save(path))
+    if args.out:
+        write_results(rows, args.out, "budget_search", plot=lambda ax: plot(ax, rows))
+
+
+def plot(ax, rows):
+    for C in dict.fromkeys(r["context"] for r in rows):
+        rs = [r for r in rows if r["context"] == C]
+        keys = [k for k in rs[0] if k.startswith("nodes_")]
+        for k in keys:
+            ax.plot([r["batch"] for r in rs], [r[k] / r["plain_tok_s"] for r in rs], marker="o",
+                    label=f"{k.split('_')[1]} nodes, context {C}")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("predicted tokens/s relative to plain decoding")
+    ax.legend(fontsize=6)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The per-step draft budget (hydra_kernels/budget.py): tables and their lookup, subtrees, plain steps
+(skip_step) and smaller trees (set_budget) for every drafter family. A run whose budget changes from step
+to step (plain steps, subtrees, the full tree) still emits exactly plain greedy's tokens; a drafter that
+catches up in propose() (EAGLE, Amphista, Hydra++'s prefix layer) drafts after plain steps exactly what
+it drafts after the same committed tokens without them; bad budgets are refused before any work."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.budget import BudgetTable, load_tables, tree_key
+from hydra_kernels.generate import generate
+from test_llama_vs_transformers import make_hf
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1], [5, 5, 5, 5, 5, 5]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+
+
+def randomised(d, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim > 1 else 0.2) + (1.0 if "norm" in name else 0.0))
+    return d
+
+
+FAMILIES = {  # name: (new_drafter options, the tree generate() gets)
+    "medusa": (dict(kind="medusa", num_heads=3), hk.tree.default_tree(10, depth=3)),
+    "hydra": (dict(kind="hydra", num_heads=3), hk.tree.default_tree(10, depth=3)),
+    "hydra++": (dict(kind="hydra++", num_heads=2), hk.tree.default_tree(6, depth=2)),
+    "eagle-dynamic": (dict(kind="eagle"), dict(total_tokens=8, depth=3, top_k=3)),
+    "eagle-static": (dict(kind="eagle"), hk.tree.default_tree(7, depth=3)),
+    "amphista": (dict(kind="amphista", num_heads=3), hk.tree.default_tree(8, depth=3)),
+    "mlp_speculator": (dict(kind="mlp_speculator", n_predict=2), None),
+    "ngram": (dict(kind="ngram"), None),
+    "lookahead": (dict(kind="lookahead"), None),
+}
+
+
+def make(model, name):
+    opts, tree = FAMILIES[name]
+    d = hk.new_drafter(model, **opts)
+    if name not in ("ngram", "lookahead"):
+        randomised(d, seed=len(name))
+    return d, tree
+
+
+def varying_table(drafter, tree, model):
+    """A table whose budget changes with the context at every position: a plain step, the full tree and a
+    subtree (where the drafter offers one) in turn."""
+    bound = drafter.resolve_tree(tree, "cpu")
+    levels = drafter.budget_levels(bound)
+    contexts = list(range(3, 41))
+    cycle = (1, levels[-1], levels[len(levels) // 2])
+    nodes = [cycle[i % 3] for i in range(len(contexts))]
+    return BudgetTable(device="cpu", tree=tree_key(bound), full=bound.num_nodes, batch_sizes=[1],
+                       contexts=contexts, nodes=[nodes])
+
+
+def test_table_lookup_save_load_and_corrupt_file(tmp_path):
+    t = BudgetTable(device="cpu", tree="[[0]]", full=2, batch_sizes=[1, 4, 16], contexts=[128, 2048],
+                    nodes=[[2, 2], [2, 1], [1, 1]])
+    assert t.nodes_for(1, 100) == 2 and t.nodes_for(3, 100) == 2 and t.nodes_for(4, 3000) == 1
+    assert t.nodes_for(2, 100) == 2  # log-nearest: 2 is as near 1 as 4, ties go to the larger batch (4)
+    assert t.nodes_for(64, 10) == 1 and t.nodes_for(1, 10**6) == 2
+    t.save(tmp_path)
+    assert load_tables(tmp_path)["cpu"] == t
+    (tmp_path / "budget_cpu.json").write_text('{"device": "cpu", "tree"')
+    with pytest.raises(ValueError, match="budget_cpu.json is not a budget table"):
+        load_tables(tmp_path)
+    for bad in (dict(nodes=[[2, 2]]), dict(nodes=[[3, 2], [2, 1], [1, 1]]), dict(batch_sizes=[4, 1, 16])):
+        with pytest.raises(ValueError, match="budget table"):
+            BudgetTable(**{**t.__dict__, **bad})
+
+
+def test_subtrees_are_nested_trees_of_the_best_prior_nodes():
+    tree = hk.tree.default_tree(20, depth=4)
+    prev = set()
+    for n in range(1, 21):
+        sub = tree.subtree(n)
+        assert sub.num_nodes == n and set(sub.choices) >= prev and set(sub.choices) <= set(tree.choices)
+        prev = set(sub.choices)
+    assert tree.subtree(20).choices == tree.choices
+    assert tree.subtree(3).choices == [(0,), (1,)] or tree.subtree(3).choices == [(0,), (0, 0)]
+    with pytest.raises(ValueError, match="has 20"):
+        tree.subtree(21)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_varying_budget_is_lossless(model, name):
+    """Greedy output with the budget changing every step or two (plain steps included) equals plain
+    greedy, batched with ragged prompts, for every family; the steps ran the table's budgets."""
+    d, tree = make(model, name)
+    d.budget_tables["cpu"] = table = varying_table(d, tree, model)
+    plain = generate(model, PROMPTS, max_new_tokens=24, eos_token_id=[])
+    out = generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=24, eos_token_id=[],
+                   backend="reference")
+    assert out.sequences == plain.sequences
+    assert set(out.step_nodes) >= {1, table.full} and len(out.step_nodes) == out.num_steps
+    assert out.num_steps < 24 * 2  # not every step was plain: some drafted
+    default = generate(model, PROMPTS, drafter=d, tree=tree, max_new_tokens=8, eos_token_id=[], backend="reference")
+    if tree is not None:  # a pinned tree (tree=...) pins its size unless budget="auto"
+        assert set(default.step_nodes) == {table.full}
+    else:  # tree=None: the drafter's own tree, so its table by default
+        assert 1 in default.step_nodes
+
+
+@pytest.mark.parametrize("name", ["hydra++", "eagle-dynamic", "eagle-static", "amphista"])
+def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name):
+    """Drive the protocol by hand over the same committed tokens twice: once proposing every step, once
+    with plain steps (skip_step) in between. The drafter's state depends only on the committed tokens, so
+    the final proposals must be the same."""
+    d, tree = make(model, name)
+    plan = model.backend_plan("reference")
+    bound = d.resolve_tree(tree, "cpu")
+    g = torch.Generator().manual_seed(3)
+    B, H, L = 2, model.config.hidden_size, 6
+    lens = torch.tensor([6, 4])
+    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in lens]
+    prefill_h = torch.randn(B, L, H, generator=g)
+    # per step: accept lengths (1 on a plain step), the accepted hidden states and tokens, the next root
+    script = []
+    roots = torch.randint(0, 100, (B,), generator=g)
+    for n in ([2, 3], [1, 1], [1, 1], [3, 1], [1, 1], [2, 2]):
+        n = torch.tensor(n)
+        tok = torch.randint(0, 100, (B, 4), generator=g)
+        tok[:, 0] = roots
+        nxt = torch.randint(0, 100, (B,), generator=g)
+        script.append((n, torch.randn(B, 4, H, generator=g), tok, roots, nxt))
+        roots = nxt
+
+    def run(skip_plain: bool):
+        state = d.start(model, B, 64, bound, plan)
+        d.after_prefill(state, prefill_h, lens)
+        d.observe_tokens(state, [p + [int(r)] for p, r in zip(prompts, script[0][3])])
+        seqlens = lens.clone().to(torch.int32)
+        for n, hid, tok, root, nxt in script:
+            if skip_plain and int(n.max()) == 1:
+                d.skip_step(state, root, seqlens)
+            else:
+                d.propose(state, root, seqlens)
+            d.after_step(state, hid, tok, n)
+            d.observe_tokens(state, [tok[b, 1:int(n[b])].tolist() + [int(nxt[b])] for b in range(B)])
+            seqlens += n.to(torch.int32)
+        return d.propose(state, roots, seqlens)
+
+    a, b = run(False), run(True)
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def test_budget_levels_and_set_budget_draft_the_subtree(model):
+    d, tree = make(model, "hydra")
+    assert d.budget_levels(tree) == tuple(range(1, 11))
+    h, root = torch.randn(2, model.config.hidden_size), torch.tensor([3, 4])
+    full = d.draft(model, h, root, tree)
+    for n in (2, 4, 7):
+        sub = tree.subtree(n)
+        idx = [0] + [tree.choices.index(c) + 1 for c in sub.choices]
+        assert torch.equal(d.draft(model, h, root, sub), full[:, idx])  # a subtree's tokens are the tree's
+    for name in ("mlp_speculator", "ngram", "lookahead"):
+        dd, t = make(model, name)
+        bound = dd.resolve_tree(t, "cpu")
+        assert dd.budget_levels(bound) == (1, bound.num_nodes)
+
+
+def test_bad_budgets_are_refused_before_work(model, tmp_path):
+    d, tree = make(model, "hydra")
+    with pytest.raises(ValueError, match="budget='auto' needs a budget table"):
+        generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=4)
+    for bad, err in ((0, ValueError), (11, ValueError), ("max", ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(err, match="budget"):
+            generate(model, PROMPTS, drafter=d, tree=tree, budget=bad, max_new_tokens=4)
+    with pytest.raises(ValueError, match="only used with a drafter"):
+        generate(model, PROMPTS, budget=2, max_new_tokens=4)
+    # a table searched for another tree is not applied (and "auto" says there is none for this tree)
+    d.budget_tables["cpu"] = BudgetTable(device="cpu", tree="[[0]]", full=2, batch_sizes=[1], contexts=[8],
+                                         nodes=[[1]])
+    out = generate(model, PROMPTS, drafter=d, tree=tree, max_new_tokens=6, eos_token_id=[])
+    assert set(out.step_nodes) == {tree.num_nodes}
+    with pytest.raises(ValueError, match="budget='auto' needs"):
+        generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=4)
+
+
+def test_tables_are_saved_and_used_by_default(model, tmp_path):
+    d, tree = make(model, "hydra")
+    d.trees["cpu"] = tree
+    d.budget_tables["cpu"] = BudgetTable(device="cpu", tree=tree_key(tree), full=tree.num_nodes, batch_sizes=[1, 4],
+                                         contexts=[8], nodes=[[tree.num_nodes], [1]])
+    d.save(tmp_path)
+    back = hk.load_drafter(tmp_path, model=model)
+    assert back.budget_tables == d.budget_tables
+    one = generate(model, PROMPTS[:1], drafter=back, max_new_tokens=6, eos_token_id=[])  # tree=None: the table
+    assert set(one.step_nodes) == {tree.num_nodes}
+    four = generate(model, PROMPTS[:1] * 4, drafter=back, max_new_tokens=6, eos_token_id=[])
+    assert set(four.step_nodes) == {1} and four.sequences == [one.sequences[0]] * 4
+    pinned = generate(model, PROMPTS[:1] * 4, drafter=back, budget=3, max_new_tokens=6, eos_token_id=[])
+    assert set(pinned.step_nodes) == {3} and pinned.sequences == four.sequences
+
+
+def test_search_makes_a_valid_table_from_its_measurements(model):
+    """The search on a tiny model and grid: a table for the drafter's tree, one measured point per bucket,
+    each choice the fastest budget when it beats plain decoding by the margin, else a plain step."""
+    from hydra_kernels.training.budget_search import candidate_budgets, search_budget_table
+
+    assert candidate_budgets(tuple(range(1, 65))) == [2, 4, 8, 16, 32, 64]
+    assert candidate_budgets((1, 3)) == [3]
+    d, tree = make(model, "hydra")
+    prompts = [p * 2 for p in PROMPTS]
+    table = search_budget_table(model, d, prompts, tree_arg=tree, batch_sizes=(1, 3), contexts=(16, 40),
+                                new_tokens=8, margin=1.03, backend="reference")
+    assert table.tree == tree_key(tree) and table.full == tree.num_nodes and len(table.measured["points"]) == 4
+    for p, n in zip(table.measured["points"], [x for r in table.nodes for x in r]):
+        spec = {int(k.split("_")[1]): v for k, v in p.items() if k.startswith("nodes_")}
+        best = max(spec, key=spec.get)
+        assert n == (best if spec[best] >= 1.03 * p["plain_tok_s"] else 1) and p["plain_tok_s"] > 0
+    d.budget_tables["cpu"] = table
+    out = generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=6, eos_token_id=[])
+    assert out.sequences == generate(model, PROMPTS, max_new_tokens=6, eos_token_id=[]).sequences
