@@ -289,6 +289,59 @@ def test_tree_attention_native_ignores_rows_past_the_tree_and_checks_inputs(back
         torch.ops.hydra_kernels.tree_attention(q, k, v, sl, wrong_batch, None)
 
 
+# ---- native: the fp32 kernel's GQA tiles ----------------------------------------------------------
+# The AVX-512 kernel takes the G * T query rows of a KV head together (K and V read once per tile), but
+# each row's arithmetic is the row kernel's: its result must not depend on the tile it sits in.
+TILE_CASES = [  # seed, Hq, Hkv, D, node counts of the sequences' trees, seqlens
+    (30, 9, 3, 64, [1], [2100]),  # SmolLM2 heads: a decoding step at a long context
+    (31, 9, 3, 64, [6], [700]),  # SmolLM2 heads, a 6-node tree
+    (32, 4, 4, 40, [5, 1, 9], [0, 700, 33]),  # G = 1, head_dim 40 (masked tail), trees of 5 / 1 / 9 nodes
+    (33, 12, 3, 128, [7, 3], [2100, 17]),  # G = 4, head_dim 128
+    (34, 16, 2, 64, [9, 9], [1, 300]),  # G = 8: 72 query rows per KV head (several tiles)
+    (35, 8, 1, 40, [4, 2], [0, 0]),  # G = 8, no prefix: tree keys only
+    (36, 32, 4, 64, [33, 20], [2100, 1500]),  # 264 query rows per KV head: the pairs in several batches
+    (37, 80, 80, 16, [3], [30]),  # 80 KV heads (more than one thread's span holds), head_dim 16
+]
+
+
+@pytest.mark.backends("native", op="tree_attention")
+@pytest.mark.parametrize("seed,Hq,Hkv,D,sizes,seqlens", TILE_CASES)
+def test_tree_attention_native_fp32_row_is_its_own_one_token_step(backend, seed, Hq, Hkv, D, sizes, seqlens):
+    """Each node i of each sequence b, bit for bit: its output in the full step (every sequence's tree,
+    all heads, one thread or several) = the output of a 1-token step of that node alone over a cache
+    holding just its keys (prefix rows, then its ancestors-or-self, which end with itself). Also the fp64
+    brute force to fp32 tolerance. Rows no query may read are NaN: cache rows past each sequence's tree
+    and a KV head beside the real ones (K/V are views of a [.., Hkv + 1, D] buffer)."""
+    ops = torch.ops.hydra_kernels
+    gen = torch.Generator().manual_seed(seed)
+    mask = random_tree_batch(gen, sizes)[1].mask
+    B, T = mask.shape[:2]
+    kv = torch.randn(2, B, max(seqlens) + T + 4, Hkv + 1, D, generator=gen)
+    kv[:, :, :, Hkv] = float("nan")
+    for b, s in enumerate(seqlens):
+        kv[:, b, s + T:] = float("nan")
+    k, v = kv[0, :, :, :Hkv], kv[1, :, :, :Hkv]
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    sl = torch.tensor(seqlens, dtype=torch.int32)
+    full = ops.tree_attention(q, k, v, sl, mask, None)
+    assert torch.isfinite(full).all()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(ops.tree_attention(q, k, v, sl, mask, None), full), "one thread"
+    finally:
+        torch.set_num_threads(threads)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    for b, L in enumerate(seqlens):
+        for i in range(T):
+            rows = list(range(L)) + [L + n for n in mask[b, i].nonzero()[:, 0].tolist()]
+            assert rows[-1] == L + i
+            step = ops.tree_attention(q[b : b + 1, i : i + 1], k[b : b + 1, rows], v[b : b + 1, rows],
+                                      torch.tensor([len(rows) - 1], dtype=torch.int32), one, None)
+            assert torch.equal(step[0, 0], full[b, i]), f"sequence {b}, node {i}"
+    assert_close_rel(full, brute_force(q, k, v, sl, mask, D**-0.5), RTOL[torch.float32], "fp32 tiles")
+
+
 # ---- inputs are checked by the public op ---------------------------------------------------------
 @pytest.mark.parametrize("change,msg", [
     (lambda a: a.update(q=a["q"][0]), "q must be"),
