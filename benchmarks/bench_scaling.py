@@ -15,7 +15,10 @@ attention's time), attention GB/s = K/V bytes one step reads / the attention's t
 alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, context C, one query row).
 
     python benchmarks/bench_scaling.py [--drafter DIR] [--batches 1 2 4 8 16] [--contexts short 2048 8000]
-        [--max-batch-long 4] [--new-tokens 64] [--out benchmarks/results]
+        [--max-batch-long 4] [--new-tokens 64] [--ratio-reps 5] [--out benchmarks/results]
+
+Last, plain batch-1 decoding of a short and a 2048-token prompt, interleaved --ratio-reps times: the
+share of its short-context speed decoding keeps at 2k context (medians).
 
 --max-batch-long caps the batch at contexts >= 8000 (their prefill: ~10 s per sequence on a 2-core CPU,
 paid by each of the three variants).
@@ -84,6 +87,17 @@ def prompts_for(tok, C, B: int, questions: list[str]) -> list[list[int]]:
     return long_context_prompts(tok, B, int(C), questions[0])
 
 
+def plain_context_ratio(model, tok, questions, context: int, reps: int, new_tokens: int) -> tuple[float, float]:
+    """Plain batch-1 decoding tok/s of a short prompt and a `context`-token one, interleaved `reps` times
+    (medians): how much of its short-context speed decoding keeps at a long context."""
+    short, long = [chat_prompt_ids(tok, questions[0])], long_context_prompts(tok, 1, context, questions[0])
+    t = {"short": [], "long": []}
+    for _ in range(reps):
+        for name, p in (("short", short), ("long", long)):
+            t[name].append(generate(model, p, max_new_tokens=new_tokens, eos_token_id=[]).tokens_per_second)
+    return statistics.median(t["short"]), statistics.median(t["long"])
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", default=None, help="a drafter directory (default: the shipped one)")
@@ -92,6 +106,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-batch-long", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default=None, help="write scaling.csv / scaling.png there")
+    ap.add_argument("--ratio-reps", type=int, default=5, help="interleaved reps of the plain short/long ratio")
+    ap.add_argument("--ratio-context", type=int, default=2048)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = hk.load_model(device="cpu")
@@ -131,6 +147,11 @@ def main(argv=None) -> list[dict]:
         row["attention_gb_s"] = kv / att / 1e9
         rows.append(row)
     print_table(rows, list(rows[0]))
+    if args.ratio_reps:
+        a, b = plain_context_ratio(model, tok, questions, args.ratio_context, args.ratio_reps, args.new_tokens)
+        print(f"plain decoding, batch 1, interleaved x{args.ratio_reps} (medians): short prompt {a:.1f} tok/s, "
+              f"{args.ratio_context}-token prompt {b:.1f} tok/s: {b / a:.1%} of the short-context speed")
+        rows[0]["plain_long_over_short"] = b / a  # kept in the CSV (first row)
     bad = [r for r in rows if r["default_identical"] != r["batch"] or r["full_identical"] != r["batch"]]
     if bad:
         print(f"NOT LOSSLESS at {[(r['batch'], r['context']) for r in bad]}")

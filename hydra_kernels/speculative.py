@@ -50,7 +50,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         nodes = budget.nodes(B, max(host_seqlens))  # B: finished sequences still take their rows in the step
         if nodes <= 1:
             drafter.skip_step(state, root, cache.seqlens)
-            prop = Proposal(root[:, None], root_only)
+            if greedy:  # a plain step as plain decoding runs it: no tree, no verify op, no commit copy
+                root = _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture,
+                                          host_seqlens, emitter, stats)
+                continue
+            prop = Proposal(root[:, None], root_only)  # sampling: verified as a root-only tree (the exact law)
         else:
             if nodes != drafting:
                 drafter.set_budget(state, nodes)
@@ -104,3 +108,28 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                 emitter.emit(b, row[1:k] + [row[-2]], in_step=True)
             if emitter.done[b]:
                 active[b] = 0
+
+
+def _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture, host_seqlens,
+                       emitter: Emitter, stats) -> torch.Tensor:
+    """One greedy plain step inside a speculative run (budget 1): the root alone through the model as
+    plain decoding feeds it (Llama.step without a tree; the same rows and the same argmax path, so the
+    same tokens), committed in place for the active sequences; the drafter sees its one accepted token.
+    Returns the next root."""
+    stats.step_nodes.append(1)
+    hidden = model.step(root[:, None], cache, kv_len=max(host_seqlens) + 1, backends=backends, capture=capture)
+    hidden, feats = hidden if capture is not None else (hidden, hidden)  # [B, 1, H]; the drafter's features
+    nxt = model.greedy_tokens(hidden[:, -1], backends)  # [B]
+    n = active.clone()  # accept lengths: 1 per active sequence (active changes below; drafters may keep n)
+    drafter.after_step(state, feats, root[:, None], n)
+    cache.advance(n.to(cache.seqlens.dtype))  # the row was written at seqlens: committing is advancing
+    stats.num_steps += 1
+    rows = torch.stack([nxt, active]).tolist()  # the one host read of the step
+    drafter.observe_tokens(state, [[t] if a else [] for t, a in zip(*rows)], None)
+    for b, (t, a) in enumerate(zip(*rows)):
+        if a:
+            host_seqlens[b] += 1
+            emitter.emit(b, [t], in_step=True)
+            if emitter.done[b]:
+                active[b] = 0
+    return nxt

@@ -2,7 +2,7 @@
 save it beside the drafter as budget_<device>.json, which generate() then uses by default.
 
     .venv/bin/python python/search_budget.py [--drafter DIR | --kind hydra] [--prompts 24] [--new-tokens 64]
-        [--batches 1 2 4 8 16] [--contexts 128 2048 8000] [--margin 1.03] [--out benchmarks/results]
+        [--batches 1 2 4 8 16] [--contexts 128 2048 8000] [--margin 1.08] [--out benchmarks/results]
 
 tokens/step per budget: greedy decoding of --prompts held-out ShareGPT first turns (not MT-Bench, the
 evaluation set); step times: the real decoding loop from a synthetic state at each (batch, context).
@@ -35,7 +35,7 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2048, 8000])
-    ap.add_argument("--margin", type=float, default=1.03)
+    ap.add_argument("--margin", type=float, default=1.08)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)

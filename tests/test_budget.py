@@ -214,10 +214,12 @@ def test_search_makes_a_valid_table_from_its_measurements(model):
     table = search_budget_table(model, d, prompts, tree_arg=tree, batch_sizes=(1, 3), contexts=(16, 40),
                                 new_tokens=8, margin=1.03, backend="reference")
     assert table.tree == tree_key(tree) and table.full == tree.num_nodes and len(table.measured["points"]) == 4
-    for p, n in zip(table.measured["points"], [x for r in table.nodes for x in r]):
+    for p in table.measured["points"]:
         spec = {int(k.split("_")[1]): v for k, v in p.items() if k.startswith("nodes_")}
         best = max(spec, key=spec.get)
-        assert n == (best if spec[best] >= 1.03 * p["plain_tok_s"] else 1) and p["plain_tok_s"] > 0
+        assert p["chosen"] == (best if spec[best] >= 1.03 * p["plain_tok_s"] else 1) and p["plain_tok_s"] > 0
+    chosen = [[p["chosen"] for p in table.measured["points"] if p["batch"] == B] for B in (1, 3)]
+    assert table.nodes[0] == chosen[0] and table.nodes[1] == [min(a, b) for a, b in zip(chosen[1], chosen[0])]
     d.budget_tables["cpu"] = table
     out = generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=6, eos_token_id=[])
     assert out.sequences == generate(model, PROMPTS, max_new_tokens=6, eos_token_id=[]).sequences
