@@ -123,7 +123,11 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
             assert got == ref, f"{kind}, prompt {b}: first difference at token {first_diff(got, ref)}"
         # trained heads clearly accept: untrained ones give 1.00-1.02 here; the shipped 3-node CPU trees (depth 1
         # for medusa, 2 for hydra) gave 1.35 / 1.44 on MT-Bench's 80 first turns; medusa 1.30 on these prompts
-        assert out.mean_accepted_tokens > 1.2, f"shipped {kind} heads accept {out.mean_accepted_tokens:.2f} tokens/step"
+        # the default budget (the shipped budget_cpu.json) may run plain steps at this batch size: the
+        # acceptance check pins the full CPU tree
+        full = generate(model, prompts, drafter=d, max_new_tokens=N_NEW, budget=d.trees["cpu"].num_nodes)
+        assert full.sequences == plain
+        assert full.mean_accepted_tokens > 1.2, f"shipped {kind} heads accept {full.mean_accepted_tokens:.2f} tokens/step"
 
 
 def test_cpu_verify_step_is_bit_identical_to_single_token_steps(smollm2, prompts):
