@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from report import print_table, write_results
+from report import plot_ratio_by_batch, print_table, write_results
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -161,16 +161,8 @@ def main(argv=None) -> list[dict]:
 
 
 def plot(ax, rows):
-    for C in dict.fromkeys(r["context"] for r in rows):
-        rs = [r for r in rows if r["context"] == C]
-        x = [r["batch"] for r in rs]
-        ax.plot(x, [r["default_ratio"] for r in rs], marker="o", label=f"default budget, context {C}")
-        ax.plot(x, [r["full_ratio"] for r in rs], marker="x", linestyle="--", label=f"full tree, context {C}")
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("tokens/s relative to plain decoding")
-    ax.legend(fontsize=7)
+    plot_ratio_by_batch(ax, rows, {"default budget": lambda r: r["default_ratio"], "full tree": lambda r: r["full_ratio"]},
+                        "tokens/s relative to plain decoding")
 
 
 if __name__ == "__main__":

@@ -100,3 +100,17 @@ def plot_training(ax, rows: list[dict], acc_cols: list[str], acc_labels: list[st
     ax.set_title(title)
     ax.legend(loc="upper left")
     ax2.legend(loc="upper right")
+
+
+def plot_ratio_by_batch(ax, rows: list[dict], series: dict[str, Callable[[dict], float]], ylabel: str) -> None:
+    """Per context (rows' "context"), each series' ratio to plain decoding against the batch size (log 2),
+    with the plain line at 1: the scaling benchmark's and the budget search's plots."""
+    for C in dict.fromkeys(r["context"] for r in rows):
+        rs = [r for r in rows if r["context"] == C]
+        for name, ratio in series.items():
+            ax.plot([r["batch"] for r in rs], [ratio(r) for r in rs], marker="o", label=f"{name}, context {C}")
+    ax.axhline(1.0, color="k", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=6)

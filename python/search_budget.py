@@ -58,17 +58,11 @@ def main(argv=None):
 
 
 def plot(ax, rows):
-    for C in dict.fromkeys(r["context"] for r in rows):
-        rs = [r for r in rows if r["context"] == C]
-        keys = [k for k in rs[0] if k.startswith("nodes_")]
-        for k in keys:
-            ax.plot([r["batch"] for r in rs], [r[k] / r["plain_tok_s"] for r in rs], marker="o",
-                    label=f"{k.split('_')[1]} nodes, context {C}")
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("predicted tokens/s relative to plain decoding")
-    ax.legend(fontsize=6)
+    from report import plot_ratio_by_batch
+
+    keys = [k for k in rows[0] if k.startswith("nodes_")]
+    plot_ratio_by_batch(ax, rows, {f"{k.split('_')[1]} nodes": (lambda r, k=k: r[k] / r["plain_tok_s"]) for k in keys},
+                        "predicted tokens/s relative to plain decoding")
 
 
 if __name__ == "__main__":
