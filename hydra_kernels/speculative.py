@@ -2,7 +2,8 @@
 it calls only the Drafter protocol (drafters/protocol.py).
 
 budget (budget.py: the step's node count from the batch size and context; 1 = a plain step, the root
-alone, the drafter only catching up) -> propose (draft tokens + their tree: static or one per sequence) -> verify forward (tree attention) ->
+alone, the drafter only catching up) -> propose (draft tokens + their tree: static or one per sequence)
+-> verify forward (tree attention) ->
 acceptance (path, accept length, next root) -> commit_kv -> seqlens += accept length -> the drafter
 sees the committed tokens (host-side drafters also get their host copy: Drafter.observe_tokens). The
 host reads each step's accepted tokens once, to stream them and to stop on EOS / max_new_tokens.
@@ -12,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from . import ops
-from .emit import Emitter
 from .budget import StepBudget
 from .drafters.protocol import Proposal
+from .emit import Emitter
 from .sampling import filter_top_k_top_p
 from .tree import Tree
 
@@ -47,12 +48,13 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     drafting = tree.num_nodes  # the node budget the drafter's state drafts now (start: the full tree)
     root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
     while not emitter.all_done:
-        nodes = budget.nodes(B, max(host_seqlens))  # B: finished sequences still take their rows in the step
+        context = max(host_seqlens)  # host-side bound on every committed length
+        nodes = budget.nodes(B, context)  # B: finished sequences still take their rows in the step
         if nodes <= 1:
             drafter.skip_step(state, root, cache.seqlens)
             if greedy:  # a plain step as plain decoding runs it: no tree, no verify op, no commit copy
                 root = _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture,
-                                          host_seqlens, emitter, stats)
+                                          context, host_seqlens, emitter, stats)
                 continue
             prop = Proposal(root[:, None], root_only)  # sampling: verified as a root-only tree (the exact law)
         else:
@@ -62,7 +64,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             prop = drafter.propose(state, root, cache.seqlens)
         stats.step_nodes.append(nodes)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
-        kv_len = max(host_seqlens) + tr.num_nodes
+        kv_len = context + tr.num_nodes
         hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
                             backends=backends, capture=capture)  # [B, T, H]
         if capture is not None:  # the drafter's features: the captured layers' inputs [B, T, n * H]
@@ -110,14 +112,14 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                 active[b] = 0
 
 
-def _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture, host_seqlens,
-                       emitter: Emitter, stats) -> torch.Tensor:
+def _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture, context: int,
+                       host_seqlens: list[int], emitter: Emitter, stats) -> torch.Tensor:
     """One greedy plain step inside a speculative run (budget 1): the root alone through the model as
     plain decoding feeds it (Llama.step without a tree; the same rows and the same argmax path, so the
     same tokens), committed in place for the active sequences; the drafter sees its one accepted token.
     Returns the next root."""
     stats.step_nodes.append(1)
-    hidden = model.step(root[:, None], cache, kv_len=max(host_seqlens) + 1, backends=backends, capture=capture)
+    hidden = model.step(root[:, None], cache, kv_len=context + 1, backends=backends, capture=capture)
     hidden, feats = hidden if capture is not None else (hidden, hidden)  # [B, 1, H]; the drafter's features
     nxt = model.greedy_tokens(hidden[:, -1], backends)  # [B]
     n = active.clone()  # accept lengths: 1 per active sequence (active changes below; drafters may keep n)
