@@ -7,15 +7,18 @@ long_context_prompts), decoded greedily --new-tokens tokens by
 - speculative decoding with the drafter's default budget (its budget table for this device, when it has
   one: hydra_kernels/budget.py),
 - speculative decoding with its full tree every step (budget pinned), the behaviour before budget tables,
-in a rotating order, each call back to back. tok/s counts decode time only (prefill excluded), all
-sequences. Every speculative output is checked against plain decoding token for token (identical).
+in a rotating order, each call back to back, --reps rounds (each round rotates the order again); the
+figures are the medians over rounds, the ratios the medians of each round's ratio to plain (a round's
+variants ran back to back, so this VM's drift between rounds cancels). tok/s counts decode time only
+(prefill excluded), all sequences. Every speculative output is checked against plain decoding token for
+token (identical), in every round. --no-full-tree drops the third variant.
 
 Memory rates, plain decoding: weight GB/s = bytes of the weights one step reads / (step time - the
 attention's time), attention GB/s = K/V bytes one step reads / the attention's time, the latter timed
 alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, context C, one query row).
 
     python benchmarks/bench_scaling.py [--drafter DIR] [--batches 1 2 4 8 16] [--contexts short 2048 8000]
-        [--max-batch-long 4] [--new-tokens 64] [--ratio-reps 5] [--out benchmarks/results]
+        [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--no-full-tree] [--ratio-reps 5] [--out DIR]
 
 Last, plain batch-1 decoding of a short and a 2048-token prompt, interleaved --ratio-reps times: the
 share of its short-context speed decoding keeps at 2k context (medians).
@@ -105,6 +108,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--contexts", nargs="+", default=["short", "2048", "8000"])
     ap.add_argument("--max-batch-long", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=1, help="interleaved rounds per point (medians)")
+    ap.add_argument("--no-full-tree", action="store_true", help="skip the full-tree variant")
     ap.add_argument("--out", default=None, help="write scaling.csv / scaling.png there")
     ap.add_argument("--ratio-reps", type=int, default=5, help="interleaved reps of the plain short/long ratio")
     ap.add_argument("--ratio-context", type=int, default=2048)
@@ -125,22 +130,29 @@ def main(argv=None) -> list[dict]:
         prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions)
         full = drafter.resolve_tree(None, "cpu").num_nodes
         kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full)}
-        res = {}
-        for v in VARIANTS[i % 3:] + VARIANTS[: i % 3]:
-            res[v] = generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **kw[v])
-        plain = res["plain"]
+        variants = VARIANTS[:2] if args.no_full_tree else VARIANTS
+        runs = {v: [] for v in variants}  # variant -> one GenerateOutput per round
+        for rep in range(args.reps):
+            k = (i + rep) % len(variants)
+            for v in variants[k:] + variants[:k]:
+                runs[v].append(generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **kw[v]))
+        plain = runs["plain"]
         ctx = sum(map(len, prompts)) / B
         att = attention_seconds(model, B, int(ctx + args.new_tokens / 2))
-        step = plain.decode_s / max(1, plain.num_steps)
+        step = statistics.median(o.decode_s / max(1, o.num_steps) for o in plain)
         kv = B * (ctx + args.new_tokens / 2) * kvt
-        row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "plain_tok_s": plain.tokens_per_second}
+        row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps,
+               "plain_tok_s": statistics.median(o.tokens_per_second for o in plain)}
         for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full")):
-            o = res[v]
-            row[f"{name}_tok_s"] = o.tokens_per_second
-            row[f"{name}_ratio"] = o.tokens_per_second / plain.tokens_per_second
-            row[f"{name}_tokens_per_step"] = o.mean_accepted_tokens
-            row[f"{name}_identical"] = sum(a == b for a, b in zip(o.sequences, plain.sequences))
-        nodes = res[VARIANTS[1]].step_nodes
+            if v not in runs:
+                continue
+            outs = runs[v]
+            row[f"{name}_tok_s"] = statistics.median(o.tokens_per_second for o in outs)
+            row[f"{name}_ratio"] = statistics.median(o.tokens_per_second / p.tokens_per_second for o, p in zip(outs, plain))
+            row[f"{name}_tokens_per_step"] = statistics.median(o.mean_accepted_tokens for o in outs)
+            # sequences identical to plain decoding's, counted over every round
+            row[f"{name}_identical"] = sum(a == b for o, p in zip(outs, plain) for a, b in zip(o.sequences, p.sequences))
+        nodes = [n for o in runs[VARIANTS[1]] for n in o.step_nodes]
         row["default_mean_nodes"] = sum(nodes) / max(1, len(nodes))
         row["default_plain_step_share"] = sum(n == 1 for n in nodes) / max(1, len(nodes))
         row["weight_gb_s"] = W / max(step - att, 1e-9) / 1e9
@@ -152,7 +164,8 @@ def main(argv=None) -> list[dict]:
         print(f"plain decoding, batch 1, interleaved x{args.ratio_reps} (medians): short prompt {a:.1f} tok/s, "
               f"{args.ratio_context}-token prompt {b:.1f} tok/s: {b / a:.1%} of the short-context speed")
         rows[0]["plain_long_over_short"] = b / a  # kept in the CSV (first row)
-    bad = [r for r in rows if r["default_identical"] != r["batch"] or r["full_identical"] != r["batch"]]
+    bad = [r for r in rows if any(r.get(f"{n}_identical", r["batch"] * r["reps"]) != r["batch"] * r["reps"]
+                                  for n in ("default", "full"))]
     if bad:
         print(f"NOT LOSSLESS at {[(r['batch'], r['context']) for r in bad]}")
     if args.out:
@@ -161,8 +174,10 @@ def main(argv=None) -> list[dict]:
 
 
 def plot(ax, rows):
-    plot_ratio_by_batch(ax, rows, {"default budget": lambda r: r["default_ratio"], "full tree": lambda r: r["full_ratio"]},
-                        "tokens/s relative to plain decoding")
+    series = {"default budget": lambda r: r["default_ratio"]}
+    if "full_ratio" in rows[0]:
+        series["full tree"] = lambda r: r["full_ratio"]
+    plot_ratio_by_batch(ax, rows, series, "tokens/s relative to plain decoding (medians over rounds)")
 
 
 if __name__ == "__main__":
