@@ -167,3 +167,33 @@ def test_packed_drafter_copies_repack():
         tree = hk.tree.default_tree(6, depth=2)
         assert torch.equal(d2.draft(model, h, torch.tensor([1]), tree),
                            d2.draft(model, h, torch.tensor([1]), tree, "reference"))
+
+
+def test_mlp_speculator_drafts_on_the_packed_kernel(packed_model, monkeypatch):
+    """The MLPSpeculator's stages (proj, head) take the packed kernel in a CPU run: on bf16-valued weights
+    it ranks the same candidates as F.linear in fp32, and generate() through it stays lossless."""
+    import hydra_kernels.model.packed_linear as pl
+    from hydra_kernels.drafters.fit import pack_draft_linears
+
+    model = packed_model
+    d = hk.new_drafter(model, kind="mlp_speculator", n_predict=3, top_k_tokens_per_head=[3, 2, 2], n_candidates=5)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.normal_(0.0, 0.3)
+    d = to_bf16_values(d).eval()
+    h, root = torch.randn(3, model.config.hidden_size), torch.tensor([4, 17, 60])
+    with torch.no_grad():
+        pack_draft_linears(d, False)
+        want, want_scores = d.candidates(h, root)
+        pack_draft_linears(d, True)
+        calls = packed_calls(monkeypatch)
+        got, got_scores = d.candidates(h, root)
+    assert len(calls) == 6  # proj and head of each of the 3 stages
+    assert torch.equal(got, want)
+    assert_close_rel(got_scores, want_scores, RTOL[torch.float32], "candidate scores")
+    prompts = [[5, 9, 2, 44, 7], [3, 1]]
+    plain = generate(model, prompts, max_new_tokens=20)
+    pack_draft_linears(d, False)
+    calls.clear()
+    assert generate(model, prompts, drafter=d, max_new_tokens=20).sequences == plain.sequences
+    assert calls and all(isinstance(m, pl.Linear) and m.packed_on for m in (*d.proj, *d.head))

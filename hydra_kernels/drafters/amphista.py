@@ -50,8 +50,8 @@ from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, as_tree, default_tree, run_subtree
 from ..weight_cache import DerivedCache
 from .checkpoint import save_ours
-from .draft_heads import DRAFT_PACK_DTYPE, ResBlock
-from .fit import check_device_dtype, draft_vocab_ids, lm_head_rows
+from .draft_heads import ResBlock
+from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, lm_head_rows, pack_draft_linears
 from .protocol import Drafter, Proposal
 
 LM_HEADS = ("tied", "low_rank")
@@ -333,12 +333,10 @@ class AmphistaDrafter(Drafter):
         return self.token_ids(idx)
 
     def use_packed_cpu_weights(self, on: bool) -> None:
-        """The drafter's linears (and the tied LM-head slice) on the packed CPU kernel with bf16 panels."""
+        """Draft GEMVs on the packed CPU kernel with bf16 panels (fit.pack_draft_linears); the tied LM-head
+        rows follow `self.packed`."""
         self.packed = on
-        for m in self.modules():
-            if isinstance(m, Linear) and (m.packed_on != on or m.pack_dtype != DRAFT_PACK_DTYPE):
-                m.pack_dtype = DRAFT_PACK_DTYPE
-                m.pack_cpu(on)
+        pack_draft_linears(self, on)
 
     # ---- the run ----------------------------------------------------------------------------------
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> AmphistaState:

@@ -29,12 +29,9 @@ from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, as_tree, default_tree, run_subtree
 from ..weight_cache import DerivedCache
 from .config import DrafterConfig
-from .fit import check_device_dtype, draft_vocab_ids, lm_head_rows
+from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, lm_head_rows
 from .prefix import PrefixLayer
 from .protocol import Drafter
-
-# storage of the heads' packed CPU panels (fp32 accumulation); torch.float32 keeps fp32 weights (same kernel)
-DRAFT_PACK_DTYPE = torch.bfloat16
 
 
 def _draft_linear(in_features: int, out_features: int, bias: bool = True) -> Linear:

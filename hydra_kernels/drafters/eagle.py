@@ -32,13 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from ..model.kv_cache import KVCache
-from ..model.packed_linear import MAX_PACKED_ROWS, Linear
+from ..model.packed_linear import MAX_PACKED_ROWS
 from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, TreeBatch, as_tree, run_subtree
 from ..weight_cache import DerivedCache
-from .draft_heads import DRAFT_PACK_DTYPE
 from .eagle_layer import Eagle3Layer, EagleLayer
-from .fit import check_device_dtype, draft_vocab_ids
+from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal
 
 
@@ -248,14 +247,10 @@ class EagleDrafter(Drafter):
         return EagleState(model, backends, cache, tree, batch_size)
 
     def use_packed_cpu_weights(self, on: bool) -> None:
-        """Draft GEMVs on the packed CPU kernel with bf16 panels: a step streams the layer's weights
-        `depth` times and the LM-head rows once per depth, so half the bytes is most of the draft's
-        time; a draft's precision cannot change the output (the base model verifies)."""
+        """Draft GEMVs on the packed CPU kernel with bf16 panels (fit.pack_draft_linears); the tied LM-head
+        rows follow `self.packed`."""
         self.packed = on
-        for m in self.modules():
-            if isinstance(m, Linear) and (m.packed_on != on or m.pack_dtype != DRAFT_PACK_DTYPE):
-                m.pack_dtype = DRAFT_PACK_DTYPE
-                m.pack_cpu(on)
+        pack_draft_linears(self, on)
 
     def after_prefill(self, state: EagleState, hidden, lengths) -> None:
         state.pend_h, state.pend_n = hidden, lengths.long()

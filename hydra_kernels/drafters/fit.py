@@ -1,8 +1,13 @@
-"""What every drafter family with weights checks against its base model: its draft vocabulary, and that it
-lives on the model's device in the model's dtype."""
+"""What every drafter family with weights shares: the checks against its base model (its draft vocabulary,
+the model's device and dtype) and how its linears run on the packed CPU kernel."""
 from __future__ import annotations
 
 import torch
+
+from ..model.packed_linear import Linear
+
+# storage of the drafters' packed CPU panels (fp32 accumulation); torch.float32 keeps fp32 weights (same kernel)
+DRAFT_PACK_DTYPE = torch.bfloat16
 
 
 def draft_vocab_ids(draft_vocab, vocab_size: int, device=None) -> torch.Tensor | None:
@@ -30,3 +35,14 @@ def lm_head_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         s = w.index_select(0, ids)
         return s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
+
+
+def pack_draft_linears(drafter, on: bool) -> None:
+    """Every Linear of the drafter on the packed CPU kernel with bf16 panels (on), or back on F.linear. A
+    CPU drafting step is bound by reading weights (heads, a draft layer, the LM-head rows of the draft
+    vocabulary), so half the bytes is most of the draft's time; a draft's precision cannot change the
+    output (the base model verifies), only which guesses are proposed."""
+    for m in drafter.modules():
+        if isinstance(m, Linear) and (m.packed_on != on or m.pack_dtype != DRAFT_PACK_DTYPE):
+            m.pack_dtype = DRAFT_PACK_DTYPE
+            m.pack_cpu(on)

@@ -42,9 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.packed_linear import Linear
 from ..tree import Tree, TreeBatch
 from .checkpoint import save_ours
-from .fit import check_device_dtype, draft_vocab_ids
+from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal
 
 EPS = 1e-6  # fms LayerNormParameterized's default, used by the speculator's norms
@@ -177,9 +178,11 @@ class MLPSpeculatorDrafter(Drafter):
         Vd = cfg.draft_vocab_size or V
         shared = 1 if cfg.tie_weights else P
         self.emb = nn.ModuleList(nn.Embedding(V, I) for _ in range(shared))
-        self.proj = nn.ModuleList([nn.Linear(E, I, bias=False)] +
-                                  [nn.Linear(I, I, bias=False) for _ in range(min(shared, P - 1))])
-        self.head = nn.ModuleList(nn.Linear(I, Vd, bias=False) for _ in range(shared))
+        # nn.Linear's parameters; on a CPU run the stages' GEMVs take the packed kernel with bf16 panels
+        # (start): drafting reads every head's [Vd, inner] weight once per step, the bulk of its time
+        lin = lambda i, o: Linear(i, o, bias=False, pack_dtype=DRAFT_PACK_DTYPE)  # noqa: E731
+        self.proj = nn.ModuleList([lin(E, I)] + [lin(I, I) for _ in range(min(shared, P - 1))])
+        self.head = nn.ModuleList(lin(I, Vd) for _ in range(shared))
         self.ln = nn.ModuleList(SpeculatorNorm(I) for _ in range(shared))
         self.state_weight = 0.5 ** (0.5 / P)
         self.emb_weight = math.sqrt((1 - self.state_weight**2) * (I / 2))
@@ -268,6 +271,7 @@ class MLPSpeculatorDrafter(Drafter):
         return Tree([[r] + [0] * (d - 1) for r in range(c.n_candidates) for d in range(1, c.n_predict + 1)])
 
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> SpeculatorState:
+        pack_draft_linears(self, backends is not None and backends.packed_linear)  # None: fp32 F.linear (tests)
         return SpeculatorState(model.device)
 
     def after_prefill(self, state: SpeculatorState, hidden, lengths) -> None:
