@@ -162,10 +162,30 @@ def test_budget_levels_and_set_budget_draft_the_subtree(model):
         sub = tree.subtree(n)
         idx = [0] + [tree.choices.index(c) + 1 for c in sub.choices]
         assert torch.equal(d.draft(model, h, root, sub), full[:, idx])  # a subtree's tokens are the tree's
-    for name in ("mlp_speculator", "ngram", "lookahead"):
+    for name in ("ngram", "lookahead"):
         dd, t = make(model, name)
         bound = dd.resolve_tree(t, "cpu")
         assert dd.budget_levels(bound) == (1, bound.num_nodes)
+
+
+def test_mlp_speculator_budgets_keep_its_best_candidates(model):
+    """The MLPSpeculator's budgets: c * n_predict + 1 nodes for c = 1, 2, 4, ..., n_candidates; a budget
+    keeps the best c suffixes of the same scoring, so its proposal is a prefix of the full one's."""
+    d = randomised(hk.new_drafter(model, kind="mlp_speculator", n_predict=3, top_k_tokens_per_head=[3, 2, 2],
+                                  n_candidates=6), seed=4)
+    bound = d.resolve_tree(None, "cpu")
+    assert d.budget_levels(bound) == (1, 4, 7, 13, 19) and bound.num_nodes == 19
+    state = d.start(model, 2, 64, bound, model.backend_plan("reference"))
+    state.h = torch.randn(2, model.config.hidden_size)
+    root = torch.tensor([5, 9])
+    full, _ = d.candidates(state.h, root)
+    for nodes, c in ((4, 1), (7, 2), (12, 3), (13, 4), (19, None)):
+        d.set_budget(state, nodes)
+        assert state.n_candidates == c
+        prop = d.propose(state, root, torch.tensor([10, 10]))
+        assert prop.tokens.shape[1] <= nodes
+        cand, _ = d.candidates(state.h, root, state.n_candidates)
+        assert torch.equal(cand, full[:, : cand.shape[1]])
 
 
 def test_bad_budgets_are_refused_before_work(model, tmp_path):

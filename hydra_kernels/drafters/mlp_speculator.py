@@ -135,6 +135,7 @@ class SpeculatorState:
 
     device: torch.device
     h: torch.Tensor | None = None
+    n_candidates: int | None = None  # set_budget: fewer candidates than the config's (None: all)
 
 
 def candidate_trie(root: torch.Tensor, cand: torch.Tensor, trim: bool = False):
@@ -230,10 +231,11 @@ class MLPSpeculatorDrafter(Drafter):
         return index if self.draft_vocab is None else self.draft_vocab[index]
 
     @torch.no_grad()
-    def candidates(self, h: torch.Tensor, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fms' generate_suffixes: h [B, emb_dim], root [B] -> (the best n_candidates suffixes [B, n, P]
-        (token ids, best first), their summed log-probabilities [B, n] fp32)."""
+    def candidates(self, h: torch.Tensor, root: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fms' generate_suffixes: h [B, emb_dim], root [B] -> (the best n suffixes [B, n, P] (token ids,
+        best first; n: the config's n_candidates when None), their summed log-probabilities [B, n] fp32)."""
         cfg = self.config
+        n = cfg.n_candidates if n is None else n
         B = h.shape[0]
         state = self.input_state(h)[:, None, :]  # [B, K, .] with K = 1 prefix so far
         prev = root.long()[:, None]  # [B, K] each prefix's last token
@@ -248,7 +250,7 @@ class MLPSpeculatorDrafter(Drafter):
             toks = torch.cat([toks[:, :, None, :].expand(B, K, k, i), ids[..., None]], dim=3).reshape(B, K * k, i + 1)
             state = state[:, :, None, :].expand(B, K, k, state.shape[-1]).reshape(B, K * k, -1)
             prev = ids.reshape(B, K * k)
-        best = scores.topk(cfg.n_candidates, dim=1).indices  # [B, n], best first
+        best = scores.topk(n, dim=1).indices  # [B, n], best first
         return toks.gather(1, best[..., None].expand(-1, -1, cfg.n_predict)), scores.gather(1, best)
 
     # ---- the protocol --------------------------------------------------------------------------------
@@ -282,8 +284,20 @@ class MLPSpeculatorDrafter(Drafter):
         last = accepted_hidden[torch.arange(n.shape[0], device=n.device), (n - 1).clamp(min=0)]
         state.h = torch.where((n > 0)[:, None], last, state.h)  # a finished sequence keeps its state
 
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        """A plain step, then the bounds of c candidates (c * n_predict + 1 nodes) for c = 1, 2, 4, ... and
+        n_candidates: the best c suffixes of the same scoring (the stages' cost does not change with c)."""
+        P, n = self.config.n_predict, self.config.n_candidates
+        counts = sorted({min(2**i, n) for i in range(n.bit_length() + 1)})
+        return (1, *(c * P + 1 for c in counts))
+
+    def set_budget(self, state: SpeculatorState, nodes: int) -> None:
+        """Keep the most candidates whose trie fits `nodes` (c * n_predict + 1 <= nodes)."""
+        c = min(self.config.n_candidates, (nodes - 1) // self.config.n_predict)
+        state.n_candidates = None if c == self.config.n_candidates else c
+
     def propose(self, state: SpeculatorState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
-        cand, _ = self.candidates(state.h, root)
+        cand, _ = self.candidates(state.h, root, state.n_candidates)
         tokens, paths, T = candidate_trie(root, cand, trim=self.trim_cpu_trees and state.device.type == "cpu")
         return Proposal(tokens, TreeBatch.from_paths(paths, T))
 
