@@ -28,7 +28,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     prefill_hidden [B, L, H] (right-padded; for a drafter with feature_layers, the prefill's captured
     layer inputs [B, L, n * H]), root [B] (already emitted); backends: the run's
     BackendPlan. acceptance: "greedy" | "rejection" | "typical"; top_k / top_p shape the base
-    distribution of the sampling kinds. prompts: the host token lists. `stats.num_steps` counts
+    distribution of the sampling kinds. A proposal's draft_probs (sampled drafts) go to rejection
+    acceptance; greedy acceptance (exact for any draft) and typical acceptance (it judges p alone)
+    ignore them. prompts: the host token lists. `stats.num_steps` counts
     verify forwards, `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the
     full tree every step)."""
     B = root.shape[0]
@@ -36,6 +38,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     bidx = torch.arange(B, device=dev)[:, None]
     capture = drafter.feature_layers  # None: the drafter reads the final hidden states
     state = drafter.start(model, B, cache.max_seq_len, tree, backends)
+    drafter.use_generator(state, generator)  # a drafter that samples its drafts draws from the run's generator
     drafter.after_prefill(state, prefill_hidden, lengths)
     drafter.observe_tokens(state, [p + s[:1] for p, s in zip(prompts, emitter.sequences)])  # prompt + root
     active = torch.ones(B, dtype=torch.long, device=dev)
@@ -83,8 +86,10 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             v = ops.typical_accept(lse, ent, cl, samples, tr.paths, posterior_threshold=posterior_threshold,
                                    posterior_alpha=posterior_alpha, backend=backends["typical_accept"])
         elif acceptance == "rejection":  # exact: the emitted tokens follow the plain sampler's law
+            # sampled drafts (prop.draft_probs: the q each token was drawn from) accept with min(1, p/q)
             v = ops.rejection_verify(model.output(hidden), tokens, tr.paths, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, generator=generator, backend=backends["rejection_verify"])
+                                     top_p=top_p, generator=generator, draft_probs=prop.draft_probs,
+                                     backend=backends["rejection_verify"])
         else:
             logits, t = model.output(hidden), temperature  # [B, T, V]
             if filtered:  # typical acceptance judged on the same top-k / top-p distribution plain sampling uses

@@ -48,6 +48,41 @@ def test_draft_equals_node_by_node_brute_force(model, kind):
         assert torch.equal(tokens[:, i], expect[c]), f"node {c}"
 
 
+@pytest.mark.parametrize("kind,lm_head,draft_vocab", [("medusa", "per_head", False), ("medusa", "tied", True),
+                                                    ("hydra", "tied", True), ("hydra++", "shared", False)])
+def test_sampled_drafts_carry_the_heads_distributions(model, kind, lm_head, draft_vocab):
+    """draft_temperature > 0: node j's row of Proposal.draft_probs is softmax(head logits / draft_temperature)
+    at j's parent (over the whole vocabulary, 0 outside a draft vocabulary), the distribution j's token was
+    drawn from; siblings share it; a seeded generator repeats the draws."""
+    dv = torch.arange(1, model.config.vocab_size, 2) if draft_vocab else None
+    d = randomise(hk.new_drafter(model, kind=kind, num_heads=3, num_layers=2, lm_head=lm_head, draft_vocab=dv), 1)
+    d.draft_temperature = 0.7
+    tree = hk.tree.default_tree(15, depth=3)
+    B = 2
+    h = torch.randn(B, 72, generator=torch.Generator().manual_seed(2))
+    root, seqlens = torch.tensor([5, 17]), torch.tensor([4, 4], dtype=torch.int32)
+
+    def propose(seed):
+        state = d.start(model, B, 32, tree, model.backend_plan("reference"))
+        d.use_generator(state, torch.Generator().manual_seed(seed))
+        state.h = h
+        return d.propose(state, root, seqlens)
+
+    prop = propose(0)
+    tokens, q = prop.tokens, prop.draft_probs  # [B, T], [B, T, V]
+    assert q.shape == (B, tree.num_nodes, model.config.vocab_size)
+    assert torch.equal(propose(0).tokens, tokens) and not torch.equal(propose(1).tokens, tokens)
+    ids = d.token_ids(torch.arange(d.config.draft_vocab_size or d.vocab_size))  # draft index -> token id
+    for j, c in enumerate(tree.choices, start=1):  # node j's path of ranks c
+        parent, depth = int(tree.parents[j]), len(c) - 1  # head index
+        path = tree.ancestors[parent, : depth + 1]  # root .. parent
+        x = h if kind == "medusa" else torch.cat([h] + [model.tok_embeddings(tokens[:, a]) for a in path], dim=-1)
+        expect = torch.zeros(B, q.shape[-1]).index_copy(1, ids, (d.logits(model, depth, x).float() / 0.7).softmax(-1))
+        assert_close_rel(q[:, j], expect, 1e-5, f"node {c}")
+        assert (q[:, j].gather(1, tokens[:, j, None]) > 0).all()
+    assert q[:, 0].abs().sum() == 0  # the root is not drawn
+
+
 @pytest.mark.parametrize("kind,lm_head", [("medusa", "per_head"), ("hydra", "tied"), ("hydra++", "shared")])
 def test_our_format_round_trip(model, tmp_path, kind, lm_head):
     d = randomise(hk.new_drafter(model, kind=kind, num_heads=2, num_layers=3, lm_head=lm_head, lm_head_bias=True), 3)

@@ -81,6 +81,33 @@ def test_packed_draft_equals_reference_draft(packed_model, kind, lm_head, B, mon
             assert torch.equal(d.candidates(model, h, tree, model.backend_plan()), d.candidates(model, h, tree, model.backend_plan("reference")))
 
 
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_packed_sampled_drafts_equal_reference_sampled_drafts(packed_model, kind, monkeypatch):
+    """draft_temperature > 0 on the packed plan: the heads' distributions (the tied draft-vocabulary slice
+    on the packed kernel) match the reference plan's, and the same seed draws the same tokens."""
+    model = packed_model
+    d = drafter_for(model, kind, "tied")
+    d.draft_temperature = 0.8
+    tree = hk.tree.default_tree(15, depth=3)
+    h = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    root, seqlens = torch.tensor([4, 9, 1]), torch.tensor([5, 5, 5], dtype=torch.int32)
+    calls = packed_calls(monkeypatch)
+
+    def propose(backend):
+        state = d.start(model, 3, 32, tree, model.backend_plan(backend))
+        d.use_generator(state, torch.Generator().manual_seed(7))
+        state.h = h
+        return d.propose(state, root, seqlens)
+
+    with torch.no_grad():
+        ref = propose("reference")
+        assert not calls
+        got = propose(None)  # auto on a packed CPU model: the packed path
+        assert calls
+    assert torch.equal(got.tokens, ref.tokens)
+    assert_close_rel(got.draft_probs, ref.draft_probs, RTOL[torch.float32], "packed draft distributions")
+
+
 def test_packed_heads_compute_the_head_logits(packed_model):
     """Head outputs and logits of the packed path against Drafter.logits, to fp32 accuracy."""
     model = packed_model

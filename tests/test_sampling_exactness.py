@@ -10,14 +10,23 @@ from the chi-square tail).
 
 Significance: family-wise alpha = 1e-3 over the positive settings, Bonferroni-corrected (each passes at
 p > 1e-3 / m). Seeds are fixed, so every run sees the same samples. The harness has power: typical
-acceptance, and a rejection sampler that draws the next root from p instead of the residual (rejected
-children not removed: the classic bug), are refused by the same test at p < 1e-6 each.
+acceptance, a rejection sampler that draws the next root from p instead of the residual (rejected
+children not removed: the classic bug), and, for sampled drafts, the min(1, p/q) rule with the residual
+left at r after a rejection (q not subtracted) are refused by the same test at p < 1e-6 each.
 
 Drafters: fresh Medusa / Hydra / Hydra++ heads with randomised weights (drafts away from the base
 argmax, so acceptance and rejection both happen at every depth), a static tree with siblings at two
 depths, and a test drafter proposing a random tree per sequence per step (TreeBatch, ragged, repeated
 sibling tokens); settings with top-k, top-p, a batch of two different prompts, and a node budget that
 changes with the context (the full tree, then a plain step: hydra_kernels/budget.py).
+
+Sampled drafts (kinds "sampled-..."; ops.rejection_verify's min(1, p/q) rule): the head drafters with
+draft_temperature > 0 (children drawn i.i.d. from the head's softmax), the combined drafter over them
+(n-gram nodes as one-hot rows beside sampled siblings), and a test drafter proposing random per-sequence
+trees whose every node draws its token from its own random q (a sparse one, its parent's shared row:
+i.i.d. siblings, or a one-hot row: a deterministic child among sampled ones). The deterministic rule on
+sampled drafts (draft_probs dropped) is exact too (its proof conditions on the drafted tokens), only
+less often accepting: a positive setting, not a negative control.
 """
 from __future__ import annotations
 
@@ -26,7 +35,8 @@ import torch
 
 import hydra_kernels as hk
 from hydra_kernels import ops
-from hydra_kernels.drafters import Drafter, Proposal
+from hydra_kernels.drafters import CombinedDrafter, Drafter, Proposal
+from hydra_kernels.ops import reference
 from hydra_kernels.generate import generate
 from hydra_kernels.sampling import sampling_probs
 from hydra_kernels.tree import TreeBatch
@@ -39,6 +49,7 @@ FAMILY_ALPHA = 1e-3
 NEGATIVE_P = 1e-6  # a negative control must be refused at least this clearly
 PROMPTS = ([3, 1, 4, 1, 5], [2, 7])
 TREE = hk.Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # siblings at depths 1 and 2, depth 3
+DRAFT_TEMPERATURE = {"medusa": 1.0, "hydra": 0.7, "hydra++": 1.3}  # the sampled head drafters' q temperatures
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +107,28 @@ class RandomTreeDrafter(Drafter):
         return Proposal(tokens, TreeBatch(parents, valid))
 
 
+class RandomSampledTreeDrafter(RandomTreeDrafter):
+    """RandomTreeDrafter's trees, tokens drawn from q: node j's row is, at random, its parent's shared row
+    (i.i.d. siblings), a row of its own, or a one-hot row (a deterministic draft); rows are sparse
+    (about half the vocabulary at 0), so p > 0 = q and q > 0 = p both occur."""
+
+    kinds = ("test-random-sampled-trees",)
+
+    def propose(self, gen, root, seqlens):
+        B, T = root.shape[0], 7
+        tree = RandomTreeDrafter.propose(self, gen, root, seqlens).tree
+        own = torch.rand(B, T, V, generator=gen) ** 2 * (torch.rand(B, T, V, generator=gen) < 0.5)
+        own[..., 0] += (own.sum(-1) == 0)  # never an empty row
+        shared = own.gather(1, tree.parents.clamp(min=0)[:, :, None].expand(B, T, V))  # the parent's row
+        one_hot = torch.nn.functional.one_hot(torch.randint(V, (B, T), generator=gen), V).float()
+        kind = torch.randint(3, (B, T, 1), generator=gen)
+        q = torch.where(kind == 0, shared, torch.where(kind == 1, own, one_hot))
+        q = q / q.sum(-1, keepdim=True)
+        tokens = torch.multinomial(q.view(-1, V), 1, generator=gen).view(B, T)
+        tokens[:, 0] = root
+        return Proposal(tokens, tree, draft_probs=q)
+
+
 def exact_law(model, prompt, temperature, top_k, top_p):
     """P(t1, t2, t3) over all V^3 continuations: [V, V, V]."""
     cont = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # [V^2, 2]: (t1, t2)
@@ -134,7 +167,8 @@ def sample(model, drafter, prompts, temperature, top_k, top_p, acceptance, seed=
     """N sequences, prompts cycled through the batch -> (out, {prompt index: histogram})."""
     batch = [prompts[i % len(prompts)] for i in range(N)]
     auto = drafter is not None and bool(drafter.budget_tables)
-    out = generate(model, batch, drafter=drafter, tree=TREE if getattr(drafter, "num_heads", 0) else None,
+    static = getattr(drafter, "num_heads", 0) or isinstance(drafter, CombinedDrafter)  # head drafters: TREE
+    out = generate(model, batch, drafter=drafter, tree=TREE if static else None,
                    budget="auto" if auto else None,
                    max_new_tokens=NEW, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                    acceptance=acceptance if drafter is not None else None, eos_token_id=[], backend="reference")
@@ -154,13 +188,30 @@ SETTINGS = {  # name: (drafter kind or None (plain sampling), temperature, top_k
     "per-sequence-trees-top_k-top_p": ("random-trees", 1.0, 5, 0.9, 1),
     "hydra-batch-2-prompts": ("hydra", 0.8, 0, 1.0, 2),
     "hydra-varying-budget": ("hydra-budget", 0.8, 0, 1.0, 1),  # the full tree, then a plain step
+    "sampled-medusa": ("sampled-medusa", 0.8, 0, 1.0, 1),
+    "sampled-hydra-top_k": ("sampled-hydra", 0.8, 4, 1.0, 1),
+    "sampled-hydra++-top_p": ("sampled-hydra++", 1.0, 0, 0.8, 1),
+    "sampled-hydra-batch-2-prompts": ("sampled-hydra", 0.8, 0, 1.0, 2),
+    "sampled-combined-ngram-hydra": ("sampled-combined", 0.8, 0, 1.0, 1),
+    "sampled-per-sequence-trees-batch-2-prompts": ("sampled-random-trees", 0.8, 0, 1.0, 2),
+    "sampled-per-sequence-trees-top_k-top_p": ("sampled-random-trees", 1.0, 5, 0.9, 1),
 }
-M = sum(n for *_, n in SETTINGS.values())  # number of G-tests among the positive settings
+DETERMINISTIC_RULE_ON_SAMPLED = ("sampled-hydra", 0.8, 0, 1.0, 1)  # draft_probs dropped: still exact
+M = sum(n for *_, n in SETTINGS.values()) + 1  # number of G-tests among the positive settings
 
 
 def make_drafter(model, kind):
     if kind is None:
         return None
+    if kind == "sampled-random-trees":
+        return RandomSampledTreeDrafter()
+    if kind == "sampled-combined":  # n-gram nodes (deterministic) beside sampled Hydra nodes under the root
+        heads = make_drafter(model, "sampled-hydra")
+        return hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads])
+    if kind.startswith("sampled-"):
+        d = make_drafter(model, kind[len("sampled-"):])
+        d.draft_temperature = DRAFT_TEMPERATURE[kind[len("sampled-"):]]
+        return d
     if kind == "hydra-budget":  # the node budget changes with the context at every position (budget.py)
         from hydra_kernels.budget import BudgetTable, tree_key
 
@@ -198,9 +249,10 @@ def test_residual_bug_is_refused_by_the_same_test(model, monkeypatch):
     not removed) over-weights drafted tokens; the same test must catch it."""
     exact = ops.rejection_verify
 
-    def biased(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=1.0, generator=None, backend="auto"):
+    def biased(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=1.0, generator=None, draft_probs=None,
+               backend="auto"):
         v = exact(logits, tree_tokens, paths, temperature=temperature, top_k=top_k, top_p=top_p,
-                  generator=generator, backend=backend)
+                  generator=generator, draft_probs=draft_probs, backend=backend)
         p_last = sampling_probs(logits[torch.arange(logits.shape[0]), v.last_node], temperature, top_k, top_p)
         return v._replace(next_root=torch.multinomial(p_last, 1, generator=generator)[:, 0])
 
@@ -209,3 +261,28 @@ def test_residual_bug_is_refused_by_the_same_test(model, monkeypatch):
     p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
     print(f"residual bug: G-test p = {p:.3g}")
     assert p < NEGATIVE_P, f"the residual bug passed the exactness test (p = {p:.2e}): the harness has no power"
+
+
+def test_deterministic_rule_on_sampled_drafts_is_exact_too(model, monkeypatch):
+    """Sampled Hydra drafts verified without their draft_probs: the deterministic rule, exact for any draft
+    drawn independently of the step's acceptance draws; it accepts less often than min(1, p/q)."""
+    kind, temperature, top_k, top_p, _ = DETERMINISTIC_RULE_ON_SAMPLED
+    exact = ops.rejection_verify
+    monkeypatch.setattr(ops, "rejection_verify", lambda *a, draft_probs=None, **k: exact(*a, **k))
+    out, hists = sample(model, make_drafter(model, kind), PROMPTS[:1], temperature, top_k, top_p, "rejection")
+    p = g_test(hists[0], exact_law(model, PROMPTS[0], temperature, top_k, top_p))
+    print(f"deterministic rule on sampled drafts: G-test p = {p:.3g}")
+    assert p > FAMILY_ALPHA / M, f"G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
+    monkeypatch.setattr(ops, "rejection_verify", exact)
+    out_q, _ = sample(model, make_drafter(model, kind), PROMPTS[:1], temperature, top_k, top_p, "rejection")
+    assert out_q.mean_accepted_tokens > out.mean_accepted_tokens  # what min(1, p/q) buys
+
+
+def test_sampled_drafts_without_subtracting_q_are_refused_by_the_same_test(model, monkeypatch):
+    """Negative control for the min(1, p/q) rule: after a rejected draw the residual stays r instead of
+    max(r - q, 0) renormalised; the emitted token then over-weights what q and p share."""
+    monkeypatch.setattr(reference, "_residual_after_rejection", lambda r, q: r)
+    _, hists = sample(model, make_drafter(model, "sampled-medusa"), PROMPTS[:1], 0.8, 0, 1.0, "rejection")
+    p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
+    print(f"q not subtracted: G-test p = {p:.3g}")
+    assert p < NEGATIVE_P, f"the unsubtracted residual passed the exactness test (p = {p:.2e}): no power"

@@ -6,7 +6,9 @@ Every step, per sequence, both drafts hang under the shared root: the trained dr
 suffix >= strong_match tokens) the n-gram continuation takes nodes first and the heads' tree gets what is
 left, else the heads' tree comes first. Either part is cut to a prefix of its nodes (both keep every
 parent before its children, so a prefix is a valid subtree). Verification is the base model's, so greedy
-output stays exactly plain greedy decoding's.
+output stays exactly plain greedy decoding's. Heads with sampled drafts (draft_temperature > 0): their
+nodes keep their draft distributions and an n-gram node gets its token's one-hot row (a deterministic
+draft), so rejection acceptance stays exact where both kinds are siblings under the root.
 
 The heads' tokens stay on the device; the n-gram tokens (host) join them in one copy and one gather.
 """
@@ -16,6 +18,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..tree import Tree, TreeBatch
 from .checkpoint import FORMAT
@@ -90,6 +93,10 @@ class CombinedDrafter(Drafter):
                              self.heads.start(model, batch_size, max_seq_len, ht, backends),
                              ht.parents.tolist(), budget, model.device)
 
+    def use_generator(self, state: CombinedState, generator) -> None:
+        self.ngram.use_generator(state.ngram, generator)
+        self.heads.use_generator(state.heads, generator)
+
     def after_prefill(self, state: CombinedState, hidden, lengths) -> None:
         self.ngram.after_prefill(state.ngram, hidden, lengths)
         self.heads.after_prefill(state.heads, hidden, lengths)
@@ -136,9 +143,14 @@ class CombinedDrafter(Drafter):
             src[b, : len(src_lists[b])] = torch.tensor(src_lists[b])
             ng[b, : len(ng_tokens[b]) - 1] = torch.tensor(ng_tokens[b][1:], dtype=torch.long)
         dev = state.device
-        tokens = torch.cat([hp.tokens, ng.to(dev, non_blocking=True)], 1).gather(1, src.to(dev, non_blocking=True))
+        ng, src = ng.to(dev, non_blocking=True), src.to(dev, non_blocking=True)
+        tokens = torch.cat([hp.tokens, ng], 1).gather(1, src)
         tree = TreeBatch.from_parent_lists(par_lists)  # built on the CPU: no device read-back
-        return Proposal(tokens, tree if dev.type == "cpu" else tree.to(dev))
+        draft_probs = None
+        if hp.draft_probs is not None:  # sampled heads: their rows, and an n-gram node's one-hot (deterministic) row
+            q = torch.cat([hp.draft_probs, F.one_hot(ng, hp.draft_probs.shape[-1]).to(hp.draft_probs.dtype)], 1)
+            draft_probs = q[torch.arange(B, device=dev)[:, None], src]  # [B, T, V]
+        return Proposal(tokens, tree if dev.type == "cpu" else tree.to(dev), draft_probs=draft_probs)
 
     def save(self, path, dtype: torch.dtype | None = None) -> None:
         """config.json (kind "combined", node_budget, strong_match) + the parts in ngram/ and heads/."""

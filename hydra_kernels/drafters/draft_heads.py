@@ -6,6 +6,12 @@ families differ only in a head's input: Medusa's head sees h, the drafter's hidd
 committed position; Hydra's sees cat(h, E(root), E(x1), ..., E(x_d)). Hydra++ adds a prefix decoder
 layer that turns the base model's hidden states into h (drafters/prefix.py).
 
+Drafts are deterministic by default: a node's children are its head's top-k guesses, child of rank r
+the r-th best. With draft_temperature > 0 they are sampled instead: a node with k child slots gets k
+draws, i.i.d. with replacement, from q = softmax(head logits / draft_temperature), and the proposal
+carries q for each drafted node (Proposal.draft_probs), so that rejection acceptance accepts with
+min(1, p/q) (ops.rejection_verify). The tree's shape stays the static one: rank r now names draw r.
+
 On the CPU (a run whose BackendPlan has packed_linear) the heads' Linear layers and the tied LM-head
 slice run the native packed small-M kernel with bf16 panels, the way model/packed_linear.py runs the
 base model: a CPU drafting step is bound by reading weights (a Hydra head's first block is 2.7-6.6 MB
@@ -16,6 +22,8 @@ model's); it can only change which guesses are proposed (the heads train under b
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +113,8 @@ class HeadState:
     h: torch.Tensor | None = None
     full_tree: Tree | None = None  # the run's tree; `tree` is it or a subtree of it (set_budget)
     subtrees: dict = field(default_factory=dict)
+    draft_temperature: float = 0.0  # the drafter's at start(): 0 = top-k drafts, > 0 = sampled drafts
+    generator: torch.Generator | None = None  # the draws of sampled drafts (use_generator)
 
 
 class HeadDrafter(Drafter):
@@ -125,6 +135,7 @@ class HeadDrafter(Drafter):
         self._tied_slice = DerivedCache()  # the base LM head's rows of the draft vocabulary
         self._tied_packed = DerivedCache()  # the same rows packed for the CPU kernel
         self.trees: dict[str, Tree] = {}
+        self._draft_temperature = 0.0
 
     @property
     def kind(self) -> str:
@@ -137,6 +148,19 @@ class HeadDrafter(Drafter):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def draft_temperature(self) -> float:
+        """0 (default): each node's children are its head's top-k guesses. > 0: they are drawn i.i.d.
+        (with replacement) from softmax(head logits / draft_temperature), and proposals carry those
+        distributions (Proposal.draft_probs). A run-time choice, read at start(), not saved."""
+        return self._draft_temperature
+
+    @draft_temperature.setter
+    def draft_temperature(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"draft_temperature must be a finite number >= 0 (0: top-k drafts), got {value!r}")
+        self._draft_temperature = float(value)
 
     @property
     def hidden_size(self) -> int:
@@ -179,7 +203,12 @@ class HeadDrafter(Drafter):
         self.use_packed_cpu_weights(backends.packed_linear)
         cache = self.prefix.new_cache(batch_size, max_seq_len, model) if self.prefix is not None else None
         tree = tree.to(model.device)
-        return HeadState(model, backends, tree, cache, full_tree=tree)
+        return HeadState(model, backends, tree, cache, full_tree=tree, draft_temperature=self.draft_temperature)
+
+    def use_generator(self, state: HeadState, generator: torch.Generator | None) -> None:
+        if state.draft_temperature > 0:  # at temperature 0 (greedy: exact for any draft) a fixed seed
+            state.generator = generator if generator is not None else \
+                torch.Generator(device=state.model.device).manual_seed(0)
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         return tuple(range(1, tree.num_nodes + 1))  # any subtree (Tree.subtree): heads draft per node
@@ -243,16 +272,42 @@ class HeadDrafter(Drafter):
         lm = self.heads[head].lm_head or self.shared_lm_head
         if lm is not None:
             idx = lm(hidden).topk(k, dim=-1).indices
-        elif (backends.packed_linear and hidden.is_cpu and hidden.dtype is torch.float32 and not torch.is_grad_enabled()
-              and hidden.numel() <= MAX_PACKED_ROWS * hidden.shape[-1]):  # the rule of model/packed_linear.Linear
-            w = self.tied_lm_weight(model)
-            panels = self._tied_packed.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
-                                           extra=(DRAFT_PACK_DTYPE,))
-            logits = packed_linear(hidden, panels, w.shape[0])
+        elif self._packed_tied(hidden, backends):
+            logits = self._packed_tied_logits(model, hidden)
             idx = logits.argmax(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
         else:
             idx = ops.lm_head_topk(hidden, self.tied_lm_weight(model), k, backend=backends["lm_head_topk"])[1]
         return self.token_ids(idx)
+
+    def head_draws(self, model, head: int, hidden: torch.Tensor, k: int, state: HeadState):
+        """Head output [..., H] -> (token ids [..., k] drawn i.i.d. with replacement from
+        q = softmax(logits / state.draft_temperature), q fp32 [..., V] over the whole vocabulary (0
+        outside the draft vocabulary)). Draws from state.generator."""
+        lm = self.heads[head].lm_head or self.shared_lm_head
+        if lm is not None:
+            logits = lm(hidden)
+        elif self._packed_tied(hidden, state.backends):
+            logits = self._packed_tied_logits(model, hidden)
+        else:
+            logits = F.linear(hidden, self.tied_lm_weight(model))
+        q = (logits.float() / state.draft_temperature).softmax(dim=-1)  # [..., Vd]
+        idx = torch.multinomial(q.reshape(-1, q.shape[-1]), k, replacement=True, generator=state.generator)
+        idx = self.token_ids(idx.view(*q.shape[:-1], k))
+        if self.draft_vocab is not None:  # draft-vocabulary columns -> their token ids' columns
+            q = q.new_zeros(*q.shape[:-1], self.vocab_size).scatter_(-1, self.draft_vocab.expand_as(q), q)
+        return idx, q
+
+    def _packed_tied(self, hidden: torch.Tensor, backends) -> bool:
+        """Does the tied LM head run the packed CPU kernel on `hidden`? (the rule of model/packed_linear.Linear)"""
+        return (backends.packed_linear and hidden.is_cpu and hidden.dtype is torch.float32
+                and not torch.is_grad_enabled() and hidden.numel() <= MAX_PACKED_ROWS * hidden.shape[-1])
+
+    def _packed_tied_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied LM-head slice on packed CPU weights: hidden [..., H] -> logits [..., Vd]."""
+        w = self.tied_lm_weight(model)
+        panels = self._tied_packed.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
+                                       extra=(DRAFT_PACK_DTYPE,))
+        return packed_linear(hidden, panels, w.shape[0])
 
     # ---- our checkpoint format --------------------------------------------------------------------
     @classmethod

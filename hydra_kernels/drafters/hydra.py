@@ -1,7 +1,8 @@
 """Hydra and Hydra++: sequentially dependent heads. Head d sees cat(h, E(root), E(x1), ..., E(x_d)):
 h first, then the input embeddings of the path from the root to the node it extends, so the tree is
 drafted depth by depth, each depth's nodes in one head call. Hydra++ adds a prefix decoder layer over
-the base model's hidden states (drafters/prefix.py) and deeper heads.
+the base model's hidden states (drafters/prefix.py) and deeper heads. Sampled drafts
+(draft_temperature > 0): a parent's children are i.i.d. draws from its head's q at that parent.
 
 Original format (github.com/zankner/Hydra): config.json with hydra_num_heads, hydra_num_layers,
 hydra_head_arch ("mlp" | "prefix-mlp"), grounded_heads; hydra_lm_head.pt holding
@@ -43,18 +44,31 @@ class HydraDrafter(HeadDrafter):
     def _draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends) -> torch.Tensor:
         """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root). One head call per depth for every
         node that has children; children take their rank's token of the parent's top-k."""
+        return self._tokens(model, h, root, tree, backends)[0]
+
+    def _tokens(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends, state: HeadState | None = None):
+        """_draft's walk -> (tokens [B, T], draft_probs). state with draft_temperature > 0: child of rank
+        r takes draw r of k i.i.d. draws from the head's q at its parent, and draft_probs fp32 [B, T, V]
+        holds that q in the child's row (the root's: 0); else top-k drafts and draft_probs None."""
         B = h.shape[0]
         tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
         tokens[:, 0] = root
+        sampled = state is not None and state.draft_temperature > 0
+        probs = h.new_zeros(B, tree.num_nodes, self.vocab_size, dtype=torch.float32) if sampled else None
         for d, plan in enumerate(tree.plans):
             path = tree.ancestors[plan.parents, : d + 1]  # [n_parents, d+1] node ids, root first
             hidden = self.heads[d].infer(self.first_block(model, d, h, tokens[:, path], backends), backends, first=1)
-            top = self.head_topk(model, d, hidden, plan.topk, backends)  # [B, n_parents, k]
+            if sampled:
+                top, q = self.head_draws(model, d, hidden, plan.topk, state)  # [B, n_parents, k], [B, n_parents, V]
+                probs[:, plan.children] = q[:, plan.child_slot]
+            else:
+                top = self.head_topk(model, d, hidden, plan.topk, backends)  # [B, n_parents, k]
             tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
-        return tokens
+        return tokens, probs
 
     def propose(self, state: HeadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
-        return Proposal(self._draft(state.model, state.h, root, state.tree, state.backends), state.tree)
+        tokens, draft_probs = self._tokens(state.model, state.h, root, state.tree, state.backends, state)
+        return Proposal(tokens, state.tree, draft_probs=draft_probs)
 
     # ---- the original Hydra format ----------------------------------------------------------------
     @staticmethod

@@ -1,6 +1,9 @@
 """Medusa: independent heads. Head d sees only h (the drafter's hidden state at the last committed
 position) and proposes depth d+1's tokens, the same for every parent, so all depths are drafted at
-once and the tree's tokens are gathered from the per-depth top-k lists on the device.
+once and the tree's tokens are gathered from the per-depth top-k lists on the device. Sampled drafts
+(draft_temperature > 0): depth d+1's list holds k i.i.d. draws from head d's q instead, shared by
+every parent at depth d like the top-k list (a node's children are distinct draws; a walk tries the
+children of one node per depth, so the sharing never makes a tried child depend on another).
 
 Original format (github.com/FasterDecoding/Medusa, and vLLM's layout of it): config.json with
 medusa_num_heads, medusa_num_layers; medusa_lm_head.(pt|safetensors) holding
@@ -38,10 +41,25 @@ class MedusaDrafter(HeadDrafter):
 
     def propose(self, state: HeadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         tree = state.tree
-        cand = self.candidates(state.model, state.h, tree, state.backends)
+        if state.draft_temperature > 0:
+            cand, draft_probs = self.sampled_candidates(state, tree)
+        else:
+            cand, draft_probs = self.candidates(state.model, state.h, tree, state.backends), None
         tokens, positions = ops.tree_inputs(root, cand, tree.flat_source, tree.depths, seqlens,
                                             backend=state.backends["tree_inputs"])
-        return Proposal(tokens, tree, positions)
+        return Proposal(tokens, tree, positions, draft_probs)
+
+    def sampled_candidates(self, state: HeadState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every depth's k i.i.d. draws from its head's q, concatenated: [B, sum of k] (laid out as
+        candidates()), and draft_probs fp32 [B, T, V]: row t = q of node t's depth (row 0, the root: 0)."""
+        B, V = state.h.shape[0], self.vocab_size
+        q = state.h.new_zeros(B, tree.depth + 1, V, dtype=torch.float32)  # [B, D+1, V]: q of depth d's nodes
+        draws = []
+        for d, plan in enumerate(tree.plans):
+            x, q_d = self.head_draws(state.model, d, self.heads[d].infer(state.h, state.backends), plan.topk, state)
+            draws.append(x)  # [B, k]
+            q[:, d + 1] = q_d  # [B, V]
+        return torch.cat(draws, dim=1), q[:, tree.depths]
 
     # ---- the original Medusa format ---------------------------------------------------------------
     @staticmethod

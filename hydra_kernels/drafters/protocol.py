@@ -5,6 +5,7 @@ implements these methods, plus its registry entry (drafters/registry.py). The lo
 
     tree  = drafter.resolve_tree(tree_arg, device_type)     # before any work: validated, bounds the KV rows
     state = drafter.start(model, B, max_seq_len, tree, backends)
+    drafter.use_generator(state, generator)       # the run's torch.Generator (None at temperature 0)
     drafter.after_prefill(state, hidden [B, L, H], lengths [B])          # or [B, L, n*H]: see feature_layers
     loop:  drafter.set_budget(state, n)                 # only when the step's node budget changes (budget.py)
            p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
@@ -30,11 +31,19 @@ class Proposal(NamedTuple):
     """One step's draft. tokens int64 [B, T], node 0 = the root (the token the base model already
     chose); tree: a static Tree shared by the batch or a TreeBatch (a tree per sequence, padded to
     T); positions int64 [B, T] = seqlens[b] + depth, when the drafter built them on the device (else
-    the model derives them from the tree's depths)."""
+    the model derives them from the tree's depths).
+
+    draft_probs fp32 [B, T, V] or None: for sampled drafts, row j is the distribution node j's token
+    was drawn from (children drawn i.i.d. from their parent's draft distribution share one row; a
+    deterministic child among them is its token's one-hot row; the root's and padded nodes' rows are
+    ignored). Rejection acceptance then accepts with min(1, p/q) (ops.rejection_verify), which accepts
+    more than the deterministic rule when q is close to p; None: deterministic drafts. Greedy
+    acceptance is exact for any draft and typical acceptance judges p alone: both ignore it."""
 
     tokens: torch.Tensor
     tree: Tree | TreeBatch
     positions: torch.Tensor | None = None
+    draft_probs: torch.Tensor | None = None
 
 
 class Drafter(nn.Module):
@@ -70,6 +79,11 @@ class Drafter(nn.Module):
         """hidden [B, L, H]: the base model's final-normed states of the right-padded prompts (or the
         captured layers' inputs [B, L, n * H] when feature_layers is set); lengths [B]."""
         raise NotImplementedError
+
+    def use_generator(self, state, generator: torch.Generator | None) -> None:
+        """The run's torch.Generator (seeded by generate's `seed`; None at temperature 0), given once after
+        start(): a drafter that samples its drafts draws from it, so one seed fixes the whole run (the
+        draft draws come before the step's acceptance draws). Default: nothing (deterministic drafts)."""
 
     def propose(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         """root int64 [B] (the base model's next token, at position seqlens[b]); seqlens int32 [B] the

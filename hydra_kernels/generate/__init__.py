@@ -87,7 +87,9 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     emits exactly the plain greedy tokens; "rejection" (temperature > 0) is recursive rejection sampling
     over the tree, its tokens distributed exactly as plain sampling with the same temperature / top_k /
     top_p; "typical" (temperature > 0, posterior_threshold / posterior_alpha, judged on the top_k / top_p
-    distribution) is Medusa's typical acceptance, not distribution-preserving.
+    distribution) is Medusa's typical acceptance, not distribution-preserving. Head drafters with
+    drafter.draft_temperature > 0 sample their drafts (each node's children i.i.d. from the head's
+    softmax, drawn from the run's seeded generator); "rejection" then accepts with min(1, p/q).
     eos_token_id: int or list; None: the model config's; []: never stop early. Each sequence stops at its
     first EOS (kept in its output) or after exactly max_new_tokens tokens.
     max_seq_len: KV buffer rows per sequence (default: what the request needs).

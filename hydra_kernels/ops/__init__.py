@@ -237,15 +237,22 @@ def typical_verify(logits, tree_tokens, paths, *, temperature, posterior_thresho
 
 
 def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=1.0, generator=None,
-                     backend="auto") -> Verification:
+                     draft_probs=None, backend="auto") -> Verification:
     """Lossless acceptance of one step's tree by recursive rejection sampling: the emitted tokens are
     distributed exactly as plain sampling with the same temperature / top_k / top_p
-    (sampling.sampling_probs); see reference.rejection_verify for the rule and why it is exact.
+    (sampling.sampling_probs); see reference.rejection_verify for the rules and why they are exact.
 
-    logits [B, T, V]: base logits after each node; tree_tokens int64 [B, T] (deterministic drafts: fixed
-    before this call's random draws); paths int64 [P, D+1] or [B, P, D+1] (a tree per sequence), nodes
-    numbered so that a parent precedes its children, siblings tried in index order; temperature > 0;
-    top_k >= 0 (0: off); 0 < top_p <= 1; generator on logits' device seeds the draws (reproducible).
+    logits [B, T, V]: base logits after each node; tree_tokens int64 [B, T] (fixed before this call's
+    random draws); paths int64 [P, D+1] or [B, P, D+1] (a tree per sequence), nodes numbered so that a
+    parent precedes its children, siblings tried in index order; temperature > 0; top_k >= 0 (0: off);
+    0 < top_p <= 1; generator on logits' device seeds the draws (reproducible).
+    draft_probs: None (deterministic drafts: a child with token x is accepted with probability
+    residual(x)) or float32/float64 [B, T, V] for sampled drafts: row j is the distribution q_j node j's
+    token was drawn from (children drawn i.i.d. from their parent's draft distribution share one row;
+    a deterministic child is a one-hot row), accepted with probability min(1, residual(x) / q_j(x)).
+    Rows of the root and of padded nodes are ignored; the other rows must be distributions holding
+    their node's token (checked on CPU tensors, where it costs no device sync). Sampled drafts run the
+    reference walk (a [B, V] residual per step).
     """
     _check_tree_inputs(tree_tokens, paths)
     _check(tree_tokens.dtype == torch.long, f"tree_tokens must be int64, got {tree_tokens.dtype}")
@@ -254,8 +261,45 @@ def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=
     _check(temperature > 0, f"rejection sampling needs temperature > 0, got {temperature}")
     _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0, got {top_k!r}")
     _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
-    fn = resolve("rejection_verify", backend, tree_tokens.device)
-    return Verification(*fn(logits, tree_tokens, paths, temperature, top_k, top_p, generator))
+    if draft_probs is None:
+        fn = resolve("rejection_verify", backend, tree_tokens.device)
+        return Verification(*fn(logits, tree_tokens, paths, temperature, top_k, top_p, generator))
+    _check_draft_probs(draft_probs, logits, tree_tokens, paths)
+    resolved_name("rejection_verify", backend, tree_tokens.device)  # a bad backend is refused all the same
+    return Verification(*reference.rejection_verify(logits, tree_tokens, paths, temperature, top_k, top_p, generator,
+                                                    draft_probs))
+
+
+DRAFT_PROBS_SUM_TOL = 1e-4  # |sum(q_j) - 1| allowed for a drafted node's row of draft_probs
+
+
+def _check_draft_probs(draft_probs, logits, tree_tokens, paths) -> None:
+    """rejection_verify's draft_probs: float [B, T, V] like logits; on CPU tensors also its values."""
+    _check(torch.is_tensor(draft_probs) and draft_probs.shape == logits.shape
+           and draft_probs.dtype in (torch.float32, torch.float64),
+           f"draft_probs must be float32/float64 [B, T, V] = {tuple(logits.shape)} like logits (row j: the "
+           f"distribution node j's token was drawn from), got {getattr(draft_probs, 'dtype', type(draft_probs))} "
+           f"{tuple(getattr(draft_probs, 'shape', ()))}")
+    _check(draft_probs.device == logits.device, f"draft_probs on {draft_probs.device}, logits on {logits.device}")
+    if draft_probs.device.type != "cpu":  # value checks would sync the host inside every step
+        return
+    _check(bool((draft_probs >= 0).all()), "draft_probs must be probabilities: >= 0, no NaN")  # NaN >= 0 is False
+    parents, _ = reference.tree_structure_from_paths(reference.per_sequence(paths, logits.shape[0], 2),
+                                                     logits.shape[1])
+    drafted = parents >= 0  # [B, T]: the nodes that are tried (not the root, not padding)
+    sums = draft_probs.sum(-1)  # [B, T]; inf fails here in a drafted row, and is ignored elsewhere
+    bad = drafted & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"draft_probs[{b}, {j}] sums to {float(sums[b, j]):.6g}: each drafted node's row must be "
+                         f"the distribution its token was drawn from (sum 1 within {DRAFT_PROBS_SUM_TOL})")
+    q_x = draft_probs.gather(2, tree_tokens[:, :, None])[:, :, 0]  # [B, T]
+    bad = drafted & (q_x <= 0)
+    if bool(bad.any()):
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"tree_tokens[{b}, {j}] = {int(tree_tokens[b, j])} has probability 0 under draft_probs[{b}, "
+                         f"{j}], the distribution it was drawn from: the draft and its draft_probs disagree")
+
 
 def lm_head_sample_stats(x, weight, temperature, seed, *, backend="auto"):
     """Per row of x [..., H], with z = x weight^T / temperature: (lse fp32 [...], entropy fp32 [...],

@@ -174,42 +174,91 @@ def tree_structure_from_paths(paths, num_nodes):
     return parents[:, :num_nodes], depths[:, :num_nodes]
 
 
-def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0, generator=None):
+def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0, generator=None, draft_probs=None):
     """Lossless tree verification by recursive rejection sampling (the SpecInfer / EAGLE / Recursive
-    Speculative Decoding family, for deterministic drafts): the emitted tokens are distributed exactly
-    as plain sampling from the base model.
+    Speculative Decoding family): the emitted tokens are distributed exactly as plain sampling from the
+    base model, for deterministic drafts (draft_probs None) and for drafts sampled from a draft
+    distribution q (draft_probs given: SpecInfer's multi-round speculative sampling).
 
     p(. | node) = sampling_probs(logits[b, node], temperature, top_k, top_p): the base distribution
     after the node, exactly as plain sampling (sampling.next_tokens) draws from it. The walk starts at
     the root. At the current node it tries the node's children in draft order (node index order, which
-    is rank order for a static Tree). r is the residual, starting at r = p(. | node); a child with
-    token x is accepted with probability r(x) / sum(r); on rejection r(x) = 0 and the next child is
-    tried. An accepted child becomes the current node (r restarts from its own p). When every child is
+    is rank order for a static Tree), with a residual r that starts at r = p(. | node):
+    - deterministic drafts: a child with token x is accepted with probability r(x) / sum(r); on
+      rejection r(x) = 0 and the next child is tried;
+    - sampled drafts, child j's token x drawn from q_j = draft_probs[b, j]: accepted with probability
+      min(1, r(x) / q_j(x)) (r kept normalised); on rejection r <- max(r - q_j, 0), renormalised.
+    An accepted child becomes the current node (r restarts from its own p). When every child is
     rejected (or a leaf is reached) the next root is drawn from r / sum(r).
 
-    Why it is exact. The drafts are deterministic: the tokens of the children are fixed before this
-    step's random numbers are drawn (they may depend on anything before: the prefix, earlier steps'
-    outcomes). Let x_1..x_m be the children's distinct tokens, in the order tried, and R_i the mass
-    removed before x_i (R_1 = 0, R_{i+1} = R_i + p(x_i)). Then
+    Why the deterministic rule is exact. The tokens of the children are fixed before this step's random
+    numbers are drawn (they may depend on anything before: the prefix, earlier steps' outcomes, a
+    drafter's own random draws). Let x_1..x_m be the children's distinct tokens, in the order tried,
+    and R_i the mass removed before x_i (R_1 = 0, R_{i+1} = R_i + p(x_i)). Then
       P(emit x_i) = prod_{k<i} (1 - p(x_k) / (1 - R_k)) * p(x_i) / (1 - R_i) = p(x_i),
     since the product telescopes to (1 - R_i) (each factor is (1 - R_{k+1}) / (1 - R_k)); and for a
     token y drafted by no child, P(emit y) = (1 - R_{m+1}) * p(y) / (1 - R_{m+1}) = p(y). So the token
     after the current node is distributed exactly as p(. | node); if it is an accepted child the walk
     continues there with fresh random numbers, so by induction every emitted token is an exact draw
     from the base distribution given all tokens before it: the sequence has the plain sampler's law.
-    (A repeated sibling token has r(x) = 0 when its turn comes: never accepted, removes nothing.)
+    (A repeated sibling token has r(x) = 0 when its turn comes: never accepted, removes nothing.) The
+    argument conditions on the drafted tokens, so it also holds for randomly drawn drafts whose draws
+    are independent of this step's acceptance draws: draft_probs buys acceptance rate, not exactness.
+
+    Why the sampled rule is exact. Requirement: when child j is tried, its token x_j, given everything
+    before (the prefix, the walk so far, its earlier siblings' tokens), is distributed as q_j. Children
+    drawn i.i.d. (with replacement) from the parent's head distribution meet it with q_j the same row
+    for all siblings; a deterministic child is q_j = the point mass at its token (then the rule is the
+    deterministic one above, and siblings of both kinds may mix). Claim: the emitted token after the
+    current node has law r, the residual when the first untried child's turn comes (r = p at the
+    start). Induction on the number of children left. None left: the token is drawn from r. Otherwise
+    the next child draws x ~ q; it is emitted with probability q(y) min(1, r(y) / q(y)) = min(q(y), r(y))
+    for each y; it is rejected with probability 1 - sum_y min(q, r) = sum_y max(r - q, 0) =: Z, and then
+    (induction: the later children see the residual max(r - q, 0) / Z, which does not depend on x) the
+    token has law max(r - q, 0) / Z. Together: min(q, r) + Z max(r - q, 0) / Z = min(q, r) + max(r - q, 0)
+    = r. At the start r = p(. | node); an accepted child becomes the current node and the argument
+    repeats one level down (induction over depth, as above), so the sequence has the plain sampler's law.
+    Edge cases. Z = 0 means r <= q everywhere, and both sum to 1, so r = q: every draw is accepted
+    (min(1, r/q) = 1) and a rejection cannot happen; rounding aside, r is then kept. q_j(x_j) = 0: x_j
+    cannot have been drawn from q_j; such a child is skipped (never tried, r unchanged), which keeps the
+    law above for the other children (ops.rejection_verify refuses it where it checks values). Padded
+    nodes of per-sequence trees lie on no path: never tried; their rows (and the root's) are ignored.
 
     logits [B, T, V]: base logits after each node; tree_tokens [B, T]; paths int64 [P, D+1] (one tree)
     or [B, P, D+1] (a tree per sequence; padded nodes lie on no path and are never tried); temperature
-    > 0; generator: a torch.Generator on logits' device (the draw is reproducible from its state).
+    > 0; generator: a torch.Generator on logits' device (the draw is reproducible from its state);
+    draft_probs [B, T, V] (float) or None: row j is the distribution node j's token was drawn from
+    (rows of the root and padded nodes are ignored).
     Returns (accept_lengths [B], accept_indices [B, D+1] (-1 after the length), next_root [B],
-    last_node [B]). No host read: a loop of T small [B] steps.
+    last_node [B]). No host read: a loop of T small [B] (sampled: [B, V]) steps.
     """
     B, T, V = logits.shape
     dev = logits.device
     paths = per_sequence(paths, B, 2)  # [B, P, D+1]
     parents, depths = tree_structure_from_paths(paths, T)  # [B, T] each
     probs = sampling_probs(logits, temperature, top_k, top_p)  # [B, T, V]
+    idx = torch.full((B, paths.shape[-1]), -1, dtype=torch.long, device=dev)
+    idx[:, 0] = 0
+    if draft_probs is None:
+        cur, r_res = _walk_deterministic(probs, tree_tokens, parents, depths, idx, generator)
+    else:
+        cur, r_res = _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, generator)
+    accept_len = depths.gather(1, cur[:, None])[:, 0] + 1
+    next_root = torch.multinomial(r_res, 1, generator=generator)[:, 0]
+    return accept_len, idx, next_root, cur
+
+
+def _record(idx, depths, j: int, acc) -> None:
+    """Node j accepted (acc [B]) -> idx[b, depth(j)] = j, in place."""
+    col = depths[:, j].clamp(max=idx.shape[1] - 1)
+    idx.scatter_(1, col[:, None], torch.where(acc, j, idx.gather(1, col[:, None])[:, 0])[:, None])
+
+
+def _walk_deterministic(probs, tree_tokens, parents, depths, idx, generator):
+    """rejection_verify's walk for deterministic drafts -> (last accepted node [B], the residual there [B, V]);
+    records the accepted nodes in idx."""
+    B, T, V = probs.shape
+    dev = probs.device
     bidx = torch.arange(B, device=dev)
     # p_child[b, j] = p(token_j | parent_j): the probability node j's token has under its parent
     p_child = probs[bidx[:, None], parents.clamp(min=0), tree_tokens]  # [B, T]
@@ -219,26 +268,51 @@ def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0
     u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
     removed = torch.zeros(B, dtype=torch.float32, device=dev)  # mass of the current node's rejected children
-    idx = torch.full((B, paths.shape[-1]), -1, dtype=torch.long, device=dev)
-    idx[:, 0] = 0
     for j in range(1, T):  # children come after their parents: one pass in index order walks the tree
         tried = (parents[:, j] == cur) & ~dup[:, j]
         # accept with probability p(x) / (1 - removed): the residual renormalised
         acc = tried & (u[:, j] * (1.0 - removed).clamp(min=0.0) < p_child[:, j])
         removed = torch.where(acc, torch.zeros_like(removed), torch.where(tried, removed + p_child[:, j], removed))
         cur = torch.where(acc, torch.full_like(cur, j), cur)
-        col = depths[:, j].clamp(max=idx.shape[1] - 1)
-        idx.scatter_(1, col[:, None], torch.where(acc, j, idx.gather(1, col[:, None])[:, 0])[:, None])
-    accept_len = depths.gather(1, cur[:, None])[:, 0] + 1
+        _record(idx, depths, j, acc)
     # residual at the last node: its children (all tried, all rejected) removed, renormalised
     r = probs[bidx, cur]  # [B, V]
     kids = parents == cur[:, None]  # [B, T]
     drop = torch.zeros(B, V, dtype=torch.int32, device=dev).scatter_add_(1, tree_tokens, kids.int()) > 0
     r_res = r.masked_fill(drop, 0.0)
     # rounding can leave no mass (the last child held all of it and was rejected with probability ~0)
-    r_res = torch.where(r_res.sum(-1, keepdim=True) > 0, r_res, r)
-    next_root = torch.multinomial(r_res, 1, generator=generator)[:, 0]
-    return accept_len, idx, next_root, cur
+    return cur, torch.where(r_res.sum(-1, keepdim=True) > 0, r_res, r)
+
+
+def _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, generator):
+    """rejection_verify's walk for sampled drafts (child j drawn from q_j = draft_probs[:, j]) -> (last
+    accepted node [B], the residual there [B, V]); records the accepted nodes in idx."""
+    B, T, V = probs.shape
+    dev = probs.device
+    q = draft_probs.float()  # [B, T, V]
+    q_x = q.gather(2, tree_tokens[:, :, None])[:, :, 0]  # [B, T]: q_j(x_j)
+    drawn = q_x > 0  # q_j(x_j) = 0: x_j was not drawn from q_j; skipped (see the docstring)
+    u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
+    r = probs[:, 0]  # [B, V] the residual at the current node, normalised
+    for j in range(1, T):  # children come after their parents: one pass in index order walks the tree
+        tried = (parents[:, j] == cur) & drawn[:, j]
+        r_x = r.gather(1, tree_tokens[:, j, None])[:, 0]  # [B]
+        acc = tried & (u[:, j] * q_x[:, j] < r_x)  # P(u < r(x) / q(x)) = min(1, r(x) / q(x))
+        rej = tried & ~acc
+        r = torch.where(acc[:, None], probs[:, j], torch.where(rej[:, None], _residual_after_rejection(r, q[:, j]), r))
+        cur = torch.where(acc, torch.full_like(cur, j), cur)
+        _record(idx, depths, j, acc)
+    return cur, r
+
+
+def _residual_after_rejection(r, q):
+    """r, q [B, V] distributions -> max(r - q, 0) renormalised: the law of the emitted token given that a
+    draw from q was rejected. No mass left means r = q (a rejection then has probability 0; rounding
+    aside): r is kept."""
+    excess = (r - q).clamp(min=0.0)
+    mass = excess.sum(-1, keepdim=True)
+    return torch.where(mass > 0, excess / mass.clamp(min=torch.finfo(excess.dtype).tiny), r)
 
 
 def lm_head_sample_stats(x, weight, temperature, seed):
