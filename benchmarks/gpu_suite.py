@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The GPU test tier: every op's test file (kernels against the reference) and the paths that use them.
 GPU_TESTS = ["tests/test_tree_attention.py", "tests/test_commit_kv.py", "tests/test_greedy_verify.py",
              "tests/test_typical_accept.py", "tests/test_typical_verify.py", "tests/test_lm_head_topk.py",
-             "tests/test_lm_head_sample_stats.py", "tests/test_hydra_first_layer.py", "tests/test_resblock.py",
+             "tests/test_lm_head_sample_stats.py", "tests/test_lm_head_residual_sample.py", "tests/test_rejection_accept.py",
+             "tests/test_hydra_first_layer.py", "tests/test_resblock.py",
              "tests/test_tree_inputs.py", "tests/test_backends.py", "tests/test_per_sequence_trees.py",
              "tests/test_kv_cache_paths.py"]
 

@@ -132,6 +132,21 @@ def _spec_lm_head_sample_stats(mod, case: Case, dt):
                              _meta(c.vocab_size, c.hidden_size, dtype=dt), 0.7, _meta(1, dtype=torch.int64))
 
 
+def _spec_lm_head_residual_sample(mod, case: Case, dt):
+    c = NAMED_CONFIGS[case.model]
+    # exclusion lists: a static tree's fan-out (Medusa-like: up to 10 children), or T - 1 for per-sequence trees
+    C = max(1, case.T - 1 if case.tree == "per_sequence" else min(case.T - 1, 10))
+    mod.lm_head_residual_sample(_meta(case.B, case.T, c.hidden_size, dtype=dt),
+                                _meta(c.vocab_size, c.hidden_size, dtype=dt), 0.7, _meta(1, dtype=torch.int64),
+                                _meta(case.B, case.T, C, dtype=torch.int64))
+
+
+def _spec_rejection_accept(mod, case: Case, dt):
+    D1 = _tree_dims(case.T)[1]
+    stat, ids = _meta(case.B, case.T, dtype=torch.float32), _meta(case.B, case.T, dtype=torch.int64)
+    mod.rejection_accept(stat, stat, ids, stat, ids, _tree(case, case.T, dtype=torch.int64), D1 - 1)
+
+
 def _spec_hydra_first_layer(mod, case: Case, dt):
     c = NAMED_CONFIGS[case.model]
     H, D1 = c.hidden_size, 4  # head 3: h and three path tokens

@@ -28,11 +28,14 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     prefill_hidden [B, L, H] (right-padded; for a drafter with feature_layers, the prefill's captured
     layer inputs [B, L, n * H]), root [B] (already emitted); backends: the run's
     BackendPlan. acceptance: "greedy" | "rejection" | "typical"; top_k / top_p shape the base
-    distribution of the sampling kinds. A proposal's draft_probs (sampled drafts) go to rejection
-    acceptance; greedy acceptance (exact for any draft) and typical acceptance (it judges p alone)
-    ignore them. prompts: the host token lists. `stats.num_steps` counts
-    verify forwards, `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the
-    full tree every step)."""
+    distribution of the sampling kinds. Sampling with temperature only, where the plan's LM-head
+    statistics ops are kernels (Triton), accepts from those statistics (typical: typical_accept;
+    rejection of deterministic drafts: rejection_accept), never writing the [B, T, V] logits; otherwise
+    from the logits. A proposal's draft_probs (sampled drafts) go to rejection acceptance on the logits
+    path (min(1, p/q)); greedy acceptance (exact for any draft) and typical acceptance (it judges p
+    alone) ignore them. prompts: the host token lists. `stats.num_steps` counts verify forwards,
+    `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the full tree every
+    step)."""
     B = root.shape[0]
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
@@ -47,6 +50,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     filtered = top_k > 0 or top_p < 1.0
     typical_fused = (acceptance == "typical" and not greedy and not filtered and model.output.bias is None
                      and backends.fused_lm_head_statistics)
+    # exact rejection sampling from the LM head's lse and residual samples (temperature only: a top-k /
+    # top-p law needs the filtered logits). A node has at most num_nodes - 1 children, and fewer than V
+    # of them must leave a token to draw (lm_head_residual_sample's C < V)
+    rejection_fused = (acceptance == "rejection" and not greedy and not filtered and model.output.bias is None
+                       and backends.fused_residual_sampling and tree.num_nodes <= model.output.weight.shape[0])
     budget = budget or StepBudget(tree.num_nodes)
     drafting = tree.num_nodes  # the node budget the drafter's state drafts now (start: the full tree)
     root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
@@ -85,6 +93,17 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
             v = ops.typical_accept(lse, ent, cl, samples, tr.paths, posterior_threshold=posterior_threshold,
                                    posterior_alpha=posterior_alpha, backend=backends["typical_accept"])
+        elif rejection_fused and prop.draft_probs is None:  # exact, from LM-head statistics: no [B, T, V]
+            # probabilities, no host read (sampled drafts need q: the logits path below)
+            W = model.output.weight
+            u = torch.rand(tokens.shape, device=dev, generator=generator)  # one acceptance draw per node
+            seed = torch.randint(2**62, (1,), device=dev, generator=generator)  # the residual draws' noise
+            exclude = ops.reference.child_tokens(tokens, tr.parents, max(tr.max_children, 1))  # [B, T, C]
+            lse, samples = ops.lm_head_residual_sample(hidden, W, temperature, seed, exclude,
+                                                       backend=backends["lm_head_residual_sample"])
+            cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
+            v = ops.rejection_accept(lse, cl, samples, u, tokens, tr.parents, depth=tr.depth,
+                                     backend=backends["rejection_accept"])
         elif acceptance == "rejection":  # exact: the emitted tokens follow the plain sampler's law
             # sampled drafts (prop.draft_probs: the q each token was drawn from) accept with min(1, p/q)
             v = ops.rejection_verify(model.output(hidden), tokens, tr.paths, temperature=temperature, top_k=top_k,

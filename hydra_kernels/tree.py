@@ -47,6 +47,10 @@ class Tree:
         T = len(nodes)
         self.num_nodes = T
         self.depth = max((len(c) for c in nodes), default=0)
+        fan_out = {}
+        for c in self.choices:
+            fan_out[c[:-1]] = fan_out.get(c[:-1], 0) + 1
+        self.max_children = max(fan_out.values(), default=0)  # the largest number of children of a node
         self.parents = torch.tensor([-1] + [index[c[:-1]] for c in self.choices], dtype=torch.long)
         self.depths = torch.tensor([len(c) for c in nodes], dtype=torch.long)
         self.ranks = torch.tensor([0] + [c[-1] for c in self.choices], dtype=torch.long)
@@ -133,7 +137,8 @@ class TreeBatch:
 
     parents int64 [B, T] (-1: root and padding), depths int64 [B, T] (padding: 0), mask bool [B, T, T]
     ancestor-or-self (a padded node sees only itself), paths int64 [B, P, D+1] leaf paths (-1 padded; a
-    sequence with fewer leaves gets [0, -1, ...] rows, which accept nothing), valid bool [B, T].
+    sequence with fewer leaves gets [0, -1, ...] rows, which accept nothing), valid bool [B, T];
+    max_children = T - 1, a bound on any node's number of children (Tree.max_children is exact).
     Padded nodes lie on no path, so they are never accepted; their K/V rows are written and dropped.
     """
 
@@ -174,6 +179,7 @@ class TreeBatch:
         self.num_nodes = T
         D = int(depths.max()) if T > 1 else 0  # one host read per built tree (its paths' width)
         self.depth = D
+        self.max_children = T - 1  # a bound on any node's number of children, known without a host read
         # leaves: valid nodes no valid node names as parent
         has_child = torch.zeros(B, T, dtype=torch.bool, device=dev)
         has_child[bidx.expand(B, T)[valid & (parents >= 0)], parents[valid & (parents >= 0)]] = True
@@ -238,6 +244,7 @@ class TreeBatch:
         t = object.__new__(cls)
         t.parents, t.depths, t.mask, t.valid = parents, depths, mask, valid
         t.num_nodes, t.depth, t.paths = T, D1 - 1, paths
+        t.max_children = T - 1  # a bound (as in __init__)
         return t
 
     def to(self, device) -> "TreeBatch":

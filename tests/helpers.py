@@ -102,3 +102,18 @@ def assert_same_verification(got, expected, what: str = "") -> None:
     """Two Verification results are equal field by field (on any devices)."""
     for name, x, y in zip(got._fields, got, expected):
         assert torch.equal(x.cpu(), y.cpu()), f"{what}: {name} differs: got {x.tolist()}, expected {y.tolist()}"
+
+
+POISON_INT = -7777  # what poison_allocations fills integer buffers with (floats: NaN)
+
+
+def poison_allocations(monkeypatch) -> None:
+    """From now on in the test, torch.empty returns tensors filled with garbage (NaN; POISON_INT for
+    integer dtypes), so an output element a kernel launcher allocates and the kernel never writes shows."""
+    real = torch.empty
+
+    def empty(*size, **kwargs):
+        t = real(*size, **kwargs)
+        return t.fill_(float("nan") if t.dtype.is_floating_point else POISON_INT)
+
+    monkeypatch.setattr(torch, "empty", empty)

@@ -14,6 +14,11 @@ acceptance, a rejection sampler that draws the next root from p instead of the r
 children not removed: the classic bug), and, for sampled drafts, the min(1, p/q) rule with the residual
 left at r after a rejection (q not subtracted) are refused by the same test at p < 1e-6 each.
 
+The fused path (acceptance from LM-head statistics, ops.rejection_accept, with residual draws from
+ops.lm_head_residual_sample: no [B, T, V] probabilities) runs its Triton kernels (interpreted on the
+CPU) inside an otherwise reference plan, with a static tree and with per-sequence trees; a fused
+sampler whose residual draw removes nothing is refused like the classic bug.
+
 Drafters: fresh Medusa / Hydra / Hydra++ heads with randomised weights (drafts away from the base
 argmax, so acceptance and rejection both happen at every depth), a static tree with siblings at two
 depths, and a test drafter proposing a random tree per sequence per step (TreeBatch, ragged, repeated
@@ -29,6 +34,9 @@ sampled drafts (draft_probs dropped) is exact too (its proof conditions on the d
 less often accepting: a positive setting, not a negative control.
 """
 from __future__ import annotations
+
+import dataclasses
+import sys
 
 import pytest
 import torch
@@ -163,6 +171,25 @@ def histogram(sequences, rows) -> torch.Tensor:
     return torch.bincount(s[:, 0] * V * V + s[:, 1] * V + s[:, 2], minlength=V ** 3).view(V, V, V)
 
 
+def use_fused_rejection(monkeypatch):
+    """generate() plans the reference backend but the fused rejection ops' Triton kernels (the model's
+    own ops under the interpreter would take minutes at this batch), so it takes the fused path. Returns
+    the list the fused acceptance op appends to on each call."""
+    gen_module = sys.modules["hydra_kernels.generate"]
+    real_plan, real_accept = gen_module.plan_backends, ops.rejection_accept
+    fused = {"lm_head_residual_sample": "triton", "rejection_accept": "triton"}
+
+    def plan(*args, **kwargs):
+        p = real_plan(*args, **kwargs)
+        return dataclasses.replace(p, ops={**p.ops, **fused})
+
+    calls = []
+    monkeypatch.setattr(gen_module, "plan_backends", plan)
+    monkeypatch.setattr(ops, "rejection_accept", lambda *a, **k: calls.append(k["backend"]) or real_accept(*a, **k))
+    monkeypatch.setattr(ops, "rejection_verify", lambda *a, **k: pytest.fail("the logits path ran"))
+    return calls
+
+
 def sample(model, drafter, prompts, temperature, top_k, top_p, acceptance, seed=0):
     """N sequences, prompts cycled through the batch -> (out, {prompt index: histogram})."""
     batch = [prompts[i % len(prompts)] for i in range(N)]
@@ -197,7 +224,13 @@ SETTINGS = {  # name: (drafter kind or None (plain sampling), temperature, top_k
     "sampled-per-sequence-trees-top_k-top_p": ("sampled-random-trees", 1.0, 5, 0.9, 1),
 }
 DETERMINISTIC_RULE_ON_SAMPLED = ("sampled-hydra", 0.8, 0, 1.0, 1)  # draft_probs dropped: still exact
-M = sum(n for *_, n in SETTINGS.values()) + 1  # number of G-tests among the positive settings
+FUSED_SETTINGS = {  # the fused path (temperature only): name -> (drafter kind, temperature, number of prompts)
+    "fused-hydra-batch-2-prompts": ("hydra", 0.8, 2),
+    "fused-per-sequence-trees": ("random-trees", 1.0, 2),
+    "fused-hydra-varying-budget": ("hydra-budget", 0.8, 1),  # a plain step: a root-only tree, fused too
+}
+# number of G-tests among the positive settings (+ 1: the deterministic rule on sampled drafts)
+M = sum(n for *_, n in SETTINGS.values()) + sum(n for *_, n in FUSED_SETTINGS.values()) + 1
 
 
 def make_drafter(model, kind):
@@ -234,6 +267,34 @@ def test_rejection_sampling_is_exact(model, name):
         p = g_test(hists[i], exact_law(model, prompt, temperature, top_k, top_p))
         print(f"{name}, prompt {i}: G-test p = {p:.3g}")
         assert p > FAMILY_ALPHA / M, f"{name}, prompt {i}: G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
+
+
+@pytest.mark.parametrize("name", list(FUSED_SETTINGS))
+def test_fused_rejection_sampling_is_exact(model, name, monkeypatch):
+    kind, temperature, n_prompts = FUSED_SETTINGS[name]
+    prompts = PROMPTS[:n_prompts]
+    calls = use_fused_rejection(monkeypatch)
+    out, hists = sample(model, make_drafter(model, kind), prompts, temperature, 0, 1.0, "rejection")
+    assert calls and set(calls) == {"triton"}, calls  # the fused kernels ran, every step
+    lens = torch.tensor([a for row in out.accept_lengths for a in row])
+    assert (lens > 1).float().mean() > 0.05 and (lens == 1).float().mean() > 0.05, lens.float().mean()
+    for i, prompt in enumerate(prompts):
+        p = g_test(hists[i], exact_law(model, prompt, temperature, 0, 1.0))
+        print(f"{name}, prompt {i}: G-test p = {p:.3g}")
+        assert p > FAMILY_ALPHA / M, f"{name}, prompt {i}: G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
+
+
+def test_fused_residual_bug_is_refused_by_the_same_test(model, monkeypatch):
+    """Negative control for the fused path: residual draws that remove no child (exclude all -1) draw
+    from p instead of the residual, the classic bug; the same test must catch it."""
+    use_fused_rejection(monkeypatch)
+    exact = ops.lm_head_residual_sample
+    monkeypatch.setattr(ops, "lm_head_residual_sample",
+                        lambda x, w, t, seed, exclude, **k: exact(x, w, t, seed, torch.full_like(exclude, -1), **k))
+    _, hists = sample(model, random_head_drafter(model, "medusa"), PROMPTS[:1], 0.8, 0, 1.0, "rejection")
+    p = g_test(hists[0], exact_law(model, PROMPTS[0], 0.8, 0, 1.0))
+    print(f"fused residual bug: G-test p = {p:.3g}")
+    assert p < NEGATIVE_P, f"the fused residual bug passed the exactness test (p = {p:.2e}): the harness has no power"
 
 
 def test_typical_acceptance_is_refused_by_the_same_test(model):

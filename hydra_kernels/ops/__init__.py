@@ -17,6 +17,7 @@ from .packed_linear import pack_linear_weight, packed_linear, packed_linear_avai
 from .backend import BACKENDS, limit, native_available, register, resolve, resolved_name, triton_available
 
 __all__ = ["tree_attention", "check_tree_attention", "lm_head_topk", "hydra_first_layer", "resblock", "lm_head_sample_stats", "typical_accept",
+           "lm_head_residual_sample", "rejection_accept",
            "greedy_verify", "typical_verify", "rejection_verify", "commit_kv", "tree_inputs", "pack_linear_weight",
            "packed_linear", "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available",
            "reference", "LM_HEAD_TOPK_MAX_K"]
@@ -32,6 +33,8 @@ register("hydra_first_layer", "reference", reference.hydra_first_layer)
 register("resblock", "reference", reference.resblock)
 register("lm_head_sample_stats", "reference", reference.lm_head_sample_stats)
 register("typical_accept", "reference", reference.typical_accept)
+register("lm_head_residual_sample", "reference", reference.lm_head_residual_sample)
+register("rejection_accept", "reference", reference.rejection_accept)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
 from . import triton as _triton_kernels  # noqa: E402,F401  (registers the "triton" backend when triton is installed)
 
@@ -328,6 +331,71 @@ def typical_accept(lse, entropy, child_logits, samples, paths, *, posterior_thre
     _check_paths(paths, lse.shape[0], lse.shape[1], lse.device)
     fn = resolve("typical_accept", backend, lse.device)
     return Verification(*fn(lse, entropy, child_logits, samples, paths, posterior_threshold, posterior_alpha))
+
+
+def lm_head_residual_sample(x, weight, temperature, seed, exclude, *, backend="auto"):
+    """Per row of x [..., H], with z = x weight^T / temperature: (lse fp32 [...], sample int64 [...]
+    drawn from softmax(z) with the tokens exclude[row] removed), in one pass over the vocabulary
+    (Triton: the logits are never written). weight [V, H]; temperature > 0; seed int64 tensor [1] on
+    x's device (no host read); exclude int64 [..., C] token ids, -1 padded, C < V (a token always
+    remains). The draw is a Gumbel-max over counter-based noise (reference.lm_head_residual_sample):
+    every backend draws the same token from the same seed. Rejection sampling's residual draw
+    (rejection_accept) with exclude = a node's children's tokens (reference.child_tokens)."""
+    _check(x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1],
+           f"x [..., H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check(temperature > 0, f"temperature must be > 0, got {temperature}")
+    _check(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    _check(torch.is_tensor(seed) and seed.numel() == 1 and seed.dtype == torch.int64 and seed.device == x.device,
+           "seed must be an int64 tensor of one element on x's device")
+    V = weight.shape[0]
+    _check(torch.is_tensor(exclude) and exclude.dtype == torch.int64 and exclude.dim() == x.dim()
+           and exclude.shape[:-1] == x.shape[:-1] and exclude.shape[-1] < V,
+           f"exclude must be int64 [..., C] with [...] = {tuple(x.shape[:-1])} and C < V = {V}, got "
+           f"{getattr(exclude, 'dtype', type(exclude))} {tuple(getattr(exclude, 'shape', ()))}")
+    _check(exclude.device == x.device, f"exclude is on {exclude.device}, x on {x.device}")
+    if exclude.device.type == "cpu" and exclude.numel():  # value check only where it costs no device sync
+        _check(bool(((exclude >= -1) & (exclude < V)).all()), f"exclude must hold token ids in [0, V = {V}) or -1")
+    fn = resolve("lm_head_residual_sample", backend, x.device)
+    return fn(x, weight, temperature, seed, exclude)
+
+
+def rejection_accept(lse, child_logits, samples, uniforms, tree_tokens, parents, *, depth,
+                     backend="auto") -> Verification:
+    """Lossless acceptance by recursive rejection sampling (temperature only: no top-k / top-p) from
+    LM-head statistics, no [B, T, V] probabilities: the walk of rejection_verify with
+    p(x | node) = exp(z_x - lse[node]), the next root the residual draw samples[b, last node]; see
+    reference.rejection_accept. One Triton launch for the batch.
+
+    lse fp32 [B, T] and samples int64 [B, T] (lm_head_residual_sample with exclude = child_tokens),
+    child_logits [B, T] (reference.child_logits), uniforms fp32 [B, T] in [0, 1) (one acceptance draw
+    per node), tree_tokens int64 [B, T], parents int64 [T] or [B, T] (-1: root, padding; a parent
+    precedes its children), depth: the tree's depth D (accept_indices is [B, D+1]).
+    """
+    _check(lse.dim() == 2 and lse.shape == child_logits.shape == samples.shape == uniforms.shape == tree_tokens.shape,
+           f"lse, child_logits, samples, uniforms, tree_tokens must all be [B, T], got {tuple(lse.shape)}, "
+           f"{tuple(child_logits.shape)}, {tuple(samples.shape)}, {tuple(uniforms.shape)}, {tuple(tree_tokens.shape)}")
+    B, T = lse.shape
+    _check(T >= 1, "need at least the root")
+    for name, t, dt in (("lse", lse, torch.float32), ("child_logits", child_logits, torch.float32),
+                        ("uniforms", uniforms, torch.float32), ("samples", samples, torch.int64),
+                        ("tree_tokens", tree_tokens, torch.int64), ("parents", parents, torch.int64)):
+        _check(t.dtype == dt, f"{name} must be {dt}, got {t.dtype}")
+        _check(t.device == lse.device, f"{name} is on {t.device}, lse on {lse.device}")
+    _check(tuple(parents.shape) in ((T,), (B, T)),
+           f"parents must be [T] = [{T}] (one tree) or [B, T] = [{B}, {T}] (a tree per sequence), got "
+           f"{tuple(parents.shape)}")
+    _check(isinstance(depth, int) and 0 <= depth < T, f"depth must be an int in [0, T = {T}), got {depth!r}")
+    if parents.device.type == "cpu":  # on a GPU this read would sync the host inside every step: skip it there
+        node = torch.arange(T)
+        _check(bool((parents < node).all()) and bool((parents >= -1).all()),
+               "parents[j] must be -1 or a node index < j (children come after their parents)")
+        par = parents.expand(B, T)
+        level = torch.zeros(B, T, dtype=torch.long)
+        for j in range(1, T):
+            level[:, j] = torch.where(par[:, j] >= 0, level.gather(1, par[:, j:j + 1].clamp(min=0))[:, 0] + 1, 0)
+        _check(int(level.max()) <= depth, f"the tree is {int(level.max())} deep, more than depth = {depth}")
+    fn = resolve("rejection_accept", backend, lse.device)
+    return Verification(*fn(lse, child_logits, samples, uniforms, tree_tokens, parents, depth))
 
 
 def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths, *, backend="auto") -> None:

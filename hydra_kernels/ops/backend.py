@@ -131,6 +131,13 @@ class BackendPlan:
         acceptance runs from its statistics; otherwise from the logits (ops.typical_verify)."""
         return self.ops.get("lm_head_sample_stats") == "triton"
 
+    @property
+    def fused_residual_sampling(self) -> bool:
+        """lm_head_residual_sample is a kernel that never writes the [.., V] logits (Triton), so rejection
+        sampling (temperature only) runs from its lse and residual samples (ops.rejection_accept);
+        otherwise from the logits (ops.rejection_verify)."""
+        return self.ops.get("lm_head_residual_sample") == "triton"
+
     def check_tree(self, tree) -> None:
         """A ValueError, before any work, when a chosen kernel cannot run steps over `tree` (a Tree, or
         the bound of a drafter's per-step trees): a step commits up to tree.depth + 1 rows."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..sampling import sampling_probs
+from .philox import philox_uniform
 
 
 def per_sequence(x: torch.Tensor, batch: int, inner_dims: int) -> torch.Tensor:
@@ -354,6 +355,87 @@ def typical_accept(lse, entropy, child_logits, samples, paths, posterior_thresho
     accepted = accepted_mask.sum(dim=-1)
     score = (lp * accepted_mask).sum(dim=-1)
     return _select_path(paths, accepted, score, lambda last: samples[torch.arange(B, device=lse.device), last])
+
+
+# ---- lossless rejection sampling from LM-head samples (no [B, T, V] probabilities) ---------------
+def child_tokens(tree_tokens, parents, width):
+    """Each node's children's tokens, in child (index) order: int64 [B, T, width], -1 padded, with
+    out[b, i, r] = the token of node i's r-th child. tree_tokens [B, T]; parents [T] (shared) or [B, T]
+    (-1: root and padded nodes); width >= 1 and >= the largest number of children (Tree.max_children).
+    The exclusion lists of lm_head_residual_sample. Device ops only, no host read."""
+    B, T = tree_tokens.shape
+    dev = tree_tokens.device
+    parents = per_sequence(parents, B, 1)  # [B, T]
+    earlier = torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)  # [j, i]: i < j
+    rank = ((parents[:, :, None] == parents[:, None, :]) & earlier).sum(-1)  # [B, T]: earlier siblings
+    kept = (parents >= 0) & (rank < width)
+    row = torch.where(kept, parents, T)  # dropped entries go to a spare row T
+    out = torch.full((B, T + 1, width), -1, dtype=torch.long, device=dev)
+    bidx = torch.arange(B, device=dev)[:, None].expand(B, T)
+    out[bidx, row, rank.clamp(max=width - 1)] = tree_tokens.long()
+    return out[:, :T]
+
+
+def lm_head_residual_sample(x, weight, temperature, seed, exclude):
+    """Per row of x [..., H], with z = x W^T / temperature (fp32 [..., V]): (lse [...] = logsumexp(z),
+    sample int64 [...] drawn from softmax(z) restricted to the tokens not in exclude[row]).
+
+    The draw is a Gumbel-max: sample = argmax over allowed tokens v of z_v + G_v, G_v = -log(-log U_v),
+    U_v = philox_uniform(seed, row * V + v) (row: the flat row index) -- an exact draw from softmax(z)
+    renormalised over the allowed tokens, and the same noise the Triton kernel draws (tl.rand), so the
+    two agree token for token. exclude: int64 [..., C] token ids (-1: no token), C < V so that a token
+    always remains; seed: int64 tensor [1] on x's device (read there, no host sync)."""
+    z = torch.nn.functional.linear(x, weight).float() / temperature  # [..., V]
+    V = z.shape[-1]
+    lse = z.logsumexp(dim=-1)
+    z2 = z.reshape(-1, V)  # [N, V]
+    ex = exclude.reshape(z2.shape[0], exclude.shape[-1]).long()  # [N, C]
+    offsets = torch.arange(z2.shape[0], device=z.device)[:, None] * V + torch.arange(V, device=z.device)
+    g = z2 - torch.log(-torch.log(philox_uniform(seed, offsets).clamp(min=1e-20)))
+    g = torch.cat([g, g.new_zeros(g.shape[0], 1)], dim=1)  # a spare column V takes the -1 entries
+    g = g.scatter(1, torch.where(ex >= 0, ex, V), float("-inf"))[:, :V]
+    return lse, g.argmax(dim=-1).view(z.shape[:-1])
+
+
+def rejection_accept(lse, child_logits, samples, uniforms, tree_tokens, parents, depth):
+    """rejection_verify's walk from LM-head statistics instead of [B, T, V] probabilities (temperature
+    only: p(x | node) = exp(z_x - lse[node]), z = logits / temperature).
+
+    lse [B, T]: logsumexp of z after each node (lm_head_residual_sample); child_logits [B, T]: z of each
+    node's token under its parent (child_logits()); samples int64 [B, T]: after each node, a token drawn
+    from p(. | node) with that node's children's tokens removed (lm_head_residual_sample with exclude =
+    child_tokens()); uniforms fp32 [B, T] in [0, 1): node j's acceptance draw; tree_tokens [B, T];
+    parents [T] or [B, T] (-1: root, padding; a parent precedes its children); depth: the tree's depth D.
+
+    The walk is rejection_verify's: at the current node its children are tried in index order, child j
+    (token x) accepted when uniforms[j] * (1 - removed) < p(x) (removed: the mass of the node's rejected
+    children; a child repeating a rejected sibling's token is skipped), an accepted child becomes the
+    current node. When it stops at a node, every child of that node was rejected, so the residual there
+    is p with exactly the children's tokens removed: samples[b, node] is an exact draw from it, and the
+    next root. (Exactness of the walk itself: rejection_verify's docstring.)
+    Returns (accept_lengths [B], accept_indices [B, D+1] (-1 after the length), next_root [B],
+    last_node [B]), int64.
+    """
+    B, T = lse.shape
+    dev = lse.device
+    parents = per_sequence(parents, B, 1)  # [B, T]
+    p = torch.exp(child_logits.float() - lse.float().gather(1, parents.clamp(min=0)))  # p(token_j | parent_j)
+    same = (parents[:, :, None] == parents[:, None, :]) & (tree_tokens[:, :, None] == tree_tokens[:, None, :])
+    dup = (same & torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)).any(-1)  # [B, T]: repeats a sibling
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
+    level = torch.zeros(B, dtype=torch.long, device=dev)  # its depth
+    removed = torch.zeros(B, dtype=torch.float32, device=dev)
+    idx = torch.full((B, depth + 1), -1, dtype=torch.long, device=dev)
+    idx[:, 0] = 0
+    for j in range(1, T):  # children come after their parents: one pass in index order walks the tree
+        tried = (parents[:, j] == cur) & ~dup[:, j]
+        acc = tried & (uniforms[:, j] * (1.0 - removed).clamp(min=0.0) < p[:, j])
+        removed = torch.where(acc, torch.zeros_like(removed), torch.where(tried, removed + p[:, j], removed))
+        cur = torch.where(acc, torch.full_like(cur, j), cur)
+        level = level + acc.long()
+        col = level.clamp(max=depth)[:, None]
+        idx.scatter_(1, col, torch.where(acc, j, idx.gather(1, col)[:, 0])[:, None])
+    return level + 1, idx, samples.long().gather(1, cur[:, None])[:, 0], cur
 
 
 # ---- KV commit ----------------------------------------------------------------------------------

@@ -29,3 +29,5 @@ if importlib.util.find_spec("triton") is not None:
     register("resblock", "triton", _lazy("resblock", "resblock"))
     register("lm_head_sample_stats", "triton", _lazy("lm_head_sample_stats", "lm_head_sample_stats"))
     register("typical_accept", "triton", _lazy("typical_accept", "typical_accept"))
+    register("lm_head_residual_sample", "triton", _lazy("lm_head_residual_sample", "lm_head_residual_sample"))
+    register("rejection_accept", "triton", _lazy("rejection_accept", "rejection_accept"))
