@@ -44,7 +44,7 @@ Or install pure Python (no extension: the "reference" and "triton" backends stil
 
 # Commands that only package sources or write metadata: they compile nothing, so they must not need torch
 # (python -m build --sdist runs them in an isolated environment without it; pip runs egg_info / dist_info
-# before it builds, so the isolated `pip install .` now stops at bdist_wheel with NO_TORCH, not earlier).
+# before it builds, so the isolated `pip install .` stops at bdist_wheel with NO_TORCH).
 SOURCE_ONLY = {"sdist", "egg_info", "dist_info"}
 
 

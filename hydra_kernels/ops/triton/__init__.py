@@ -23,7 +23,8 @@ def _lazy(module: str, name: str):
 if importlib.util.find_spec("triton") is not None:
     register("commit_kv", "triton", _lazy("commit_kv", "commit_kv"))
     register("greedy_verify", "triton", _lazy("greedy_verify", "greedy_verify"))
-    register("tree_attention", "triton", _lazy("tree_attention", "tree_attention"))
+    register("tree_attention", "triton", _lazy("tree_attention", "tree_attention"),
+             mask_form=_lazy("tree_attention", "pack_kernel_mask"))  # bit-packed once per step
     register("lm_head_topk", "triton", _lazy("lm_head_topk", "lm_head_topk"))
     register("hydra_first_layer", "triton", _lazy("hydra_first_layer", "hydra_first_layer"))
     register("resblock", "triton", _lazy("resblock", "resblock"))
