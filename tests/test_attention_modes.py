@@ -127,7 +127,7 @@ def test_triton_step_packs_the_tree_mask_once_for_every_layer(monkeypatch):
     """A Triton step packs its tree mask once (AttentionSite.prepare) and every layer reads that packed
     form, also under inference_mode (where tensors keep no version counter to tell a reused mask); the
     step's output equals the reference backend's."""
-    import hydra_kernels.ops.triton.tree_attention as kernel
+    import hydra_kernels.ops.triton.tree_mask as kernel
     from hydra_kernels.model import Llama
 
     cfg = dataclasses.replace(CFG, num_layers=3)

@@ -205,7 +205,7 @@ def test_tree_attention_triton_many_splits_and_strided_cache(backend, split_size
 @pytest.mark.backends("triton")
 @pytest.mark.parametrize("shape", [(70, 70), (3, 33, 33)])
 def test_pack_tree_mask_bits(backend, shape):
-    from hydra_kernels.ops.triton.tree_attention import pack_tree_mask
+    from hydra_kernels.ops.triton.tree_mask import pack_tree_mask
 
     gen = torch.Generator().manual_seed(3)
     m = torch.rand(*shape, generator=gen) < 0.5
@@ -222,7 +222,8 @@ def test_pack_tree_mask_bits(backend, shape):
 def test_prepacked_mask_gives_the_same_output(backend, shared):
     """The Triton kernel reads a mask packed once per step (pack_kernel_mask, what AttentionSite passes to
     every layer) exactly as it reads the bool mask it packs itself; a shared tree stays batch stride 0."""
-    from hydra_kernels.ops.triton.tree_attention import pack_kernel_mask, tree_attention
+    from hydra_kernels.ops.triton.tree_attention import tree_attention
+    from hydra_kernels.ops.triton.tree_mask import pack_kernel_mask
 
     gen = torch.Generator().manual_seed(5)
     B, T, H, D, S = 2, 5, 2, 16, 9

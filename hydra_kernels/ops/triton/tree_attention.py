@@ -19,13 +19,13 @@ the scale folded into log2(e) * sm_scale.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import ieee_dots, row_block, tree_buffer
+from .common import ieee_dots, row_block
+from .tree_mask import PackedTreeMask, pack_kernel_mask
 
 _LOG2E = 1.4426950408889634
 
@@ -137,31 +137,6 @@ def _tree_attention_merge_kernel(po_ptr, plse_ptr, o_ptr, s_ob, s_ot, s_oh, T, G
     out = acc / tl.where(ok, l, 1.0)[:, None]  # l == 0 only for a row with no allowed key (NaN, as in the reference)
     ptr = o_ptr + b.to(tl.int64) * s_ob + t[:, None] * s_ot + (kvh * G + g)[:, None] * s_oh + offs_d[None, :]
     tl.store(ptr, out.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d < D)[None, :])
-
-
-def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
-    """bool [..., T, T] -> int32 [..., T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is tree_mask[..., i, j]."""
-    T = tree_mask.shape[-1]
-    W = (T + 31) // 32
-    padded = torch.zeros(*tree_mask.shape[:-1], W * 32, dtype=torch.int64, device=tree_mask.device)
-    padded[..., :T] = tree_mask.to(torch.int64)
-    words = (padded.view(*tree_mask.shape[:-1], W, 32) << torch.arange(32, device=tree_mask.device)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
-
-
-class PackedTreeMask(NamedTuple):
-    """A tree mask in the form the kernel reads, made once per step (pack_kernel_mask) and passed to every
-    layer's call, so no layer repacks it. bits: int32 [T, W] (one tree: read in place with batch stride
-    0) or [B, T, W] (a tree per sequence); batch_stride: its batch stride in elements (0 when shared)."""
-
-    bits: torch.Tensor
-    batch_stride: int
-
-
-def pack_kernel_mask(tree_mask: torch.Tensor) -> PackedTreeMask:
-    """bool [T, T] (or an expanded [B, T, T] view of one) or [B, T, T] -> the PackedTreeMask the kernel reads."""
-    mask, _ = tree_buffer(tree_mask, 2)  # [T, T] shared (packed once, batch stride 0) or [B, T, T]
-    return PackedTreeMask(*tree_buffer(pack_tree_mask(mask), 2))
 
 
 def _num_sms(device: torch.device) -> int:
