@@ -5,6 +5,8 @@ Environment: HYDRA_KERNELS_NO_EXTENSION=1 (pure Python, no extension), HYDRA_KER
 HYDRA_KERNELS_FORCE_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": sm_80 and sm_90 code, and
 PTX that newer GPUs compile at load), MAX_JOBS (default: from cores and RAM). Build against the installed
 torch: pip install --no-build-isolation . (pip's default build isolation has no torch: setup.py says so).
+An sdist (python -m build --sdist) needs no torch: it carries csrc/ (MANIFEST.in), and installing it with
+pip install --no-build-isolation hydra_kernels-*.tar.gz builds the extension against the torch installed there.
 """
 import glob
 import os
@@ -40,12 +42,26 @@ Or install pure Python (no extension: the "reference" and "triton" backends stil
 """
 
 
+# Commands that only package sources or write metadata: they compile nothing, so they must not need torch
+# (python -m build --sdist runs them in an isolated environment without it; pip runs egg_info / dist_info
+# before it builds, so the isolated `pip install .` stops at bdist_wheel with NO_TORCH).
+SOURCE_ONLY = {"sdist", "egg_info", "dist_info"}
+
+
+def _sources_only() -> bool:
+    """Does this setup.py run only SOURCE_ONLY commands? (the first word not an option is the command;
+    `setup.py sdist bdist_wheel` also builds, so every known command word is looked at)"""
+    words = [a for a in sys.argv[1:] if not a.startswith("-")]
+    builds = {"build", "build_ext", "bdist_wheel", "bdist", "bdist_egg", "install", "develop", "editable_wheel"}
+    return bool(words) and words[0] in SOURCE_ONLY and not builds & set(words)
+
+
 def extensions():
     cpp = sorted(glob.glob(os.path.join("csrc", "**", "*.cpp"), recursive=True))
     cu = sorted(glob.glob(os.path.join("csrc", "**", "*.cu"), recursive=True))
     if not cpp and not cu:
         return [], {}
-    if os.environ.get("HYDRA_KERNELS_NO_EXTENSION") == "1":
+    if os.environ.get("HYDRA_KERNELS_NO_EXTENSION") == "1" or _sources_only():
         return [], {}
     try:
         import torch

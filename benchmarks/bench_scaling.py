@@ -44,6 +44,7 @@ from hydra_kernels import ops  # noqa: E402
 from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
 from hydra_kernels.generate import generate  # noqa: E402
 from hydra_kernels.model.packed_linear import Linear  # noqa: E402
+from hydra_kernels.ops.backend import kernel_mask, resolve, resolved_name  # noqa: E402
 from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
 
 VARIANTS = ("plain", "speculative (default budget)", "speculative (full tree)")
@@ -74,11 +75,15 @@ def attention_seconds(model, B: int, C: int, reps: int = 5) -> float:
     q = torch.randn(B, 1, c.num_heads, c.head_dim)
     seqlens = torch.full((B,), C, dtype=torch.int32)
     mask = torch.ones(1, 1, dtype=torch.bool)
+    name = resolved_name("tree_attention", "auto", q.device)
+    kernel = resolve("tree_attention", name, q.device)
+    ops.check_tree_attention(q, k, v, seqlens, mask)
     times = []
-    for _ in range(reps):
+    for _ in range(reps):  # as a step runs it (AttentionSite): the mask in the kernel's form once, every layer
         t = time.perf_counter()
+        step_mask = kernel_mask("tree_attention", name, mask)
         for _ in range(c.num_layers):
-            ops.tree_attention(q, k, v, seqlens, mask)
+            kernel(q, k, v, seqlens, step_mask)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from report import copy_bandwidth_gbs, print_table, time_us, write_results  # noqa: E402
 
 import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.ops.backend import kernel_mask, resolve  # noqa: E402
 from hydra_kernels.tree import default_tree  # noqa: E402
 
 MODELS = ["smollm2-135m", "llama-2-7b", "llama-3-8b"]
@@ -58,8 +59,12 @@ def peers(q, k, v, seqlens, mask):
     """name -> zero-argument callable returning [B, T, Hq, D] (or a string: why it is not available)."""
     B, T, Hq, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
+    # ours as a model step runs it: the mask packed once per step (AttentionSite) and the kernel called per
+    # layer, so the timed call is one layer's (like the peers' masks, built outside the timed region)
+    ours = resolve("tree_attention", "triton", q.device)
+    packed = kernel_mask("tree_attention", "triton", mask)
     out = {
-        "ours (triton)": lambda: hk.ops.tree_attention(q, k, v, seqlens, mask, backend="triton"),
+        "ours (triton)": lambda: ours(q, k, v, seqlens, packed),
         "reference": lambda: hk.ops.tree_attention(q, k, v, seqlens, mask, backend="reference"),
     }
     dm = dense_mask(seqlens, mask, S)

@@ -165,8 +165,9 @@ SPECS = {name[len("_spec_"):]: fn for name, fn in globals().items() if name.star
 
 
 def kernel_files() -> list[str]:
-    """The op files of ops/triton (everything but the package and the shared helpers)."""
-    return sorted(p.stem for p in TRITON_DIR.glob("*.py") if p.stem not in ("__init__", "common"))
+    """The op files of ops/triton: everything but the package, the shared helpers, the torch.library
+    forms of the ops and the tree-mask packing (library.py, tree_mask.py: plain torch, no kernel)."""
+    return sorted(p.stem for p in TRITON_DIR.glob("*.py") if p.stem not in ("__init__", "common", "library", "tree_mask"))
 
 
 def declared_kernels(op: str) -> set[str]:

@@ -120,3 +120,30 @@ def test_site_rows_and_batch_index():
     assert site.batch_index.tolist() == [[0], [1], [2]]
     assert PREFILL.rows is None and PREFILL.batch_index is None
     assert dataclasses.replace(site, kv_len=5).batch_index.shape == (3, 1)
+
+
+@pytest.mark.requires("triton", op="tree_attention")
+def test_triton_step_packs_the_tree_mask_once_for_every_layer(monkeypatch):
+    """A Triton step packs its tree mask once (AttentionSite.prepare) and every layer reads that packed
+    form, also under inference_mode (where tensors keep no version counter to tell a reused mask); the
+    step's output equals the reference backend's."""
+    import hydra_kernels.ops.triton.tree_mask as kernel
+    from hydra_kernels.model import Llama
+
+    cfg = dataclasses.replace(CFG, num_layers=3)
+    torch.manual_seed(1)
+    model = Llama(cfg).eval()
+    packs = []
+    pack = kernel.pack_tree_mask
+    monkeypatch.setattr(kernel, "pack_tree_mask", lambda m: packs.append(m) or pack(m))
+    mask, depths = tree_from_parents([-1, 0, 0, 1, 3])
+    prompt, tokens = torch.randint(0, cfg.vocab_size, (2, 6)), torch.randint(0, cfg.vocab_size, (2, 5))
+    out = {}
+    with torch.inference_mode():
+        for backend in ("triton", "reference"):
+            cache = KVCache(cfg, 2, 24, dtype=torch.float32, device="cpu")
+            model.prefill(prompt, torch.tensor([6, 4]), cache)
+            out[backend] = [model.step(tokens, cache, mask, depths, backends=backend) for _ in range(2)]
+    assert len(packs) == 2, f"{len(packs)} packs for 2 steps of {cfg.num_layers} layers"
+    for a, b in zip(out["triton"], out["reference"]):
+        assert_close_rel(a, b, 1e-4, "triton step")

@@ -205,7 +205,7 @@ def test_tree_attention_triton_many_splits_and_strided_cache(backend, split_size
 @pytest.mark.backends("triton")
 @pytest.mark.parametrize("shape", [(70, 70), (3, 33, 33)])
 def test_pack_tree_mask_bits(backend, shape):
-    from hydra_kernels.ops.triton.tree_attention import pack_tree_mask
+    from hydra_kernels.ops.triton.tree_mask import pack_tree_mask
 
     gen = torch.Generator().manual_seed(3)
     m = torch.rand(*shape, generator=gen) < 0.5
@@ -218,26 +218,25 @@ def test_pack_tree_mask_bits(backend, shape):
 
 
 @pytest.mark.backends("triton")
-def test_packed_tree_mask_is_reused_until_the_mask_changes(backend):
-    """The mask is packed once per step (every layer passes the same tensor), and packed again when that
-    tensor is written in place (the next step's tree) or another one comes."""
-    from hydra_kernels.ops.triton.tree_attention import _PackedMask
+@pytest.mark.parametrize("shared", [True, False])
+def test_prepacked_mask_gives_the_same_output(backend, shared):
+    """The Triton kernel reads a mask packed once per step (pack_kernel_mask, what AttentionSite passes to
+    every layer) exactly as it reads the bool mask it packs itself; a shared tree stays batch stride 0."""
+    from hydra_kernels.ops.triton.tree_attention import tree_attention
+    from hydra_kernels.ops.triton.tree_mask import pack_kernel_mask
 
     gen = torch.Generator().manual_seed(5)
     B, T, H, D, S = 2, 5, 2, 16, 9
     q = torch.randn(B, T, H, D, generator=gen).to(DEV)
     k, v = (torch.randn(B, S + T, H, D, generator=gen).to(DEV) for _ in range(2))
     sl = torch.tensor([S, 3], dtype=torch.int32, device=DEV)
-    mask = tree_from_parents([-1, 0, 0, 1, 2])[0].to(DEV)
-    out1 = hk.ops.tree_attention(q, k, v, sl, mask, backend="triton")
-    bits = _PackedMask.bits[0]
-    hk.ops.tree_attention(q, k, v, sl, mask, backend="triton")
-    assert _PackedMask.bits[0] is bits  # same tensor, same version: not repacked
-    mask.copy_(tree_from_parents([-1, 0, 1, 2, 3])[0].to(DEV))  # in place: the next step's tree
-    out2 = hk.ops.tree_attention(q, k, v, sl, mask, backend="triton")
-    assert _PackedMask.bits[0] is not bits
-    assert_close_rel(out2, reference.tree_attention(q, k, v, sl, mask), RTOL[torch.float32], "repacked mask")
-    assert not torch.allclose(out1, out2)
+    one = tree_from_parents([-1, 0, 0, 1, 2])[0]
+    mask = (one if shared else torch.stack([one, tree_from_parents([-1, 0, 1, 2, 3])[0]])).to(DEV)
+    packed = pack_kernel_mask(mask)
+    assert (packed.batch_stride == 0) == shared and packed.bits.dtype == torch.int32
+    out = tree_attention(q, k, v, sl, packed)
+    assert torch.equal(out, tree_attention(q, k, v, sl, mask))
+    assert_close_rel(out, reference.tree_attention(q, k, v, sl, mask), RTOL[torch.float32], "pre-packed mask")
 
 
 # ---- native: the fp32 row kernel -----------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
-from ..ops.backend import resolve
+from ..ops.backend import kernel_mask, resolve, resolved_name
 from .config import LlamaConfig
 from .packed_linear import Linear
 from .rope import apply_rope
@@ -59,16 +59,26 @@ class AttentionSite:
     kv_len: int = 0
     backend: str = "auto"
     batch_index: torch.Tensor | None = field(init=False, repr=False)  # [B, 1], pairs with rows in index_put
-    # ops.tree_attention's kernel, resolved once; the op's preconditions are checked at the first layer only
-    # (every layer reads the same seqlens and mask with the same shapes: 30 checks a step would be 29 too many)
+    # ops.tree_attention's concrete backend and kernel, resolved once per step
+    kernel_backend: str = field(init=False, repr=False, default="")
     kernel: object = field(init=False, repr=False, default=None)
-    checked: bool = field(init=False, repr=False, default=False)
+    # tree_mask in the form the kernel reads (Triton: bit-packed), made at the first layer for every layer
+    kernel_tree_mask: object = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         rows = self.rows
         self.batch_index = None if rows is None else torch.arange(rows.shape[0], device=rows.device)[:, None]
         if rows is not None:
-            self.kernel = resolve("tree_attention", self.backend, rows.device)
+            self.kernel_backend = resolved_name("tree_attention", self.backend, rows.device)
+            self.kernel = resolve("tree_attention", self.kernel_backend, rows.device)
+
+    def prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """At the first layer of a step: the op's preconditions, then the mask in the kernel's form. Once
+        per step, not per layer: every layer reads the same seqlens and mask with the same shapes (30
+        checks a step would be 29 too many), and packing the mask per layer (Triton) would repeat it too."""
+        if self.kernel_tree_mask is None:
+            ops.check_tree_attention(q, k_cache, v_cache, self.seqlens, self.tree_mask)
+            self.kernel_tree_mask = kernel_mask("tree_attention", self.kernel_backend, self.tree_mask)
 
 
 PREFILL = AttentionSite()  # rows [0, T) of an empty buffer, causal attention among the new tokens
@@ -109,8 +119,6 @@ class Attention(nn.Module):
             kv[:, site.batch_index, site.rows] = torch.stack((k, v))  # both halves in one index_put
             n = site.kv_len
             k_cache, v_cache = kv[0, :, :n], kv[1, :, :n]
-            if not site.checked:
-                ops.check_tree_attention(q, k_cache, v_cache, site.seqlens, site.tree_mask)
-                site.checked = True
-            o = site.kernel(q, k_cache, v_cache, site.seqlens, site.tree_mask)
+            site.prepare(q, k_cache, v_cache)
+            o = site.kernel(q, k_cache, v_cache, site.seqlens, site.kernel_tree_mask)
         return self.wo(o.flatten(2))  # o: [B, T, Hq, D]

@@ -19,12 +19,16 @@ _DEVICES: dict[tuple[str, str], frozenset[str]] = {}  # (op, backend) -> device 
 # (op, backend) -> that implementation's size limits, e.g. {"accepted_rows": 32}: one kernel's bound,
 # checked by the op before dispatch and by BackendPlan.check_tree before any work
 _LIMITS: dict[tuple[str, str], Mapping[str, int]] = {}
+# (op, backend) -> the tree mask's conversion into the form that implementation reads (absent: the bool mask)
+_MASK_FORMS: dict[tuple[str, str], Callable] = {}
 
 
 def register(op: str, backend: str, fn: Callable, devices: tuple[str, ...] | None = None,
-             limits: Mapping[str, int] | None = None) -> None:
+             limits: Mapping[str, int] | None = None, mask_form: Callable | None = None) -> None:
     """fn implements `op` for `backend`; devices: the device types it covers (None: every one); limits:
-    its size limits by name (None: none)."""
+    its size limits by name (None: none); mask_form: for an op taking a tree mask whose kernel reads
+    another form of it (Triton tree_attention: bit-packed words), the conversion of the bool mask (see
+    kernel_mask); None: the kernel reads the bool mask."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
     _IMPLS.setdefault(op, {})[backend] = fn
@@ -32,6 +36,16 @@ def register(op: str, backend: str, fn: Callable, devices: tuple[str, ...] | Non
         _DEVICES[(op, backend)] = frozenset(devices)
     if limits is not None:
         _LIMITS[(op, backend)] = dict(limits)
+    if mask_form is not None:
+        _MASK_FORMS[(op, backend)] = mask_form
+
+
+def kernel_mask(op: str, backend: str, tree_mask):
+    """tree_mask (bool) in the form `op`'s concrete `backend` implementation reads, for a caller that runs
+    that implementation on many layers with one mask (AttentionSite: once per step, not once per layer).
+    The bool mask itself where the implementation reads it as is."""
+    form = _MASK_FORMS.get((op, backend))
+    return tree_mask if form is None else form(tree_mask)
 
 
 def limit(op: str, backend: str, name: str) -> int | None:

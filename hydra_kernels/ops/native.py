@@ -41,6 +41,14 @@ def _register() -> bool:
     def _(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None):
         return torch.empty_like(q)
 
+    @torch.library.register_fake("hydra_kernels::commit_kv")
+    def _(kv_cache, cache_seqlens, accept_indices, accept_lengths):
+        return None  # in place: the graph records the mutation of kv_cache from the schema (Tensor(a!))
+
+    @torch.library.register_fake("hydra_kernels::packed_linear")
+    def _(x, packed, N, bias=None):
+        return x.new_empty(*x.shape[:-1], N)
+
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):
         shape = (root.shape[0], node_source.shape[0])

@@ -9,9 +9,9 @@ B * Hkv programs cannot fill a GPU (SmolLM2 batch 1: 3), so the prefix is cut in
 program producing a partial (normalised output, log-sum-exp); one extra split per (sequence, KV
 head) handles the tree block, the only place the ancestor mask applies (as bits: tree_mask row t is
 ceil(T/32) int32 words; sequence b's mask at bits + b * s_mb, s_mb = 0 when one tree serves the batch,
-so a shared tree is packed once, never expanded; and once per step: every layer passes the same mask
-tensor, and the last packed one is kept). A second kernel merges the splits with log-sum-exp
-weights.
+so a shared tree is packed once, never expanded; and once per step: the model's AttentionSite packs it
+with pack_kernel_mask and every layer passes the packed form). A second kernel merges the splits with
+log-sum-exp weights.
 
 Grid of the first kernel: (M tiles, prefix splits + 1, B * Hkv). Softmax runs in base 2 (exp2) with
 the scale folded into log2(e) * sm_scale.
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ieee_dots, row_block, tree_buffer
+from .common import ieee_dots, row_block
+from .tree_mask import PackedTreeMask, pack_kernel_mask
 
 _LOG2E = 1.4426950408889634
 
@@ -138,38 +139,6 @@ def _tree_attention_merge_kernel(po_ptr, plse_ptr, o_ptr, s_ob, s_ot, s_oh, T, G
     tl.store(ptr, out.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d < D)[None, :])
 
 
-def pack_tree_mask(tree_mask: torch.Tensor) -> torch.Tensor:
-    """bool [..., T, T] -> int32 [..., T, ceil(T/32)]: bit j % 32 of word j // 32 in row i is tree_mask[..., i, j]."""
-    T = tree_mask.shape[-1]
-    W = (T + 31) // 32
-    padded = torch.zeros(*tree_mask.shape[:-1], W * 32, dtype=torch.int64, device=tree_mask.device)
-    padded[..., :T] = tree_mask.to(torch.int64)
-    words = (padded.view(*tree_mask.shape[:-1], W, 32) << torch.arange(32, device=tree_mask.device)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
-
-
-class _PackedMask:
-    """The last tree mask packed, kept with the mask itself: every layer of a step passes the same mask
-    tensor, so it is packed once per step, not once per layer. A hit needs the very same tensor object
-    (held here, so its memory cannot be reused by another) at the same version (any in-place write to
-    it, e.g. the next step's tree copied in, bumps torch's version counter and repacks). Inference tensors
-    (torch.inference_mode) have no version counter: packed on every call."""
-
-    mask: torch.Tensor | None = None
-    version: int = -1
-    bits: tuple[torch.Tensor, int] | None = None
-
-    @classmethod
-    def get(cls, tree_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
-        # inference tensors keep no version counter: a write cannot be seen, so they are packed every call
-        version = None if tree_mask.is_inference() else tree_mask._version
-        if version is None or tree_mask is not cls.mask or version != cls.version:
-            mask, _ = tree_buffer(tree_mask, 2)  # [T, T] shared (packed once, batch stride 0) or [B, T, T]
-            cls.mask, cls.version = tree_mask, version
-            cls.bits = tree_buffer(pack_tree_mask(mask), 2)  # int32 [T, W] or [B, T, W], its batch stride
-        return cls.bits
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -179,8 +148,9 @@ def _num_sms(device: torch.device) -> int:
 def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None, *, split_size: int | None = None,
                    block_m: int | None = None, block_n: int | None = None):
     """Same contract as reference.tree_attention (tree_mask [T, T] or [B, T, T]; any head_dim up to 256:
-    tiles pad it to a power of two). split_size / block_m / block_n: tuning overrides (tests use them to
-    force several splits)."""
+    tiles pad it to a power of two). tree_mask may also be pack_kernel_mask's result: a caller running
+    every layer with one mask (AttentionSite) packs it once per step; a bool mask is packed here.
+    split_size / block_m / block_n: tuning overrides (tests use them to force several splits)."""
     B, T, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -204,7 +174,8 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None,
     n_prefix = max(1, triton.cdiv(S, split_size))
     n_total = n_prefix + 1
     dev = q.device
-    bits, s_mb = _PackedMask.get(tree_mask)  # int32 [T, W] or [B, T, W]; packed once per step
+    packed = tree_mask if isinstance(tree_mask, PackedTreeMask) else pack_kernel_mask(tree_mask)
+    bits, s_mb = packed  # int32 [T, W] or [B, T, W], its batch stride
     po = torch.empty(B * Hkv * n_total * M_PAD, BLOCK_D, dtype=torch.float32, device=dev)
     plse = torch.empty(B * Hkv * n_total * M_PAD, dtype=torch.float32, device=dev)
     out = torch.empty_like(q)
