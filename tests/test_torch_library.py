@@ -2,7 +2,7 @@
 BackendPlan entry resolves to) without a graph break, and the compiled call returns the eager call's
 outputs bit for bit, on the CPU with inductor (gcc builds its CPU code):
 
-- the Triton ops through their torch.library forms (ops/triton/library.py; kernels under
+- the Triton ops (all ten) through their torch.library forms (ops/triton/library.py; kernels under
   TRITON_INTERPRET=1), tree_attention with its mask packed inside the graph as a step packs it;
 - the native ops a CPU decode step runs (the extension's TORCH_LIBRARY ops with the fake kernels of
   ops/native.py): tree_attention, tree_inputs, greedy_verify, commit_kv, packed_linear;
@@ -46,6 +46,20 @@ def _typical_accept(gen):
     return lse, entropy, child, torch.randint(0, V, (B, T), generator=gen), TREE.paths, 0.09, 0.3
 
 
+def _residual_sample(gen):
+    T = TREE.num_nodes
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    exclude = hk.ops.reference.child_tokens(tokens, TREE.parents, max(TREE.max_children, 1))
+    return torch.randn(B, T, H, generator=gen), torch.randn(V, H, generator=gen), 0.7, torch.tensor([7]), exclude
+
+
+def _rejection_accept(gen):
+    T = TREE.num_nodes
+    lse, child = torch.randn(B, T, generator=gen) + 3, torch.randn(B, T, generator=gen)
+    return (lse, child, torch.randint(0, V, (B, T), generator=gen), torch.rand(B, T, generator=gen),
+            torch.randint(0, V, (B, T), generator=gen), TREE.parents, TREE.depth)
+
+
 def _hydra_first_layer(gen):
     w = lambda *s: torch.randn(*s, generator=gen) * 0.1  # noqa: E731
     return (w(B, H), torch.randint(0, V, (B, 3, 2), generator=gen), w(V, H), w(H, 3 * H), w(H), w(H, 3 * H), w(H))
@@ -69,9 +83,11 @@ INPUTS = {
     "resblock": lambda gen: (torch.randn(B, 3, H, generator=gen), torch.randn(H, H, generator=gen) * 0.1,
                              torch.randn(H, generator=gen)),
     "tree_inputs": _tree_inputs,
+    "lm_head_residual_sample": _residual_sample,
+    "rejection_accept": _rejection_accept,
 }
 TRITON_OPS = ["tree_attention", "commit_kv", "greedy_verify", "typical_accept", "lm_head_topk", "lm_head_sample_stats",
-              "hydra_first_layer", "resblock"]
+              "hydra_first_layer", "resblock", "lm_head_residual_sample", "rejection_accept"]
 NATIVE_STEP_OPS = ["tree_attention", "tree_inputs", "greedy_verify", "commit_kv"]  # packed_linear: its own test
 
 
@@ -147,3 +163,12 @@ def test_eager_triton_calls_skip_the_library_dispatch(monkeypatch):
     x, w, b = INPUTS["resblock"](torch.Generator().manual_seed(2))
     out = resolve("resblock", "triton", CPU)(x, w, b)
     assert torch.allclose(out, hk.ops.reference.resblock(x, w, b), rtol=1e-4, atol=1e-5)
+
+
+def test_every_triton_op_has_a_library_form_and_a_compile_case():
+    """A Triton op added to the backend without its torch.library form (or without a case above) fails here."""
+    from hydra_kernels.ops import backend as be
+
+    triton_ops = {op for op, impls in be._IMPLS.items() if "triton" in impls}
+    assert triton_ops == set(TRITON_OPS)
+    assert all(hasattr(torch.ops.hydra_kernels_triton, op) for op in triton_ops)

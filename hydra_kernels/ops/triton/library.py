@@ -122,6 +122,30 @@ def _(x, weight, bias):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op(f"{NS}::lm_head_residual_sample", mutates_args=())
+def lm_head_residual_sample(x: Tensor, weight: Tensor, temperature: float, seed: Tensor,
+                            exclude: Tensor) -> tuple[Tensor, Tensor]:
+    return tuple(_kernel("lm_head_residual_sample").lm_head_residual_sample(x, weight, temperature, seed, exclude))
+
+
+@lm_head_residual_sample.register_fake
+def _(x, weight, temperature, seed, exclude):
+    lead = x.shape[:-1]
+    return x.new_empty(lead, dtype=torch.float32), x.new_empty(lead, dtype=torch.long)
+
+
+@torch.library.custom_op(f"{NS}::rejection_accept", mutates_args=())
+def rejection_accept(lse: Tensor, child_logits: Tensor, samples: Tensor, uniforms: Tensor, tree_tokens: Tensor,
+                     parents: Tensor, depth: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return tuple(_kernel("rejection_accept").rejection_accept(lse, child_logits, samples, uniforms, tree_tokens,
+                                                              parents, depth))
+
+
+@rejection_accept.register_fake
+def _(lse, child_logits, samples, uniforms, tree_tokens, parents, depth):
+    return _verification_fake(lse.shape[0], depth + 1, lse)
+
+
 def traced_call(name: str, args: tuple, kwargs: dict):
     """The library op `name` called as the "triton" backend's function `name` is (same arguments); for
     tree_attention the mask goes in packed, as pack_kernel_mask makes it (in the traced graph when a bool
