@@ -304,16 +304,22 @@ def _check_draft_probs(draft_probs, logits, tree_tokens, paths) -> None:
                          f"{j}], the distribution it was drawn from: the draft and its draft_probs disagree")
 
 
-def lm_head_sample_stats(x, weight, temperature, seed, *, backend="auto"):
-    """Per row of x [..., H], with z = x weight^T / temperature: (lse fp32 [...], entropy fp32 [...],
-    sample int64 [...] drawn from softmax(z)), in one pass over the vocabulary (Triton: the logits are
-    never written). weight [V, H]; temperature > 0; seed int64 tensor [1] on x's device (no host read)."""
+def _check_sampling_lm_head(x, weight, temperature, seed) -> None:
+    """The LM-head sampling ops' shared arguments: x [..., H] and weight [V, H] of one dtype, temperature
+    > 0, seed an int64 tensor [1] on x's device."""
     _check(x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1],
            f"x [..., H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
     _check(temperature > 0, f"temperature must be > 0, got {temperature}")
     _check(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
     _check(torch.is_tensor(seed) and seed.numel() == 1 and seed.dtype == torch.int64 and seed.device == x.device,
            "seed must be an int64 tensor of one element on x's device")
+
+
+def lm_head_sample_stats(x, weight, temperature, seed, *, backend="auto"):
+    """Per row of x [..., H], with z = x weight^T / temperature: (lse fp32 [...], entropy fp32 [...],
+    sample int64 [...] drawn from softmax(z)), in one pass over the vocabulary (Triton: the logits are
+    never written). weight [V, H]; temperature > 0; seed int64 tensor [1] on x's device (no host read)."""
+    _check_sampling_lm_head(x, weight, temperature, seed)
     fn = resolve("lm_head_sample_stats", backend, x.device)
     return fn(x, weight, temperature, seed)
 
@@ -341,12 +347,7 @@ def lm_head_residual_sample(x, weight, temperature, seed, exclude, *, backend="a
     remains). The draw is a Gumbel-max over counter-based noise (reference.lm_head_residual_sample):
     every backend draws the same token from the same seed. Rejection sampling's residual draw
     (rejection_accept) with exclude = a node's children's tokens (reference.child_tokens)."""
-    _check(x.dim() >= 1 and weight.dim() == 2 and x.shape[-1] == weight.shape[1],
-           f"x [..., H] and weight [V, H] must share H, got {tuple(x.shape)} and {tuple(weight.shape)}")
-    _check(temperature > 0, f"temperature must be > 0, got {temperature}")
-    _check(x.dtype == weight.dtype, f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
-    _check(torch.is_tensor(seed) and seed.numel() == 1 and seed.dtype == torch.int64 and seed.device == x.device,
-           "seed must be an int64 tensor of one element on x's device")
+    _check_sampling_lm_head(x, weight, temperature, seed)
     V = weight.shape[0]
     _check(torch.is_tensor(exclude) and exclude.dtype == torch.int64 and exclude.dim() == x.dim()
            and exclude.shape[:-1] == x.shape[:-1] and exclude.shape[-1] < V,
