@@ -241,7 +241,7 @@ def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0
     idx = torch.full((B, paths.shape[-1]), -1, dtype=torch.long, device=dev)
     idx[:, 0] = 0
     if draft_probs is None:
-        cur, r_res = _walk_deterministic(probs, tree_tokens, parents, depths, idx, generator)
+        cur, r_res = _walk_deterministic(probs, tree_tokens, parents, idx, generator)
     else:
         cur, r_res = _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, generator)
     accept_len = depths.gather(1, cur[:, None])[:, 0] + 1
@@ -255,19 +255,17 @@ def _record(idx, depths, j: int, acc) -> None:
     idx.scatter_(1, col[:, None], torch.where(acc, j, idx.gather(1, col[:, None])[:, 0])[:, None])
 
 
-def _walk_deterministic(probs, tree_tokens, parents, depths, idx, generator):
-    """rejection_verify's walk for deterministic drafts -> (last accepted node [B], the residual there [B, V]);
-    records the accepted nodes in idx."""
-    B, T, V = probs.shape
-    dev = probs.device
-    bidx = torch.arange(B, device=dev)
-    # p_child[b, j] = p(token_j | parent_j): the probability node j's token has under its parent
-    p_child = probs[bidx[:, None], parents.clamp(min=0), tree_tokens]  # [B, T]
-    # dup[b, j]: an earlier sibling holds the same token (its residual is 0 when j's turn comes)
+def _walk_children(p_child, u, tree_tokens, parents, idx):
+    """The deterministic walk itself (rejection_verify, rejection_accept): p_child [B, T] = p(token_j |
+    parent_j), u [B, T] node j's uniform, parents [B, T] -> (last accepted node [B], its depth [B]);
+    records each accepted node j at idx[b, depth(j)]. A child repeating an earlier sibling's token is
+    skipped (its residual is 0 when its turn comes)."""
+    B, T = p_child.shape
+    dev = p_child.device
     same = (parents[:, :, None] == parents[:, None, :]) & (tree_tokens[:, :, None] == tree_tokens[:, None, :])
-    dup = (same & torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)).any(-1)  # [B, T]
-    u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
+    dup = (same & torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)).any(-1)  # [B, T]: repeats a sibling
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
+    level = torch.zeros(B, dtype=torch.long, device=dev)  # its depth
     removed = torch.zeros(B, dtype=torch.float32, device=dev)  # mass of the current node's rejected children
     for j in range(1, T):  # children come after their parents: one pass in index order walks the tree
         tried = (parents[:, j] == cur) & ~dup[:, j]
@@ -275,7 +273,22 @@ def _walk_deterministic(probs, tree_tokens, parents, depths, idx, generator):
         acc = tried & (u[:, j] * (1.0 - removed).clamp(min=0.0) < p_child[:, j])
         removed = torch.where(acc, torch.zeros_like(removed), torch.where(tried, removed + p_child[:, j], removed))
         cur = torch.where(acc, torch.full_like(cur, j), cur)
-        _record(idx, depths, j, acc)
+        level = level + acc.long()
+        col = level.clamp(max=idx.shape[1] - 1)[:, None]  # an accepted child's depth: its parent's + 1
+        idx.scatter_(1, col, torch.where(acc, j, idx.gather(1, col)[:, 0])[:, None])
+    return cur, level
+
+
+def _walk_deterministic(probs, tree_tokens, parents, idx, generator):
+    """rejection_verify's walk for deterministic drafts -> (last accepted node [B], the residual there [B, V]);
+    records the accepted nodes in idx."""
+    B, T, V = probs.shape
+    dev = probs.device
+    bidx = torch.arange(B, device=dev)
+    # p_child[b, j] = p(token_j | parent_j): the probability node j's token has under its parent
+    p_child = probs[bidx[:, None], parents.clamp(min=0), tree_tokens]  # [B, T]
+    u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
+    cur, _ = _walk_children(p_child, u, tree_tokens, parents, idx)
     # residual at the last node: its children (all tried, all rejected) removed, renormalised
     r = probs[bidx, cur]  # [B, V]
     kids = parents == cur[:, None]  # [B, T]
@@ -420,21 +433,9 @@ def rejection_accept(lse, child_logits, samples, uniforms, tree_tokens, parents,
     dev = lse.device
     parents = per_sequence(parents, B, 1)  # [B, T]
     p = torch.exp(child_logits.float() - lse.float().gather(1, parents.clamp(min=0)))  # p(token_j | parent_j)
-    same = (parents[:, :, None] == parents[:, None, :]) & (tree_tokens[:, :, None] == tree_tokens[:, None, :])
-    dup = (same & torch.ones(T, T, dtype=torch.bool, device=dev).tril(-1)).any(-1)  # [B, T]: repeats a sibling
-    cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
-    level = torch.zeros(B, dtype=torch.long, device=dev)  # its depth
-    removed = torch.zeros(B, dtype=torch.float32, device=dev)
     idx = torch.full((B, depth + 1), -1, dtype=torch.long, device=dev)
     idx[:, 0] = 0
-    for j in range(1, T):  # children come after their parents: one pass in index order walks the tree
-        tried = (parents[:, j] == cur) & ~dup[:, j]
-        acc = tried & (uniforms[:, j] * (1.0 - removed).clamp(min=0.0) < p[:, j])
-        removed = torch.where(acc, torch.zeros_like(removed), torch.where(tried, removed + p[:, j], removed))
-        cur = torch.where(acc, torch.full_like(cur, j), cur)
-        level = level + acc.long()
-        col = level.clamp(max=depth)[:, None]
-        idx.scatter_(1, col, torch.where(acc, j, idx.gather(1, col)[:, 0])[:, None])
+    cur, level = _walk_children(p, uniforms, tree_tokens, parents, idx)
     return level + 1, idx, samples.long().gather(1, cur[:, None])[:, 0], cur
 
 
