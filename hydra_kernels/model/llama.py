@@ -2,7 +2,8 @@
 
 - ``model(input_ids)``: full causal forward without a cache -> logits [B, L, V] (parity tests).
 - ``model.prefill(tokens, lengths, cache)``: a right-padded ragged batch fills rows [0, L) of the
-  static KV buffer; returns the final hidden state at each sequence's last real token.
+  static KV buffer, in chunks of positions (prefill_chunk_positions); returns the final hidden state
+  at each sequence's last real token.
 - ``model.step(tokens, cache, tree_mask, depths)``: T tokens per sequence appended after the
   committed prefix at positions ``seqlens + depths``; attention through ``hk.ops.tree_attention``,
   one tree for the batch or one per sequence.
@@ -11,8 +12,8 @@ Each also takes ``capture`` (layer indices k: the residual stream entering layer
 embeddings), for drafters that read intermediate layers (EAGLE-3): it then returns the pair (its usual
 output, those streams concatenated along the last dimension). Without it, nothing changes.
 
-Each runs every TransformerBlock with its own AttentionSite (model/attention.py): none, PREFILL, or a
-step's rows / mask / backend.
+Each runs every TransformerBlock with its own AttentionSite (model/attention.py): none, a prefill
+chunk's, or a step's rows / mask / backend.
 """
 from __future__ import annotations
 
@@ -21,13 +22,30 @@ from torch import nn
 
 from .. import ops
 from ..ops.backend import BackendPlan, plan_backends
-from .attention import PREFILL, AttentionSite
+from .attention import AttentionSite, prefill_site
 from .config import LlamaConfig
 from .hf_names import hf_to_ours
 from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerBlock
 from .packed_linear import Linear, packed_linear_available
 from .rope import RopeCache
+
+
+# Prefill tokens (batch x positions) per chunk. On the CPU a prefill in one piece allocates activations
+# of ~30 KB per token per layer (the MLP's [N, 2I] alone is 12 KB); past glibc's mmap threshold each is
+# mapped fresh from the kernel and page-faulted in, every layer: a 16 x 2048-token prefill took 55 s, 16M
+# page faults and 35-44 s of system time (2 cores). Chunks of ~2k tokens reuse the same heap memory and
+# stay in cache; attention over the chunks costs what one causal pass costs (flash SDPA with a mask).
+# On a GPU, chunks only bound the activation memory.
+PREFILL_CHUNK_TOKENS = {"cpu": 2048}
+PREFILL_CHUNK_TOKENS_OTHER = 16384
+
+
+def prefill_chunk_positions(device: torch.device, batch: int, length: int, chunk_tokens: int | None = None) -> int:
+    """Positions per prefill chunk for a [batch, length] prompt on `device` (at least 1; length = one chunk).
+    chunk_tokens overrides the device's token budget."""
+    budget = chunk_tokens or PREFILL_CHUNK_TOKENS.get(device.type, PREFILL_CHUNK_TOKENS_OTHER)
+    return max(1, min(length, budget // max(batch, 1)))
 
 
 class Llama(nn.Module):
@@ -167,35 +185,52 @@ class Llama(nn.Module):
         return self.output(self.hidden_states(input_ids))
 
     def prefill(self, tokens: torch.Tensor, lengths: torch.Tensor, cache: KVCache, *, all_hidden: bool = False,
-                capture=None):
+                capture=None, chunk_tokens: int | None = None):
         """Prefill an empty cache with a right-padded ragged batch.
 
         tokens [B, L] (sequence b is real in [0, lengths[b]), padding after); lengths int [B] on the
         device. Right padding is exact under a causal mask: a real token only sees real tokens before
-        it. Writes K/V rows [0, L) of every sequence and sets cache.seqlens = lengths.
+        it. Writes K/V rows [0, L) of every sequence and sets cache.seqlens = lengths. Runs in chunks of
+        positions (prefill_chunk_positions; chunk_tokens overrides the device's tokens per chunk), each
+        chunk attending to the rows before it: the same math as one causal pass.
         Returns the final-normed hidden state of each sequence's last real token [B, H], or with
         all_hidden=True the hidden states of every position [B, L, H]. capture (layer indices): the
         pair (that, the captured layers' inputs at the same positions, [B, len(capture) * H] or
         [B, L, len(capture) * H]).
         """
         B, L = tokens.shape
-        x = self.tok_embeddings(tokens)  # [B, L, H]
-        pos = torch.arange(L, device=tokens.device).expand(B, L)
-        cos, sin = self._rope(pos, L, x.dtype)  # [B, L, D]
-        feats = None
-        if capture is not None:
-            x, feats = self._capturing_layers(x, cos, sin, PREFILL, cache.layers, self.check_capture(capture))
-        else:
-            for layer, kv in zip(self.layers, cache.layers):
-                x = layer(x, cos, sin, PREFILL, kv)
-        h = self.norm(x)
+        capture = None if capture is None else self.check_capture(capture)
+        step = prefill_chunk_positions(tokens.device, B, L, chunk_tokens)
+        last = (lengths.long() - 1).clamp(min=0)  # [B]: each sequence's last real position
+        bidx = torch.arange(B, device=tokens.device)
+        hs, fs = [], []  # per chunk: every position (all_hidden) or the last real positions seen so far
+        for s in range(0, L, step):
+            e = min(L, s + step)
+            x = self.tok_embeddings(tokens[:, s:e])  # [B, e - s, H]
+            pos = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+            cos, sin = self._rope(pos, e, x.dtype)  # [B, e - s, D]
+            site = prefill_site(s)
+            feats = None
+            if capture is not None:
+                x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, capture)
+            else:
+                for layer, kv in zip(self.layers, cache.layers):
+                    x = layer(x, cos, sin, site, kv)
+            h = self.norm(x)
+            if all_hidden:
+                hs.append(h)
+                fs.append(feats)
+                continue
+            here = (last >= s) & (last < e)  # [B]: sequences whose last real token is in this chunk
+            at = (last - s).clamp(0, e - s - 1)
+            hs = [torch.where(here[:, None], h[bidx, at], hs[0]) if hs else h[bidx, at]]
+            if feats is not None:
+                fs = [torch.where(here[:, None], feats[bidx, at], fs[0]) if fs else feats[bidx, at]]
         cache.seqlens.copy_(lengths)
-        if not all_hidden:
-            last = (lengths.long() - 1).clamp(min=0)
-            bidx = torch.arange(B, device=h.device)
-            h = h[bidx, last]
-            feats = None if feats is None else feats[bidx, last]
-        return h if capture is None else (h, feats)
+        h = hs[0] if len(hs) == 1 else torch.cat(hs, dim=1)
+        if capture is None:
+            return h
+        return h, (fs[0] if len(fs) == 1 else torch.cat(fs, dim=1))
 
     def step(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
              depths: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, kv_len: int | None = None,
