@@ -162,10 +162,39 @@ def test_budget_levels_and_set_budget_draft_the_subtree(model):
         sub = tree.subtree(n)
         idx = [0] + [tree.choices.index(c) + 1 for c in sub.choices]
         assert torch.equal(d.draft(model, h, root, sub), full[:, idx])  # a subtree's tokens are the tree's
-    for name in ("ngram", "lookahead"):
-        dd, t = make(model, name)
-        bound = dd.resolve_tree(t, "cpu")
-        assert dd.budget_levels(bound) == (1, bound.num_nodes)
+
+
+def test_ngram_and_lookahead_budgets_cut_the_same_draft(model):
+    """n-gram: k-token continuations (k = 1, 2, 4, .., num_tokens), each a prefix of the full draft's;
+    lookahead: the window every step plus the g most recent pool n-grams."""
+    d = hk.new_drafter(model, kind="ngram", num_tokens=6, num_branches=2)
+    bound = d.resolve_tree(None, "cpu")
+    assert d.budget_levels(bound) == (1, 3, 5, 9, 13) and bound.num_nodes == 13
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 9, 9, 9, 9, 9, 9, 1, 2, 3]  # suffix [1, 2, 3]: two continuations
+    state = d.start(model, 1, 64, bound, None)
+    d.observe_tokens(state, [text])
+    full = d.draft_lists(state)
+    for nodes, k in ((3, 1), (5, 2), (8, 3), (9, 4), (13, 6)):
+        d.set_budget(state, nodes)
+        assert state.num_tokens == k
+        parents, tokens = d.draft_lists(state)
+        assert 1 < len(parents[0]) <= nodes
+        kept = [i for i, p in enumerate(full[0][0]) if _depth(full[0][0], i) <= k]
+        assert tokens[0] == [full[1][0][i] for i in kept]  # the full trie's nodes down to depth k
+    la = hk.new_drafter(model, kind="lookahead", window=3, ngram=3, guesses=4)
+    lb = la.resolve_tree(None, "cpu")
+    assert la.budget_levels(lb) == (1, 9, 11, 13, 15) and lb.num_nodes == 15
+    st = la.start(model, 1, 64, lb, None)
+    for nodes, g in ((9, 1), (12, 2), (15, 4)):
+        la.set_budget(st, nodes)
+        assert st.guesses == g
+
+
+def _depth(parents: list[int], i: int) -> int:
+    d = 0
+    while parents[i] >= 0:
+        i, d = parents[i], d + 1
+    return d
 
 
 def test_mlp_speculator_budgets_keep_its_best_candidates(model):

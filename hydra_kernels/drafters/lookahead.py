@@ -53,6 +53,7 @@ class LookaheadState:
         self.finished = [False] * batch_size
         self.la_start = 0  # index of the first lookahead node in the last proposal
         self.skipped = False  # the last step was a plain step (skip_step): no lookahead nodes to learn from
+        self.guesses = cfg.guesses  # pool n-grams verified per step now (set_budget lowers it)
         self.device = device
 
 
@@ -100,6 +101,18 @@ class LookaheadDrafter(Drafter):
 
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> LookaheadState:
         return LookaheadState(self.config, batch_size, model.device)
+
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        """A plain step, then the root + the lookahead window (W * (N-1) nodes: the window must advance
+        every step it runs) + g verified n-grams of N-1 tokens, for g = 1 .. guesses."""
+        c = self.config
+        base = 1 + c.window * (c.ngram - 1)
+        return (1, *(base + g * (c.ngram - 1) for g in range(1, c.guesses + 1)))
+
+    def set_budget(self, state: LookaheadState, nodes: int) -> None:
+        """Verify the most (most recent) pool n-grams whose trie fits `nodes` beside the window."""
+        c = self.config
+        state.guesses = max(1, min(c.guesses, (nodes - 1 - c.window * (c.ngram - 1)) // (c.ngram - 1)))
 
     def after_prefill(self, state: LookaheadState, hidden, lengths) -> None:
         pass
@@ -149,7 +162,7 @@ class LookaheadDrafter(Drafter):
         B = len(state.last)
         parent_lists, token_lists = [], []
         for b in range(B):
-            tails = [] if state.finished[b] else state.pool[b].get(state.last[b], [])
+            tails = [] if state.finished[b] else state.pool[b].get(state.last[b], [])[-state.guesses:]
             p, t = trie(state.last[b], [list(x) for x in reversed(tails)])
             parent_lists.append(p)
             token_lists.append(t)

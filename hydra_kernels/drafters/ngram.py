@@ -108,6 +108,7 @@ class NgramState:
         self.indexes = [NgramIndex(cfg.min_ngram, cfg.max_ngram) for _ in range(batch_size)]
         self.finished = [False] * batch_size
         self.matched = [0] * batch_size  # n of this step's match per sequence (0: none); CombinedDrafter reads it
+        self.num_tokens = cfg.num_tokens  # draft tokens per continuation now (set_budget lowers it)
         self.device = device
         self.chains: dict[int, Tree] = {}  # k -> chain(k) on the device: every sequence drafts k tokens in a line
 
@@ -145,6 +146,18 @@ class NgramDrafter(Drafter):
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> NgramState:
         return NgramState(self.config, batch_size, model.device)
 
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        """A plain step, then the bounds of continuations of k tokens (num_branches * k + 1 nodes) for
+        k = 1, 2, 4, ... and num_tokens: the same lookup, its continuations cut to k tokens."""
+        c = self.config
+        ks = sorted({min(2**i, c.num_tokens) for i in range(c.num_tokens.bit_length() + 1)})
+        return (1, *(c.num_branches * k + 1 for k in ks))
+
+    def set_budget(self, state: NgramState, nodes: int) -> None:
+        """Continuations of the most tokens whose trie fits `nodes` (num_branches * k + 1 <= nodes)."""
+        c = self.config
+        state.num_tokens = max(1, min(c.num_tokens, (nodes - 1) // c.num_branches))
+
     def after_prefill(self, state: NgramState, hidden, lengths) -> None:
         pass  # the text comes through observe_tokens
 
@@ -163,7 +176,7 @@ class NgramDrafter(Drafter):
         c = self.config
         parent_lists, token_lists = [], []
         for b, idx in enumerate(state.indexes):
-            n, conts = (0, []) if state.finished[b] else idx.lookup(c.num_tokens, c.num_branches)
+            n, conts = (0, []) if state.finished[b] else idx.lookup(state.num_tokens, c.num_branches)
             state.matched[b] = n
             p, t = trie(idx.text[-1], conts)
             parent_lists.append(p)
