@@ -94,3 +94,13 @@ def test_bench_scaling_runs(tmp_path):
     assert all(r["default_identical"] == r["full_identical"] == 2 * r["batch"] for r in rows)
     assert all(r["plain_tok_s"] > 0 and r["weight_gb_s"] > 0 and r["attention_gb_s"] > 0 for r in rows)
     assert rows[0]["plain_long_over_short"] > 0 and (tmp_path / "scaling.png").exists()
+
+
+def test_bench_prefill_runs(tmp_path):
+    """Chunked (3 chunks of 2 x 7 tokens), one piece and transformers' forward, on the embedded model."""
+    rows = _run_returning("bench_prefill", ["--points", "2x20", "--reps", "1", "--chunk-tokens", "14",
+                                            "--out", str(tmp_path)])
+    (row,) = _rows(tmp_path / "prefill.csv")
+    assert float(row["chunked_tok_s"]) > 0 and float(row["one_piece_tok_s"]) > 0 and float(row["transformers_tok_s"]) > 0
+    assert float(row["max_abs_diff"]) < 1e-3 and rows[0]["max_abs_diff"] < 1e-3
+    assert (tmp_path / "prefill.png").exists()
