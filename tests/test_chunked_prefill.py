@@ -102,3 +102,4 @@ def test_default_chunks_follow_the_token_budget():
     assert prefill_chunk_positions(cpu, 16, 2048, None) == budget // 16
     assert prefill_chunk_positions(cpu, 2 * budget, 5, None) == 1  # never zero positions
     assert prefill_chunk_positions(cpu, 4, 1000, 8) == 2  # an explicit budget wins
+    assert prefill_chunk_positions(torch.device("meta"), 16, 4096, None) == 4096  # no budget: one piece

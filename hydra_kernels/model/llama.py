@@ -31,20 +31,22 @@ from .packed_linear import Linear, packed_linear_available
 from .rope import RopeCache
 
 
-# Prefill tokens (batch x positions) per chunk. On the CPU a prefill in one piece allocates activations
-# of ~30 KB per token per layer (the MLP's [N, 2I] alone is 12 KB); past glibc's mmap threshold each is
-# mapped fresh from the kernel and page-faulted in, every layer: a 16 x 2048-token prefill took 55 s, 16M
-# page faults and 35-44 s of system time (2 cores). Chunks of ~2k tokens reuse the same heap memory and
-# stay in cache; attention over the chunks costs what one causal pass costs (flash SDPA with a mask).
-# On a GPU, chunks only bound the activation memory.
+# Prefill tokens (batch x positions) per chunk, per device type (absent: the prompt in one piece). On the
+# CPU a prefill in one piece allocates activations of ~30 KB per token per layer (the MLP's [N, 2I] alone
+# is 12 KB); past glibc's mmap threshold each is mapped fresh from the kernel and page-faulted in, every
+# layer: a 16 x 2048-token prefill took 55-65 s, 16M page faults and 35-44 s of system time (2 cores).
+# Chunks of ~2k tokens reuse the same heap memory and stay in cache; attention over the chunks costs what
+# one causal pass costs (two flash-attention parts, attention.suffix_causal_attention). A GPU keeps one
+# piece: no page faults there, and one causal kernel call is its fastest prefill.
 PREFILL_CHUNK_TOKENS = {"cpu": 2048}
-PREFILL_CHUNK_TOKENS_OTHER = 16384
 
 
 def prefill_chunk_positions(device: torch.device, batch: int, length: int, chunk_tokens: int | None = None) -> int:
-    """Positions per prefill chunk for a [batch, length] prompt on `device` (at least 1; length = one chunk).
-    chunk_tokens overrides the device's token budget."""
-    budget = chunk_tokens or PREFILL_CHUNK_TOKENS.get(device.type, PREFILL_CHUNK_TOKENS_OTHER)
+    """Positions per prefill chunk for a [batch, length] prompt on `device` (at least 1; length = one
+    piece). chunk_tokens overrides the device's token budget."""
+    budget = chunk_tokens or PREFILL_CHUNK_TOKENS.get(device.type)
+    if budget is None:
+        return max(1, length)
     return max(1, min(length, budget // max(batch, 1)))
 
 
@@ -199,6 +201,8 @@ class Llama(nn.Module):
         [B, L, len(capture) * H]).
         """
         B, L = tokens.shape
+        if L == 0:
+            raise ValueError("prefill needs at least one token per sequence (tokens is [B, 0])")
         capture = None if capture is None else self.check_capture(capture)
         step = prefill_chunk_positions(tokens.device, B, L, chunk_tokens)
         last = (lengths.long() - 1).clamp(min=0)  # [B]: each sequence's last real position
