@@ -102,6 +102,21 @@ class StepBudget:
             return min(self.table.nodes_for(batch, context), self.full)
         return self.full
 
+    def plain_throughout(self, batch: int, first_context: int, last_context: int) -> bool:
+        """Is every step of a run plain (1 node), for `batch` sequences whose context grows from
+        first_context to at most last_context? Then generate() runs plain decoding itself (no drafter
+        state, no prefill features kept, the plain loop's per-step work), so where the table says
+        nothing pays the run is plain decoding, not speculative decoding with plain steps."""
+        if self.pinned is not None:
+            return self.pinned <= 1
+        if self.table is None:
+            return self.full <= 1
+        t = self.table
+        row = t.nodes[_nearest(t.batch_sizes, batch)]
+        # the nearest bucket moves monotonically with the context: the run meets buckets lo..hi
+        lo, hi = _nearest(t.contexts, first_context), _nearest(t.contexts, last_context)
+        return all(n <= 1 for n in row[lo:hi + 1])
+
     def __repr__(self) -> str:
         how = f"pinned {self.pinned}" if self.pinned is not None else ("table" if self.table else "full")
         return f"StepBudget({how}, full={self.full})"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hydra_kernels as hk
-from hydra_kernels.budget import BudgetTable, load_tables, tree_key
+from hydra_kernels.budget import BudgetTable, StepBudget, load_tables, tree_key
 from hydra_kernels.generate import generate
 from test_llama_vs_transformers import make_hf
 
@@ -249,6 +249,36 @@ def test_tables_are_saved_and_used_by_default(model, tmp_path):
     assert set(four.step_nodes) == {1} and four.sequences == [one.sequences[0]] * 4
     pinned = generate(model, PROMPTS[:1] * 4, drafter=back, budget=3, max_new_tokens=6, eos_token_id=[])
     assert set(pinned.step_nodes) == {3} and pinned.sequences == four.sequences
+
+
+def test_a_run_plain_at_every_step_is_plain_decoding(model, monkeypatch):
+    """Where the budget is 1 for every step a request can take (its batch size over its whole context
+    range), generate() runs plain decoding: the drafter is never started, the tokens are plain greedy's,
+    and every step is recorded as a 1-node budget. A run that crosses into a bucket that drafts does not."""
+    d, tree = make(model, "hydra")
+    d.trees["cpu"] = tree
+    table = BudgetTable(device="cpu", tree=tree_key(tree), full=tree.num_nodes, batch_sizes=[1, 4],
+                        contexts=[8, 64], nodes=[[tree.num_nodes, 1], [1, 1]])
+    d.budget_tables["cpu"] = table
+    budget = StepBudget(tree.num_nodes, table=table)
+    assert budget.plain_throughout(4, 3, 200) and budget.plain_throughout(1, 40, 60)
+    assert not budget.plain_throughout(1, 8, 40)  # starts in the drafting bucket
+    assert not budget.plain_throughout(1, 20, 30)  # nearest bucket of 20 on a log scale: 8 (drafts)
+    assert StepBudget(5, pinned=1).plain_throughout(1, 1, 10)
+    assert not StepBudget(5).plain_throughout(16, 1, 10)
+
+    def never(*a, **k):
+        raise AssertionError("the drafter ran in a run whose every step is plain")
+
+    plain = generate(model, PROMPTS, max_new_tokens=6, eos_token_id=[])
+    with monkeypatch.context() as m:
+        m.setattr(type(d), "start", never)
+        four = generate(model, PROMPTS, drafter=d, max_new_tokens=6, eos_token_id=[])  # batch 3 -> bucket 4
+        pinned = generate(model, PROMPTS[:1], drafter=d, budget=1, max_new_tokens=6, eos_token_id=[])
+    assert four.sequences == plain.sequences and four.step_nodes == [1] * four.num_steps == [1] * 5  # the first token comes from the prefill
+    assert pinned.sequences == plain.sequences[:1] and pinned.step_nodes == [1] * 5
+    one = generate(model, PROMPTS[:1], drafter=d, max_new_tokens=6, eos_token_id=[])  # context 8: drafts
+    assert one.sequences == plain.sequences[:1] and max(one.step_nodes) == tree.num_nodes
 
 
 def test_search_makes_a_valid_table_from_its_measurements(model):

@@ -82,7 +82,9 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     budget (speculative only): the node budget of each step, 1 = a plain step (hydra_kernels/budget.py).
     None: the table searched for this drafter, tree and device class (budget_<device>.json), chosen
     from the live batch size and context, when tree is None and a table exists; else the full tree.
-    "auto": that table (an error without one); an int: that many nodes every step.
+    "auto": that table (an error without one); an int: that many nodes every step. Where the budget is 1
+    for every step the request can take (this batch size, its whole context range), the run is plain
+    decoding (the drafter is not run).
     acceptance (None: "greedy" at temperature 0, else "rejection"): "greedy" (temperature must be 0)
     emits exactly the plain greedy tokens; "rejection" (temperature > 0) is recursive rejection sampling
     over the tree, its tokens distributed exactly as plain sampling with the same temperature / top_k /
@@ -113,7 +115,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     eos = args.eos_set(eos_token_id, cfg.eos_token_ids, cfg.vocab_size)
     lens = [len(p) for p in prompts]
     backends = plan_backends(backend, device, packed_weights=model.has_packed_weights)  # also HYDRA_KERNELS_BACKEND
-    extra, tree_obj, step_budget = 0, None, None
+    extra, tree_obj, step_budget, plain_run = 0, None, None, False
     if drafter is None:
         for name, value in (("tree", tree), ("budget", budget)):
             if value is not None:
@@ -129,6 +131,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         backends.check_tree(tree_obj)  # the chosen kernels' own limits (e.g. accepted rows per commit)
         step_budget = budgets.choose(budget, drafter, tree_obj, tree, device.type)
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
+        if step_budget.plain_throughout(len(prompts), max(lens), max(lens) + max_new_tokens):
+            drafter, extra, plain_run = None, 0, True  # nothing pays at any step: run plain decoding itself
     S = args.kv_rows(max_seq_len, max(lens), max_new_tokens, extra, cfg.max_position_embeddings)
     gen = None
     if temperature > 0:
@@ -163,7 +167,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             t1 = time.perf_counter()
             out.prefill_s = t1 - t0
             if drafter is None:
-                _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out)
+                _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out, count_nodes=plain_run)
             elif not emitter.all_done:
                 speculative_loop(model, drafter, tree_obj, cache, feats, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
@@ -181,14 +185,18 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     return out
 
 
-def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int, out: GenerateOutput) -> None:
-    """One token per step: feed the last token, commit its row, pick the next."""
+def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int, out: GenerateOutput,
+                count_nodes: bool = False) -> None:
+    """One token per step: feed the last token, commit its row, pick the next. count_nodes: a speculative
+    request whose budget made every step plain records each step's budget (1) as the speculative loop does."""
     while not emitter.all_done:
         kv_len += 1  # host-side bound on every seqlens[b] + 1
         hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backends=backends)  # [B, 1, H]
         cache.advance(1)
         nxt = pick(hidden[:, -1])
         out.num_steps += 1
+        if count_nodes:
+            out.step_nodes.append(1)
         for b, t in enumerate(nxt.tolist()):
             emitter.emit(b, [t], in_step=True)
 
