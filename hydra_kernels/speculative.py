@@ -76,52 +76,48 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.step_nodes.append(nodes)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = context + tr.num_nodes
-        hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
-                            backends=backends, capture=capture)  # [B, T, H]
-        if capture is not None:  # the drafter's features: the captured layers' inputs [B, T, n * H]
-            hidden, feats = hidden
+        if greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)
+            feats, target, v, n = greedy_verify_step(model, cache, tokens, tr, active, positions=prop.positions,
+                                                     kv_len=kv_len, backends=backends, capture=capture)
         else:
-            feats = hidden
-        if greedy:  # the base argmax after every node, as plain decoding picks it (Llama.greedy_tokens)
-            target = model.greedy_tokens(hidden, backends)  # [B, T]
-            v = ops.greedy_verify(target, tokens, tr.paths, backend=backends["greedy_verify"])
-        elif typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
-            W = model.output.weight
-            seed = torch.randint(2**62, (1,), device=dev, generator=generator)
-            lse, ent, samples = ops.lm_head_sample_stats(hidden, W, temperature, seed,
-                                                         backend=backends["lm_head_sample_stats"])
-            cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
-            v = ops.typical_accept(lse, ent, cl, samples, tr.paths, posterior_threshold=posterior_threshold,
-                                   posterior_alpha=posterior_alpha, backend=backends["typical_accept"])
-        elif rejection_fused and prop.draft_probs is None:  # exact, from LM-head statistics: no [B, T, V]
-            # probabilities, no host read (sampled drafts need q: the logits path below)
-            W = model.output.weight
-            u = torch.rand(tokens.shape, device=dev, generator=generator)  # one acceptance draw per node
-            seed = torch.randint(2**62, (1,), device=dev, generator=generator)  # the residual draws' noise
-            exclude = ops.reference.child_tokens(tokens, tr.parents, max(tr.max_children, 1))  # [B, T, C]
-            lse, samples = ops.lm_head_residual_sample(hidden, W, temperature, seed, exclude,
-                                                       backend=backends["lm_head_residual_sample"])
-            cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
-            v = ops.rejection_accept(lse, cl, samples, u, tokens, tr.parents, depth=tr.depth,
-                                     backend=backends["rejection_accept"])
-        elif acceptance == "rejection":  # exact: the emitted tokens follow the plain sampler's law
-            # sampled drafts (prop.draft_probs: the q each token was drawn from) accept with min(1, p/q)
-            v = ops.rejection_verify(model.output(hidden), tokens, tr.paths, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, generator=generator, draft_probs=prop.draft_probs,
-                                     backend=backends["rejection_verify"])
-        else:
-            logits, t = model.output(hidden), temperature  # [B, T, V]
-            if filtered:  # typical acceptance judged on the same top-k / top-p distribution plain sampling uses
-                logits, t = filter_top_k_top_p(logits.float() / temperature, top_k, top_p), 1.0
-            v = ops.typical_verify(logits, tokens, tr.paths, temperature=t,
-                                   posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-                                   generator=generator, backend=backends["typical_verify"])
-        n = v.accept_lengths * active  # finished sequences commit nothing (their rows stay in the buffer)
-        ops.commit_kv(cache.kv, cache.seqlens, v.accept_indices, n, backend=backends["commit_kv"])
+            hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
+                                backends=backends, capture=capture)  # [B, T, H]
+            hidden, feats = hidden if capture is not None else (hidden, hidden)  # the drafter's features
+            if typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
+                W = model.output.weight
+                seed = torch.randint(2**62, (1,), device=dev, generator=generator)
+                lse, ent, samples = ops.lm_head_sample_stats(hidden, W, temperature, seed,
+                                                             backend=backends["lm_head_sample_stats"])
+                cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
+                v = ops.typical_accept(lse, ent, cl, samples, tr.paths, posterior_threshold=posterior_threshold,
+                                       posterior_alpha=posterior_alpha, backend=backends["typical_accept"])
+            elif rejection_fused and prop.draft_probs is None:  # exact, from LM-head statistics: no [B, T, V]
+                # probabilities, no host read (sampled drafts need q: the logits path below)
+                W = model.output.weight
+                u = torch.rand(tokens.shape, device=dev, generator=generator)  # one acceptance draw per node
+                seed = torch.randint(2**62, (1,), device=dev, generator=generator)  # the residual draws' noise
+                exclude = ops.reference.child_tokens(tokens, tr.parents, max(tr.max_children, 1))  # [B, T, C]
+                lse, samples = ops.lm_head_residual_sample(hidden, W, temperature, seed, exclude,
+                                                           backend=backends["lm_head_residual_sample"])
+                cl = ops.reference.child_logits(hidden, W, tokens, tr.parents, temperature)
+                v = ops.rejection_accept(lse, cl, samples, u, tokens, tr.parents, depth=tr.depth,
+                                         backend=backends["rejection_accept"])
+            elif acceptance == "rejection":  # exact: the emitted tokens follow the plain sampler's law
+                # sampled drafts (prop.draft_probs: the q each token was drawn from) accept with min(1, p/q)
+                v = ops.rejection_verify(model.output(hidden), tokens, tr.paths, temperature=temperature, top_k=top_k,
+                                         top_p=top_p, generator=generator, draft_probs=prop.draft_probs,
+                                         backend=backends["rejection_verify"])
+            else:
+                logits, t = model.output(hidden), temperature  # [B, T, V]
+                if filtered:  # typical acceptance judged on the same top-k / top-p distribution plain sampling uses
+                    logits, t = filter_top_k_top_p(logits.float() / temperature, top_k, top_p), 1.0
+                v = ops.typical_verify(logits, tokens, tr.paths, temperature=t,
+                                       posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
+                                       generator=generator, backend=backends["typical_verify"])
+            n = commit_step(cache, v, active, backends)
         idx = v.accept_indices.clamp(min=0)  # [B, D+1]
         accepted_tokens = tokens.gather(1, idx)  # [B, D+1], root first
         drafter.after_step(state, feats[bidx, idx], accepted_tokens, n)
-        cache.advance(n.to(cache.seqlens.dtype))
         root = v.next_root
         stats.num_steps += 1
         # the one host read of the step: accepted tokens (root first, already emitted) and the next root
@@ -134,6 +130,38 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                 emitter.emit(b, row[1:k] + [row[-2]], in_step=True)
             if emitter.done[b]:
                 active[b] = 0
+
+
+def greedy_verify_step(model, cache, tokens, tree, active, *, positions=None, kv_len: int, backends, capture=None):
+    """The device part of one greedy speculative step: the verify forward of tokens [B, T] over `tree`
+    (a Tree or TreeBatch), the base argmax after every node (Llama.greedy_tokens, as plain decoding picks
+    it), greedy acceptance, and the commit (commit_step). active int [B] (0: a finished sequence, commits
+    nothing); kv_len: a host-known bound on seqlens + T. Returns (the drafter's features [B, T, ...]: the
+    final hidden states, or with capture the captured layers' inputs; target [B, T]; the Verification;
+    the committed lengths n [B]).
+
+    No host read and no graph break: on the CPU torch.compile(fullgraph=True) traces it as one graph
+    (tests/test_compiled_step.py; the ops' value checks run in eager calls only, ops.values_checkable),
+    and no host sync is what a CUDA graph capture needs too (not yet run on a GPU). The loop around it
+    stays eager by design: its one host read per step (the accepted tokens, to stream them and stop)
+    and the host-side budget and drafter bookkeeping."""
+    out = model.step(tokens, cache, tree.mask, tree.depths, positions=positions, kv_len=kv_len,
+                     backends=backends, capture=capture)  # [B, T, H] (with capture: and the features)
+    hidden, feats = out if capture is not None else (out, out)
+    target = model.greedy_tokens(hidden, backends)  # [B, T]
+    v = ops.greedy_verify(target, tokens, tree.paths, backend=backends["greedy_verify"])
+    return feats, target, v, commit_step(cache, v, active, backends)
+
+
+def commit_step(cache, v, active, backends) -> torch.Tensor:
+    """Commit a verified step: each active sequence's accepted rows move down after its prefix (commit_kv)
+    and its committed length grows by its accept length; finished sequences (active 0) commit nothing
+    (their rows stay in the buffer). Returns the committed lengths n [B]. Advancing before the drafter's
+    after_step is safe: no drafter reads the base model's cache there."""
+    n = v.accept_lengths * active
+    ops.commit_kv(cache.kv, cache.seqlens, v.accept_indices, n, backend=backends["commit_kv"])
+    cache.advance(n.to(cache.seqlens.dtype))
+    return n
 
 
 def _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture, context: int,

@@ -30,7 +30,9 @@ class DerivedCache(Generic[T]):
     """One value built from some tensors, rebuilt when any of them (or `extra`) changed since.
 
     The check runs on every `get` (e.g. each Linear call of a decoding step), so it reads only the
-    sources' storage pointers and versions."""
+    sources' storage pointers and versions. Under torch.compile it cannot run (see get): traced code
+    uses the value last built eagerly, so a weight changed after tracing reaches compiled calls at the
+    next eager `get` (inference never changes weights between steps)."""
 
     __slots__ = ("_key", "_value")
 
@@ -39,6 +41,12 @@ class DerivedCache(Generic[T]):
         self._value: T | None = None
 
     def get(self, sources: Sequence[torch.Tensor | None], build: Callable[[], T], extra: tuple = ()) -> T:
+        if torch.compiler.is_compiling():
+            # Traced code cannot read the key (dynamo breaks the graph at its data-pointer comparison): it uses
+            # the value last built, which the compiled graph reads through this attribute on every call, so
+            # an eager call's rebuild (after a weight change) reaches it too; with none built yet the build
+            # is traced into the graph. (Packed Linear layers pack eagerly in pack_cpu, before any step.)
+            return self._value if self._key is not None else build()
         key = source_key(sources, extra)
         if key != self._key:
             self._value = build()

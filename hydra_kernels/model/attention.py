@@ -158,9 +158,9 @@ class Attention(nn.Module):
             kv[1, :, s:s + T] = v
             o = causal_attention(q, k, v) if s == 0 else suffix_causal_attention(q, kv[0, :, :s + T], kv[1, :, :s + T])
         else:  # (c) step: write rows seqlens[b] + i, attend to the prefix and the allowed new rows
-            kv[:, site.batch_index, site.rows] = torch.stack((k, v))  # both halves in one index_put
             n = site.kv_len
-            k_cache, v_cache = kv[0, :, :n], kv[1, :, :n]
-            site.prepare(q, k_cache, v_cache)
+            k_cache, v_cache = kv[0, :, :n], kv[1, :, :n]  # views: they see the write below
+            site.prepare(q, k_cache, v_cache)  # before the write: bad seqlens must not write (or index) past rows
+            kv[:, site.batch_index, site.rows] = torch.stack((k, v))  # both halves in one index_put
             o = site.kernel(q, k_cache, v_cache, site.seqlens, site.kernel_tree_mask)
         return self.wo(o.flatten(2))  # o: [B, T, Hq, D]

@@ -56,6 +56,16 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def values_checkable(t: torch.Tensor) -> bool:
+    """May an op's precondition read `t`'s values on the host? Only for an eager call on a CPU tensor.
+    On a GPU the read would sync the host inside every step (and cannot be captured in a CUDA graph);
+    under torch.compile it would break the step's graph (Tensor.item / tolist are graph breaks), so a
+    traced step skips it as a GPU step does: the checks on shapes, dtypes and devices (host metadata,
+    evaluated once at trace time and guarded) still run, and an eager call of the same function (or
+    of the op) checks the values as before."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=None, backend="auto"):
     """Attention of T packed tree tokens over a committed prefix plus their tree ancestors.
 
@@ -81,7 +91,8 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, *, sm_scale=No
 
 
 def check_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask) -> None:
-    """tree_attention's preconditions (shapes, dtypes, devices; on CPU tensors also the seqlens values).
+    """tree_attention's preconditions (shapes, dtypes, devices; in an eager call on CPU tensors also the
+    seqlens values: values_checkable).
     A caller that runs the op on every layer with the same seqlens and mask (Llama.step) checks once
     and then calls the resolved kernel (`resolve("tree_attention", backend, device)`) directly."""
     _check(q.dim() == 4, f"q must be [B, T, Hq, D], got shape {tuple(q.shape)}")
@@ -103,7 +114,7 @@ def check_tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask) -> None:
            f"{tuple(cache_seqlens.shape)}")
     devs = {t.device for t in (q, k_cache, v_cache, cache_seqlens, tree_mask)}
     _check(len(devs) == 1, f"all inputs must be on one device, got {sorted(map(str, devs))}")
-    if cache_seqlens.device.type == "cpu":  # a value check costs a device sync elsewhere: CPU only
+    if values_checkable(cache_seqlens):  # eager CPU only (values_checkable says why)
         lens = cache_seqlens.tolist()  # B values: cheaper than tensor reductions (this runs once per layer)
         S = k_cache.shape[1]
         for b, n in enumerate(lens):
@@ -196,7 +207,7 @@ def _check_paths(paths, B: int, T: int, device) -> None:
            f"paths must be int64 [P, D+1] leaf paths (Tree.paths) or [B={B}, P, D+1] (a tree per sequence), "
            f"got {paths.dtype} {tuple(paths.shape)}")
     _check(paths.device == device, f"paths on {paths.device}, the tree's other inputs on {device}")
-    if paths.device.type == "cpu":  # on a GPU this read would sync the host inside every step: skip it there
+    if values_checkable(paths):  # eager CPU only (values_checkable says why)
         top = int(paths.max())
         _check(top < T, f"paths index node {top} but the tree has {T} nodes")
 
@@ -254,7 +265,7 @@ def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=
     token was drawn from (children drawn i.i.d. from their parent's draft distribution share one row;
     a deterministic child is a one-hot row), accepted with probability min(1, residual(x) / q_j(x)).
     Rows of the root and of padded nodes are ignored; the other rows must be distributions holding
-    their node's token (checked on CPU tensors, where it costs no device sync). Sampled drafts run the
+    their node's token (checked in eager calls on CPU tensors: values_checkable). Sampled drafts run the
     reference walk (a [B, V] residual per step).
     """
     _check_tree_inputs(tree_tokens, paths)
@@ -277,14 +288,14 @@ DRAFT_PROBS_SUM_TOL = 1e-4  # |sum(q_j) - 1| allowed for a drafted node's row of
 
 
 def _check_draft_probs(draft_probs, logits, tree_tokens, paths) -> None:
-    """rejection_verify's draft_probs: float [B, T, V] like logits; on CPU tensors also its values."""
+    """rejection_verify's draft_probs: float [B, T, V] like logits; in an eager call on CPU tensors also its values."""
     _check(torch.is_tensor(draft_probs) and draft_probs.shape == logits.shape
            and draft_probs.dtype in (torch.float32, torch.float64),
            f"draft_probs must be float32/float64 [B, T, V] = {tuple(logits.shape)} like logits (row j: the "
            f"distribution node j's token was drawn from), got {getattr(draft_probs, 'dtype', type(draft_probs))} "
            f"{tuple(getattr(draft_probs, 'shape', ()))}")
     _check(draft_probs.device == logits.device, f"draft_probs on {draft_probs.device}, logits on {logits.device}")
-    if draft_probs.device.type != "cpu":  # value checks would sync the host inside every step
+    if not values_checkable(draft_probs):  # eager CPU only (values_checkable says why)
         return
     _check(bool((draft_probs >= 0).all()), "draft_probs must be probabilities: >= 0, no NaN")  # NaN >= 0 is False
     parents, _ = reference.tree_structure_from_paths(reference.per_sequence(paths, logits.shape[0], 2),
@@ -354,7 +365,7 @@ def lm_head_residual_sample(x, weight, temperature, seed, exclude, *, backend="a
            f"exclude must be int64 [..., C] with [...] = {tuple(x.shape[:-1])} and C < V = {V}, got "
            f"{getattr(exclude, 'dtype', type(exclude))} {tuple(getattr(exclude, 'shape', ()))}")
     _check(exclude.device == x.device, f"exclude is on {exclude.device}, x on {x.device}")
-    if exclude.device.type == "cpu" and exclude.numel():  # value check only where it costs no device sync
+    if values_checkable(exclude) and exclude.numel():  # eager CPU only (values_checkable says why)
         _check(bool(((exclude >= -1) & (exclude < V)).all()), f"exclude must hold token ids in [0, V = {V}) or -1")
     fn = resolve("lm_head_residual_sample", backend, x.device)
     return fn(x, weight, temperature, seed, exclude)
@@ -386,7 +397,7 @@ def rejection_accept(lse, child_logits, samples, uniforms, tree_tokens, parents,
            f"parents must be [T] = [{T}] (one tree) or [B, T] = [{B}, {T}] (a tree per sequence), got "
            f"{tuple(parents.shape)}")
     _check(isinstance(depth, int) and 0 <= depth < T, f"depth must be an int in [0, T = {T}), got {depth!r}")
-    if parents.device.type == "cpu":  # on a GPU this read would sync the host inside every step: skip it there
+    if values_checkable(parents):  # eager CPU only (values_checkable says why)
         node = torch.arange(T)
         _check(bool((parents < node).all()) and bool((parents >= -1).all()),
                "parents[j] must be -1 or a node index < j (children come after their parents)")
@@ -424,7 +435,7 @@ def commit_kv(kv_cache, cache_seqlens, accept_indices, accept_lengths, *, backen
     K1 = accept_indices.shape[1]
     _check(rows is None or K1 <= rows, f"the {name} commit_kv moves at most {rows} rows per sequence, got "
                                        f"accept_indices [B, {K1}]")
-    if kv_cache.device.type == "cpu":  # value checks only where they cost no device sync
+    if values_checkable(kv_cache):  # eager CPU only (values_checkable says why)
         S = kv_cache.shape[3]
         s, n = cache_seqlens.long(), accept_lengths.long()
         _check(bool(((n >= 0) & (n <= K1)).all()), f"accept_lengths must lie in [0, K+1 = {K1}], got {n.tolist()}")
@@ -456,7 +467,7 @@ def tree_inputs(root, candidates, node_source, depths, cache_seqlens, *, backend
            f"{tuple(depths.shape)}")
     _check(tuple(cache_seqlens.shape) == tuple(root.shape), f"cache_seqlens must be [B], got {tuple(cache_seqlens.shape)}")
     _check(not node_source.dtype.is_floating_point, f"node_source must be integer, got {node_source.dtype}")
-    if node_source.device.type == "cpu" and T > 1:  # value check only where it costs no device sync
+    if values_checkable(node_source) and T > 1:  # eager CPU only (values_checkable says why)
         C, src = candidates.shape[1], node_source[1:]
         _check(bool(((src >= 0) & (src < C)).all()), f"node_source must index candidates' [0, C = {C}) columns")
     fn = resolve("tree_inputs", backend, root.device)

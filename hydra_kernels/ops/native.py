@@ -49,6 +49,11 @@ def _register() -> bool:
     def _(x, packed, N, bias=None):
         return x.new_empty(*x.shape[:-1], N)
 
+    @torch.library.register_fake("hydra_kernels::pack_linear_weight")
+    def _(weight, dtype=None):  # traced only where a layer's panels were never built eagerly (DerivedCache.get)
+        N, K = weight.shape
+        return weight.new_empty((N + 63) // 64, K, 64, dtype=dtype or torch.float32)  # 64: csrc kPanel
+
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):
         shape = (root.shape[0], node_source.shape[0])
