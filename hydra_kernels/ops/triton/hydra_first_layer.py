@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ieee_dots, row_block
+from .common import ieee_dots, k_step, row_block
+from .tuning import cfg, launch
 
 
 @triton.jit
@@ -61,8 +62,15 @@ def _hydra_first_layer_kernel(tok_ptr, emb_ptr, wl_ptr, wr_ptr, hl_ptr, hr_ptr, 
     tl.store(out_ptr + offs_r[:, None].to(tl.int64) * H + offs_o[None, :], y.to(out_ptr.dtype.element_ty), mask=both)
 
 
-def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res):
-    """Same contract as reference.hydra_first_layer."""
+def _configs(dtype: torch.dtype, BLOCK_R: int) -> list:
+    """Launch configs (tuning.py), the hand-picked one first: the K step (common.k_step), warps, stages.
+    fp32 with 64-row tiles takes 8 warps: its two FMA-dot accumulators at 4 warps kept 255 registers and
+    a stack frame on sm_80 even at a K step of 16 (while 16-row tiles at 8 warps kept a 16-byte one)."""
+    return [cfg(BLOCK_K=k_step(dtype), num_warps=8 if dtype == torch.float32 and BLOCK_R >= 64 else 4)]
+
+
+def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res, *, config=None):
+    """Same contract as reference.hydra_first_layer. config: a tuning override (tests)."""
     B, n, D1 = path_tokens.shape
     H = h.shape[1]
     R = B * n
@@ -76,11 +84,11 @@ def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res):
     w_lin = w_lin if w_lin.stride(1) == 1 else w_lin.contiguous()
     w_res = w_res if w_res.stride(1) == 1 else w_res.contiguous()
     emb = emb if emb.stride(1) == 1 else emb.contiguous()
-    BLOCK_R, BLOCK_O, BLOCK_K = row_block(R), 64, 64
-    _hydra_first_layer_kernel[(triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R))](
-        tok, emb, w_lin, w_res, h_lin.contiguous(), h_res.contiguous(),
-        b_lin if b_lin is not None else h_lin, b_res if b_res is not None else h_res, out,
-        R, n, H, D1, emb.stride(0), w_lin.stride(0), w_res.stride(0),
-        HAS_BL=b_lin is not None, HAS_BR=b_res is not None,
-        BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K, IEEE=ieee_dots(h.dtype))
+    BLOCK_R, BLOCK_O = row_block(R), 64
+    launch(_hydra_first_layer_kernel, (triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R)),
+           (tok, emb, w_lin, w_res, h_lin.contiguous(), h_res.contiguous(),
+            b_lin if b_lin is not None else h_lin, b_res if b_res is not None else h_res, out,
+            R, n, H, D1, emb.stride(0), w_lin.stride(0), w_res.stride(0)),
+           dict(HAS_BL=b_lin is not None, HAS_BR=b_res is not None, BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O,
+                IEEE=ieee_dots(h.dtype)), _configs(h.dtype, BLOCK_R), key=["R", "H", "D1"], config=config)
     return out

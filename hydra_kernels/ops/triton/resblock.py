@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import as_rows, ieee_dots, logits_tile, row_block
+from .common import as_rows, ieee_dots, k_step, logits_tile, row_block
+from .tuning import cfg, launch
 
 
 @triton.jit
@@ -36,16 +37,21 @@ def _resblock_kernel(x_ptr, w_ptr, b_ptr, out_ptr, R, H, s_xr, s_wo, s_wk, s_or,
     tl.store(out_ptr + offs_r[:, None].to(tl.int64) * s_or + offs_o[None, :], y.to(out_ptr.dtype.element_ty), mask=both)
 
 
-def resblock(x, weight, bias):
-    """Same contract as reference.resblock."""
+def _configs(dtype: torch.dtype) -> list:
+    """Launch configs (tuning.py), the hand-picked one first: the K step (common.k_step), warps, stages."""
+    return [cfg(BLOCK_K=k_step(dtype))]
+
+
+def resblock(x, weight, bias, *, config=None):
+    """Same contract as reference.resblock. config: a tuning override (tests)."""
     x2 = as_rows(x)  # [R, H]
     R, H = x2.shape
     out = torch.empty(R, H, dtype=x.dtype, device=x.device)
     if R == 0:
         return out.view(x.shape)
-    BLOCK_R, BLOCK_O, BLOCK_K = row_block(R), 64, 64
-    _resblock_kernel[(triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R))](
-        x2, weight, bias if bias is not None else x2, out, R, H, x2.stride(0), weight.stride(0), weight.stride(1),
-        out.stride(0), HAS_B=bias is not None, BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, BLOCK_K=BLOCK_K,
-        IEEE=ieee_dots(x.dtype))
+    BLOCK_R, BLOCK_O = row_block(R), 64
+    launch(_resblock_kernel, (triton.cdiv(H, BLOCK_O), triton.cdiv(R, BLOCK_R)),
+           (x2, weight, bias if bias is not None else x2, out, R, H, x2.stride(0), weight.stride(0), weight.stride(1),
+            out.stride(0)), dict(HAS_B=bias is not None, BLOCK_R=BLOCK_R, BLOCK_O=BLOCK_O, IEEE=ieee_dots(x.dtype)),
+           _configs(x.dtype), key=["R", "H"], config=config)
     return out.view(x.shape)
