@@ -39,18 +39,21 @@ def row_block(n: int) -> int:
 
 
 def k_splits(K: int, programs: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
-    """Split-K of a weight-bound kernel -> (splits, K columns per split). A grid of `programs` smaller than
-    the GPU's SM count leaves SMs idle while the weight streams (SmolLM2's H = 576 head blocks at decode
-    size: 9 programs on 132 SMs; Llama-3-8B: 64), so the reduction over K is cut into up to
-    ceil(SMs / programs) slices, each program reading one slice of the weight; the fp32 partial sums are
-    added in a fixed order by a second pass (deterministic: no atomics). Slices are whole 64-column steps
-    (every config's K step divides them); `splits` forces a count (tests), in slices of 16."""
+    """Split-K of a weight-bound kernel -> (splits, K columns per split; (1, K) unsplit). A grid of
+    `programs` smaller than the GPU's SM count leaves SMs idle while the weight streams (SmolLM2's H = 576
+    head blocks at decode size: 9 programs on 132 SMs; Llama-3-8B: 64), so the reduction over K is cut
+    into up to ceil(SMs / programs) slices -- about one wave of programs, each reading one slice of the
+    weight; the launcher adds the fp32 partial sums in a fixed order in a second pass (deterministic: no
+    atomics). Slices are whole 64-column steps (every config's K step divides them, and a slice is never
+    shorter than one step); `splits` forces a count (tests), in slices of 16 (fewer when K is short)."""
     if splits is None:
         sms = num_sms(device)
         splits, align = (1 if programs >= sms else min(triton.cdiv(sms, programs), triton.cdiv(K, 64))), 64
     else:
         align = 16
-    per = triton.cdiv(triton.cdiv(K, max(1, splits)), align) * align
+    if splits <= 1:
+        return 1, K
+    per = triton.cdiv(triton.cdiv(K, splits), align) * align
     return triton.cdiv(K, per), per
 
 
