@@ -72,3 +72,20 @@ def test_hydra_first_layer_split_k_equals_reference(B, n, d, H, splits, dtype, m
     monkeypatch.undo()
     ref = reference.hydra_first_layer(*[a.float() if a.is_floating_point() else a for a in args])
     assert_close_rel(out.float(), ref, RTOL[dtype] * 2, f"hydra first layer splits={splits} {dtype}")
+
+
+@pytest.mark.requires("triton", op="hydra_first_layer")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hydra_first_layer_every_launch_config_equals_reference(dtype, monkeypatch):
+    """Each config of the launcher's autotune list (forced; one GPU picks among them) on an odd shape, split."""
+    from hydra_kernels.ops.triton import hydra_first_layer as op
+
+    args = _inputs(9, 2, 3, 1, 75, 50, dtype)
+    ref = reference.hydra_first_layer(*[a.float() if a.is_floating_point() else a for a in args])
+    lists = [op._configs(dtype, 16), op._configs(dtype, 64)]  # 16-row and 64-row tiles (fp32: other warps)
+    assert all(2 <= len(c) <= 4 for c in lists)
+    for config in dict.fromkeys(lists[0] + lists[1]):
+        poison_allocations(monkeypatch)
+        out = op.hydra_first_layer(*args, splits=2, config=config)
+        monkeypatch.undo()
+        assert_close_rel(out.float(), ref, RTOL[dtype] * 2, f"hydra first layer {config}")

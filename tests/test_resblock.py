@@ -98,3 +98,23 @@ def test_k_splits_fill_the_gpu(monkeypatch):
     assert common.k_splits(75, 2, cuda, splits=3) == (3, 32)
     assert common.k_splits(40, 1, cuda, splits=5) == (3, 16)
     assert common.k_splits(75, 2, cuda, splits=1) == (1, 75)
+
+
+@pytest.mark.requires("triton", op="resblock")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resblock_every_launch_config_equals_reference(dtype, monkeypatch):
+    """Each config of the launcher's autotune list (forced; one GPU picks among them) on an odd shape, split."""
+    from hydra_kernels.ops.triton import resblock as op
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 75, generator=gen).to(DEV, dtype)
+    w = (torch.randn(75, 75, generator=gen) / 75**0.5).to(DEV, dtype)
+    b = (torch.randn(75, generator=gen) / 75**0.5).to(DEV, dtype)
+    ref = reference.resblock(x.float(), w.float(), b.float())
+    configs = op._configs(dtype)
+    assert 2 <= len(configs) <= 4
+    for config in configs:
+        poison_allocations(monkeypatch)
+        out = op.resblock(x, w, b, splits=2, config=config)
+        monkeypatch.undo()
+        assert_close_rel(out.float(), ref, RTOL[dtype] * 2, f"resblock {config}")

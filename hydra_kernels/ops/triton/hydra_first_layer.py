@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ieee_dots, k_splits, k_step, row_block
-from .tuning import cfg, launch
+from .common import ieee_dots, k_splits, row_block
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -110,10 +110,14 @@ def _hydra_first_layer_finish_kernel(part_ptr, hl_ptr, hr_ptr, bl_ptr, br_ptr, o
 
 
 def _configs(dtype: torch.dtype, BLOCK_R: int) -> list:
-    """Launch configs (tuning.py), the hand-picked one first: the K step (common.k_step), warps, stages.
+    """Launch configs (tuning.k_configs), the hand-picked one first: the K step (common.k_step) at 4 warps.
     fp32 with 64-row tiles takes 8 warps: its two FMA-dot accumulators at 4 warps kept 255 registers and
-    a stack frame on sm_80 even at a K step of 16 (while 16-row tiles at 8 warps kept a 16-byte one)."""
-    return [cfg(BLOCK_K=k_step(dtype), num_warps=8 if dtype == torch.float32 and BLOCK_R >= 64 else 4)]
+    a stack frame on sm_80 even at a K step of 16 (while 16-row tiles at 8 warps kept a 16-byte one).
+    Two accumulators leave less room than the other kernels: fp32 drops the doubled step and 16-bit the
+    4-stage pipeline (each kept an 8-16 byte stack frame with 64-row tiles)."""
+    fp32 = dtype == torch.float32
+    return k_configs("BLOCK_K", dtype, 8 if fp32 and BLOCK_R >= 64 else 4, longer_warps=None if fp32 else 8,
+                     deeper=fp32)
 
 
 def hydra_first_layer(h, path_tokens, emb, w_lin, b_lin, w_res, b_res, *, splits: int | None = None, config=None):

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import as_rows, ieee_dots, interpreted, k_step, logits_tile, row_block, vocab_block
-from .tuning import cfg, launch
+from .common import as_rows, ieee_dots, interpreted, logits_tile, row_block, vocab_block
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -65,10 +65,10 @@ def _lm_head_residual_sample_kernel(x_ptr, w_ptr, seed_ptr, ex_ptr, m_ptr, s_ptr
 
 
 def _configs(dtype: torch.dtype, BLOCK_N: int) -> list:
-    """Launch configs (tuning.py), the hand-picked one first. As lm_head_sample_stats: a 64-row tile keeps
+    """Launch configs (tuning.k_configs), the hand-picked one first. As lm_head_sample_stats: a 64-row tile keeps
     several fp32 [64, BLOCK_V] values live (logits, exp, noise); 8 warps hold them in registers where 4
     would spill."""
-    return [cfg(BLOCK_H=k_step(dtype), num_warps=8 if BLOCK_N >= 64 else 4)]
+    return k_configs("BLOCK_H", dtype, 8 if BLOCK_N >= 64 else 4)
 
 
 def lm_head_residual_sample(x, weight, temperature, seed, exclude, *, block_v: int | None = None, config=None):

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import as_rows, ieee_dots, k_step, logits_tile, row_block, vocab_block
-from .tuning import cfg, launch
+from .common import as_rows, ieee_dots, logits_tile, row_block, vocab_block
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -48,10 +48,10 @@ def _lm_head_stats_kernel(x_ptr, w_ptr, seed_ptr, m_ptr, s_ptr, u_ptr, gv_ptr, g
 
 
 def _configs(dtype: torch.dtype, BLOCK_N: int) -> list:
-    """Launch configs (tuning.py), the hand-picked one first. A 64-row tile keeps ~5 fp32 [64, BLOCK_V]
+    """Launch configs (tuning.k_configs), the hand-picked one first. A 64-row tile keeps ~5 fp32 [64, BLOCK_V]
     values live (logits, exp, noise): 4 warps spill them (255 registers + a stack frame on sm_90), 8 warps
     hold them in registers; the weight is still read once."""
-    return [cfg(BLOCK_H=k_step(dtype), num_warps=8 if BLOCK_N >= 64 else 4)]
+    return k_configs("BLOCK_H", dtype, 8 if BLOCK_N >= 64 else 4)
 
 
 def lm_head_sample_stats(x, weight, temperature, seed, *, config=None):

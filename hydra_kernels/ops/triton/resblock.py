@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import as_rows, ieee_dots, k_splits, k_step, row_block, rows_dot_tile
-from .tuning import cfg, launch
+from .common import as_rows, ieee_dots, k_splits, row_block, rows_dot_tile
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -70,8 +70,8 @@ def _resblock_finish_kernel(part_ptr, x_ptr, b_ptr, out_ptr, R, H, n_splits, s_x
 
 
 def _configs(dtype: torch.dtype) -> list:
-    """Launch configs (tuning.py), the hand-picked one first: the K step (common.k_step), warps, stages."""
-    return [cfg(BLOCK_K=k_step(dtype))]
+    """Launch configs (tuning.k_configs): the K step (common.k_step) at 4 warps first."""
+    return k_configs("BLOCK_K", dtype, 4)
 
 
 def resblock(x, weight, bias, *, splits: int | None = None, config=None):

@@ -151,11 +151,15 @@ def _block_m(M: int, dtype: torch.dtype) -> int:
 
 def _configs(dtype: torch.dtype, BLOCK_D: int) -> list:
     """Launch configs of the split kernel (tuning.py), the hand-picked one first: the KV tile BLOCK_N,
-    warps, stages. fp32: 16-row KV tiles (32 spilled on sm_80 / sm_90 beside a 32-row q tile and
-    head_dim 128: FMA dots); 16-bit: 64 rows, 32 from head_dim 128 (the [BLOCK_N, D] K and V tiles)."""
+    warps, stages (every BLOCK_N divides _SPLIT_ALIGN). fp32: 16-row KV tiles (32 spilled on sm_80 / sm_90
+    beside a 32-row q tile and head_dim 128, at 4 warps and at 8: FMA dots), then 8 warps.
+    16-bit: 64 rows, 32 from head_dim 128 (the [BLOCK_N, D] K and V tiles), then the other KV tile and a
+    variant in warps / stages: the split kernel streams K and V, so the bytes in flight decide."""
     if dtype == torch.float32:
-        return [cfg(BLOCK_N=16)]
-    return [cfg(BLOCK_N=64 if BLOCK_D <= 64 else 32)]
+        return [cfg(BLOCK_N=16), cfg(BLOCK_N=16, num_warps=8)]
+    if BLOCK_D <= 64:
+        return [cfg(BLOCK_N=64), cfg(BLOCK_N=32), cfg(BLOCK_N=64, num_warps=8)]
+    return [cfg(BLOCK_N=32), cfg(BLOCK_N=64, num_warps=8), cfg(BLOCK_N=32, num_stages=4)]
 
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None, *, split_size: int | None = None,
