@@ -7,7 +7,7 @@ it would mark) for the target GPU, then compiled with triton.compile + the ptxas
 So the block sizes, warps and dtypes compiled are the launcher's own, never a copy of its choices.
 
 A variant fails on: a compile error, shared memory over the device limit (Triton checks it only when a
-kernel is loaded), or a stack frame / spill store in a 16-bit path. Kernels in RACE_CHECKED must also
+kernel is loaded), or a stack frame / spill store (any dtype). Kernels in RACE_CHECKED must also
 show, in their PTX, a barrier between their last global load and their first global store.
 
 Results per unique compiled variant are cached under ~/.cache/hydra_kernels/triton_aot/<triton version>/,
@@ -43,6 +43,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.autotuner import Autotuner  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from hydra_kernels.model.config import NAMED_CONFIGS  # noqa: E402
@@ -166,8 +167,10 @@ SPECS = {name[len("_spec_"):]: fn for name, fn in globals().items() if name.star
 
 def kernel_files() -> list[str]:
     """The op files of ops/triton: everything but the package, the shared helpers, the torch.library
-    forms of the ops and the tree-mask packing (library.py, tree_mask.py: plain torch, no kernel)."""
-    return sorted(p.stem for p in TRITON_DIR.glob("*.py") if p.stem not in ("__init__", "common", "library", "tree_mask"))
+    forms of the ops, the tree-mask packing and the launch configs (library.py, tree_mask.py, tuning.py:
+    no kernel)."""
+    return sorted(p.stem for p in TRITON_DIR.glob("*.py")
+                  if p.stem not in ("__init__", "common", "library", "tree_mask", "tuning"))
 
 
 def declared_kernels(op: str) -> set[str]:
@@ -197,7 +200,7 @@ class Launch:
 @contextlib.contextmanager
 def _captured(arch: int, out: list, op: str, case_box: list):
     """Within: kernel[grid](...) records the launch, specialised by Triton's binder for the target, instead
-    of running it; tree_attention sees the target's SM count."""
+    of running it; an autotuned launch (ops/triton/tuning.py) records one launch per config of its list."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     saved = JITFunction.run
@@ -209,22 +212,30 @@ def _captured(arch: int, out: list, op: str, case_box: list):
         options, sig, constexprs, attrs = self._pack_args(backend, kwargs, bound, spec, options)
         out.append(Launch(op, case_box[0], self, sig, constexprs, attrs, options))
 
-    JITFunction.run = run
+    def tuned_run(self, *args, **kwargs):  # an autotuned launch: every config of its list, none timed
+        for config in self.configs:
+            self.fn.run(*args, **kwargs, **config.all_kwargs())
+
+    saved_tuned = Autotuner.run
+    JITFunction.run, Autotuner.run = run, tuned_run
     try:
         yield
     finally:
-        JITFunction.run = saved
+        JITFunction.run, Autotuner.run = saved, saved_tuned
 
 
 def capture(arch: int, ops: list[str], models=MODELS, dtypes=tuple(DTYPES)) -> list[Launch]:
     """Every launch the launchers of `ops` make over all cases, specialised for `arch`."""
     import importlib
 
+    from hydra_kernels.ops.triton import common
+
     launches: list[Launch] = []
     for op in ops:
         mod = importlib.import_module(f"hydra_kernels.ops.triton.{op}")
-        if hasattr(mod, "_num_sms"):
-            mod._num_sms = lambda device, sms=ARCHS[arch][2]: sms  # the real GPU's, not the off-GPU 4
+        for m in (common, mod):  # the launchers' split choices see the real GPU's SM count, not the off-GPU 4
+            if hasattr(m, "num_sms"):
+                m.num_sms = lambda device, sms=ARCHS[arch][2]: sms
         box = [None]
         with _captured(arch, launches, op, box):
             for model in models:
@@ -291,8 +302,8 @@ def failures(row: dict) -> list[str]:
     why = []
     if row["smem"] > ARCHS[row["arch"]][1]:
         why.append(f"shared memory {row['smem']} B > {ARCHS[row['arch']][1]} B")
-    if row["dtype"] != "fp32" and (row["stack"] or row["local"] or row["spill_stores"]):
-        why.append(f"16-bit path spills (stack {row['stack']} B, {row['spill_stores']} spill stores)")
+    if row["stack"] or row["local"] or row["spill_stores"]:  # every dtype: fp32 is a real path too
+        why.append(f"spills (stack {row['stack']} B, {row['spill_stores']} spill stores)")
     if row["kernel"] in RACE_CHECKED and not row["barrier_ok"]:
         why.append("global stores may run before every load of the tile (no barrier between them)")
     return why

@@ -6,7 +6,7 @@ import torch
 
 import hydra_kernels as hk
 from hydra_kernels.ops import reference
-from helpers import DEV, RTOL, assert_close_rel
+from helpers import DEV, RTOL, assert_close_rel, poison_allocations
 
 pytestmark = pytest.mark.backends("reference", "triton", op="hydra_first_layer")
 
@@ -54,3 +54,38 @@ def test_hydra_first_layer_bad_inputs():
         hk.ops.hydra_first_layer(h, toks[..., :1], emb, wl, bl, wr, br)
     with pytest.raises(ValueError, match="integer"):
         hk.ops.hydra_first_layer(h, toks.float(), emb, wl, bl, wr, br)
+
+
+# ---- Triton: split-K (too few output tiles to fill the GPU), launch configs ---------------------------
+@pytest.mark.requires("triton", op="hydra_first_layer")
+@pytest.mark.parametrize("B,n,d,H", [(1, 1, 0, 75), (2, 3, 2, 130)])  # odd H; batch 1 x one node
+@pytest.mark.parametrize("splits", [1, 3, None])  # off, forced on, the launcher's choice
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hydra_first_layer_split_k_equals_reference(B, n, d, H, splits, dtype, monkeypatch):
+    """The K-split path (fp32 partials of both products summed in split order, then the h-terms, biases
+    and SiLU) and the unsplit one against the reference; every output written (allocations poisoned)."""
+    from hydra_kernels.ops.triton.hydra_first_layer import hydra_first_layer
+
+    args = _inputs(H + d, B, n, d, H, 50, dtype)
+    poison_allocations(monkeypatch)
+    out = hydra_first_layer(*args, splits=splits)
+    monkeypatch.undo()
+    ref = reference.hydra_first_layer(*[a.float() if a.is_floating_point() else a for a in args])
+    assert_close_rel(out.float(), ref, RTOL[dtype] * 2, f"hydra first layer splits={splits} {dtype}")
+
+
+@pytest.mark.requires("triton", op="hydra_first_layer")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hydra_first_layer_every_launch_config_equals_reference(dtype, monkeypatch):
+    """Each config of the launcher's autotune list (forced; one GPU picks among them) on an odd shape, split."""
+    from hydra_kernels.ops.triton import hydra_first_layer as op
+
+    args = _inputs(9, 2, 3, 1, 75, 50, dtype)
+    ref = reference.hydra_first_layer(*[a.float() if a.is_floating_point() else a for a in args])
+    lists = [op._configs(dtype, 16), op._configs(dtype, 64)]  # 16-row and 64-row tiles (fp32: other warps)
+    assert all(2 <= len(c) <= 4 for c in lists)
+    for config in dict.fromkeys(lists[0] + lists[1]):
+        poison_allocations(monkeypatch)
+        out = op.hydra_first_layer(*args, splits=2, config=config)
+        monkeypatch.undo()
+        assert_close_rel(out.float(), ref, RTOL[dtype] * 2, f"hydra first layer {config}")

@@ -28,7 +28,7 @@ def perturbed(x, w, temp, seed, exclude):
     return g.masked_fill(drop[:, :V], float("-inf"))  # column V took the -1 entries
 
 
-def check_against_reference(backend, lead, V, H, temp, C, dtype, monkeypatch, block_v=None):
+def check_against_reference(backend, lead, V, H, temp, C, dtype, monkeypatch, block_v=None, config=None):
     """Same lse; the same token wherever the two perturbed maxima are not a near-tie (the logits differ
     by rounding); never an excluded token; every output written (allocations poisoned)."""
     gen = torch.Generator().manual_seed(V + C)
@@ -41,12 +41,12 @@ def check_against_reference(backend, lead, V, H, temp, C, dtype, monkeypatch, bl
         ex[..., 0] = torch.where(torch.rand(lead, generator=gen) < 0.5, top, ex[..., 0])
     ex = ex.to(DEV)
     poison_allocations(monkeypatch)
-    if block_v is None:
+    if block_v is None and config is None:
         lse, samp = hk.ops.lm_head_residual_sample(x, w, temp, seed, ex, backend=backend)
-    else:  # the Triton launcher with a chosen vocabulary tile
+    else:  # the Triton launcher with a chosen vocabulary tile / launch config
         from hydra_kernels.ops.triton.lm_head_residual_sample import lm_head_residual_sample
 
-        lse, samp = lm_head_residual_sample(x, w, temp, seed, ex, block_v=block_v)
+        lse, samp = lm_head_residual_sample(x, w, temp, seed, ex, block_v=block_v, config=config)
     monkeypatch.undo()
     rl, rs = reference.lm_head_residual_sample(x.float(), w.float(), temp, seed, ex)
     assert lse.shape == samp.shape == lead and samp.dtype == torch.int64
@@ -75,6 +75,19 @@ def test_several_vocabulary_tiles_equal_reference(lead, V, block_v, dtype, monke
     """The Triton merge over vocabulary tiles (the interpreter's default tile covers these V at once),
     the last tile partial."""
     check_against_reference("triton", lead, V, 40, 0.9, 4, dtype, monkeypatch, block_v=block_v)
+
+
+@pytest.mark.requires("triton", op="lm_head_residual_sample")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_launch_config_equals_reference(dtype, monkeypatch):
+    """Each config of the launcher's autotune lists (both row-tile lists; forced, one GPU picks among
+    them): odd V and H, several vocabulary tiles, excluded tokens."""
+    from hydra_kernels.ops.triton import lm_head_residual_sample as op
+
+    configs = op._configs(dtype, 16) + op._configs(dtype, 64)
+    assert 2 <= len(op._configs(dtype, 16)) <= 4 and 2 <= len(op._configs(dtype, 64)) <= 4
+    for config in dict.fromkeys(configs):
+        check_against_reference("triton", (3, 5), 517, 100, 0.9, 3, dtype, monkeypatch, block_v=128, config=config)
 
 
 def test_residual_sample_follows_renormalised_softmax(backend):

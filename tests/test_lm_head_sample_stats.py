@@ -50,3 +50,28 @@ def test_lm_head_sample_stats_bad_inputs():
         hk.ops.lm_head_sample_stats(x, w, 0.0, torch.tensor([0]))
     with pytest.raises(ValueError, match="seed must be"):
         hk.ops.lm_head_sample_stats(x, w, 1.0, 0)
+
+
+@pytest.mark.requires("triton", op="lm_head_sample_stats")
+@pytest.mark.parametrize("N", [9, 65])  # the two lists: 16-row tiles at 4 warps, 64-row tiles at 8
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lm_head_sample_stats_every_launch_config_equals_reference(N, dtype, monkeypatch):
+    """Each config of the launcher's autotune list (forced; one GPU picks among them): odd N, V, H,
+    allocations poisoned."""
+    from helpers import poison_allocations
+    from hydra_kernels.ops.triton import lm_head_sample_stats as op
+    from hydra_kernels.ops.triton.common import row_block
+
+    gen = torch.Generator().manual_seed(N)
+    x = torch.randn(N, 100, generator=gen).to(DEV, dtype)
+    w = (torch.randn(517, 100, generator=gen) / 100**0.25).to(DEV, dtype)
+    rl, re, _ = reference.lm_head_sample_stats(x.float(), w.float(), 0.7, _seed(3))
+    configs = op._configs(dtype, row_block(N))
+    assert 2 <= len(configs) <= 4
+    for config in configs:
+        poison_allocations(monkeypatch)
+        lse, ent, samp = op.lm_head_sample_stats(x, w, 0.7, _seed(3), config=config)
+        monkeypatch.undo()
+        assert_close_rel(lse, rl, RTOL[dtype] * 4, f"lse {config}")
+        assert_close_rel(ent, re, RTOL[dtype] * 4, f"entropy {config}")
+        assert ((samp >= 0) & (samp < 517)).all()

@@ -58,3 +58,25 @@ def test_lm_head_topk_bad_inputs():
         hk.ops.lm_head_topk(x, w, 11)
     with pytest.raises(ValueError, match="dtype"):
         hk.ops.lm_head_topk(x, w.double(), 1)
+
+
+@pytest.mark.requires("triton", op="lm_head_topk")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_lm_head_topk_every_launch_config_equals_reference(dtype, monkeypatch):
+    """Each config of the launcher's autotune list (forced; one GPU picks among them): odd N, V and H
+    (H not a multiple of any step), several vocabulary tiles, allocations poisoned."""
+    from helpers import poison_allocations
+    from hydra_kernels.ops.triton import lm_head_topk as op
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(7, 100, generator=gen).to(DEV, dtype)
+    w = (torch.randn(517, 100, generator=gen) / 10).to(DEV, dtype)
+    rv, _ = reference.lm_head_topk(x.float(), w.float(), 4)
+    configs = op._configs(dtype)
+    assert 2 <= len(configs) <= 4
+    for config in configs:
+        poison_allocations(monkeypatch)
+        v, i = op.lm_head_topk(x, w, 4, block_v=128, config=config)
+        monkeypatch.undo()
+        assert_close_rel(v, rv, RTOL[dtype] * 4, f"top-4 values {config}")
+        assert_close_rel((x.float() @ w.float().T).gather(1, i), v, RTOL[dtype] * 4, f"ids carry their values {config}")

@@ -14,7 +14,8 @@ import torch
 
 import hydra_kernels as hk
 from hydra_kernels.ops import reference
-from helpers import DEV, RTOL, assert_close_rel, random_parents, random_tree_batch, tree_from_parents
+from helpers import (DEV, RTOL, assert_close_rel, poison_allocations, random_parents, random_tree_batch,
+                     tree_from_parents)
 
 pytestmark = pytest.mark.backends("reference", "triton", "native", op="tree_attention")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -361,3 +362,26 @@ def test_bad_inputs_are_named(change, msg):
     change(args)
     with pytest.raises(ValueError, match=msg):
         hk.ops.tree_attention(**args)
+
+
+# ---- Triton: every launch config -----------------------------------------------------------------
+@pytest.mark.backends("triton")
+@pytest.mark.parametrize("D", [40, 128])  # the two 16-bit lists: head_dim <= 64 and above
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tree_attention_every_launch_config_equals_reference(backend, D, dtype, monkeypatch):
+    """Each config of the split kernel's autotune list (forced; one GPU picks among them): odd T, GQA 3,
+    ragged seqlens (0 included), several prefix splits, allocations poisoned."""
+    from hydra_kernels.ops.triton import tree_attention as op
+
+    gen = torch.Generator().manual_seed(D)
+    mask = tree_from_parents(random_parents(5, gen))[0].to(DEV)
+    q, k, v = qkv(gen, 2, 5, 6, 2, D, 80, dtype)
+    sl = torch.tensor([0, 70], dtype=torch.int32, device=DEV)
+    ref = reference.tree_attention(q.float(), k.float(), v.float(), sl, mask)
+    configs = op._configs(dtype, max(16, 1 << (D - 1).bit_length()))
+    assert 2 <= len(configs) <= 4
+    for config in configs:
+        poison_allocations(monkeypatch)
+        out = op.tree_attention(q, k, v, sl, mask, split_size=32, config=config)
+        monkeypatch.undo()
+        assert_close_rel(out.float(), ref, RTOL[dtype], f"tree_attention {config}")

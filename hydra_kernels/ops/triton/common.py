@@ -23,10 +23,46 @@ def ieee_dots(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of `device`: how many programs fill the GPU (the split choices of
+    tree_attention and the head kernels). Off a GPU (interpreter) 4; benchmarks/triton_aot.py patches in
+    the target's count."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def row_block(n: int) -> int:
     """Rows per program for n rows (decode-sized: nodes x sequences): 16, 32 or 64; tl.dot needs >= 16 and
     a small n should not pay for a 64-row tile."""
     return 16 if n <= 16 else 32 if n <= 32 else 64
+
+
+def k_splits(K: int, programs: int, device: torch.device, splits: int | None = None) -> tuple[int, int]:
+    """Split-K of a weight-bound kernel -> (splits, K columns per split; (1, K) unsplit). A grid of
+    `programs` smaller than the GPU's SM count leaves SMs idle while the weight streams (SmolLM2's H = 576
+    head blocks at decode size: 9 programs on 132 SMs; Llama-3-8B: 64), so the reduction over K is cut
+    into up to ceil(SMs / programs) slices -- about one wave of programs, each reading one slice of the
+    weight; the launcher adds the fp32 partial sums in a fixed order in a second pass (deterministic: no
+    atomics). Slices are whole 64-column steps (every config's K step divides them, and a slice is never
+    shorter than one step); `splits` forces a count (tests), in slices of 16 (fewer when K is short)."""
+    if splits is None:
+        sms = num_sms(device)
+        splits, align = (1 if programs >= sms else min(triton.cdiv(sms, programs), triton.cdiv(K, 64))), 64
+    else:
+        align = 16
+    if splits <= 1:
+        return 1, K
+    per = triton.cdiv(triton.cdiv(K, splits), align) * align
+    return triton.cdiv(K, per), per
+
+
+def k_step(dtype: torch.dtype) -> int:
+    """Reduction step (BLOCK_K / BLOCK_H) of the GEMM-shaped kernels' hand-picked config. 16-bit: 64 (tensor
+    cores). fp32: 16 -- its IEEE dots run on FMA units, for which Triton keeps a [rows, step] and a
+    [cols, step] slice per thread in registers: a step of 64 spilled up to 6 KB of stack on sm_80 (the
+    head kernels, the LM-head tiles), 16 leaves them at <= ~200 registers and no stack (triton_aot.csv)."""
+    return 16 if dtype == torch.float32 else 64
 
 
 def vocab_block(V: int) -> int:
@@ -58,15 +94,16 @@ def tree_buffer(x: torch.Tensor, inner_dims: int) -> tuple[torch.Tensor, int]:
 
 
 @triton.jit
-def logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
-    """x[offs_n] @ W[offs_v]^T over H in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V]; columns past V are -inf."""
+def rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, k_lo, k_hi, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr,
+                  BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
+    """x[offs_n, k_lo:k_hi] @ W[offs_v, k_lo:k_hi]^T in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V] (rows past N,
+    columns past V: 0). x: unit stride along k."""
     n_ok = offs_n < N
     v_ok = offs_v < V
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(k_lo, k_hi, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
+        h_ok = offs_h < k_hi
         x = tl.load(x_ptr + offs_n[:, None].to(tl.int64) * s_xn + offs_h[None, :], mask=n_ok[:, None] & h_ok[None, :],
                     other=0.0)
         w = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * s_wv + offs_h[None, :] * s_wh,
@@ -75,7 +112,15 @@ def logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
-    return tl.where(v_ok[None, :], acc, float("-inf"))
+    return acc
+
+
+@triton.jit
+def logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
+    """x[offs_n] @ W[offs_v]^T over H in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V]; columns past V are -inf."""
+    acc = rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, 0, H, s_xn, s_wv, s_wh, BLOCK_N, BLOCK_V, BLOCK_H, IEEE)
+    return tl.where((offs_v < V)[None, :], acc, float("-inf"))
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import as_rows, ieee_dots, interpreted, logits_tile, row_block, vocab_block
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -63,31 +64,36 @@ def _lm_head_residual_sample_kernel(x_ptr, w_ptr, seed_ptr, ex_ptr, m_ptr, s_ptr
     tl.store(gi_ptr + o, gi.to(tl.int64), mask=n_ok)
 
 
-def lm_head_residual_sample(x, weight, temperature, seed, exclude, *, block_v: int | None = None):
+def _configs(dtype: torch.dtype, BLOCK_N: int) -> list:
+    """Launch configs (tuning.k_configs), the hand-picked one first. As lm_head_sample_stats: a 64-row tile keeps
+    several fp32 [64, BLOCK_V] values live (logits, exp, noise); 8 warps hold them in registers where 4
+    would spill."""
+    return k_configs("BLOCK_H", dtype, 8 if BLOCK_N >= 64 else 4)
+
+
+def lm_head_residual_sample(x, weight, temperature, seed, exclude, *, block_v: int | None = None, config=None):
     """Same contract as reference.lm_head_residual_sample (seed: int64 tensor [1] on x's device).
-    block_v: the vocabulary tile (default: common.vocab_block; tests force several tiles with it)."""
+    block_v: the vocabulary tile (default: common.vocab_block; tests force several tiles with it);
+    config: a tuning override (tests)."""
     lead = x.shape[:-1]
     x2 = as_rows(x)  # [N, H]
     (N, H), V = x2.shape, weight.shape[0]
     C = exclude.shape[-1]
     ex = exclude.reshape(N, C).contiguous() if C else torch.full((N, 1), -1, dtype=torch.long, device=x.device)
-    BLOCK_V, BLOCK_H = block_v or vocab_block(V), 64
+    BLOCK_V = block_v or vocab_block(V)
     # on a GPU decode-sized row blocks (the weight is read once per block); the interpreter pays per
     # program, so it takes up to 128K-element tiles (same math; a sampling test decodes thousands of rows)
     BLOCK_N = row_block(N)
     if interpreted():
         BLOCK_N = max(BLOCK_N, min(triton.next_power_of_2(N), 2**17 // BLOCK_V))
-    # as lm_head_sample_stats: a 64-row tile keeps several fp32 [64, BLOCK_V] values live (logits, exp,
-    # noise); 8 warps hold them in registers where 4 would spill
-    warps = 8 if BLOCK_N >= 64 else 4
     n_tiles = triton.cdiv(V, BLOCK_V)
     f = lambda: torch.empty(N, n_tiles, dtype=torch.float32, device=x.device)  # noqa: E731
     m, s, gv = f(), f(), f()
     gi = torch.empty(N, n_tiles, dtype=torch.int64, device=x.device)
-    _lm_head_residual_sample_kernel[(n_tiles, triton.cdiv(N, BLOCK_N))](
-        x2, weight, seed, ex, m, s, gv, gi, N, V, H, C, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles,
-        1.0 / temperature, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee_dots(x.dtype),
-        num_warps=warps)
+    launch(_lm_head_residual_sample_kernel, (n_tiles, triton.cdiv(N, BLOCK_N)),
+           (x2, weight, seed, ex, m, s, gv, gi, N, V, H, C, x2.stride(0), weight.stride(0), weight.stride(1),
+            n_tiles, 1.0 / temperature), dict(BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, IEEE=ieee_dots(x.dtype)),
+           _configs(x.dtype, BLOCK_N), key=["N", "V", "H", "C"], config=config)
     M = m.max(dim=1, keepdim=True).values
     lse = M[:, 0] + torch.log((s * torch.exp(m - M)).sum(1))
     sample = gi.gather(1, gv.argmax(dim=1, keepdim=True))[:, 0]  # first maximum: lowest tile, lowest id

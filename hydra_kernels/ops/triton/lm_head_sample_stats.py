@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .common import as_rows, ieee_dots, logits_tile, row_block, vocab_block
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -46,22 +47,28 @@ def _lm_head_stats_kernel(x_ptr, w_ptr, seed_ptr, m_ptr, s_ptr, u_ptr, gv_ptr, g
     tl.store(gi_ptr + o, gi.to(tl.int64), mask=n_ok)
 
 
-def lm_head_sample_stats(x, weight, temperature, seed):
-    """Same contract as reference.lm_head_sample_stats (seed: int64 tensor [1] on x's device)."""
+def _configs(dtype: torch.dtype, BLOCK_N: int) -> list:
+    """Launch configs (tuning.k_configs), the hand-picked one first. A 64-row tile keeps ~5 fp32 [64, BLOCK_V]
+    values live (logits, exp, noise): 4 warps spill them (255 registers + a stack frame on sm_90), 8 warps
+    hold them in registers; the weight is still read once."""
+    return k_configs("BLOCK_H", dtype, 8 if BLOCK_N >= 64 else 4)
+
+
+def lm_head_sample_stats(x, weight, temperature, seed, *, config=None):
+    """Same contract as reference.lm_head_sample_stats (seed: int64 tensor [1] on x's device).
+    config: a tuning override (tests)."""
     lead = x.shape[:-1]
     x2 = as_rows(x)  # [N, H]
     (N, H), V = x2.shape, weight.shape[0]
-    BLOCK_N, BLOCK_V, BLOCK_H = row_block(N), vocab_block(V), 64
-    # a 64-row tile keeps ~5 fp32 [64, BLOCK_V] values live (logits, exp, noise): 4 warps spill them
-    # (255 registers + a stack frame on sm_90), 8 warps hold them in registers; the weight is still read once
-    warps = 8 if BLOCK_N >= 64 else 4
+    BLOCK_N, BLOCK_V = row_block(N), vocab_block(V)
     n_tiles = triton.cdiv(V, BLOCK_V)
     f = lambda: torch.empty(N, n_tiles, dtype=torch.float32, device=x.device)  # noqa: E731
     m, s, u, gv = f(), f(), f(), f()
     gi = torch.empty(N, n_tiles, dtype=torch.int64, device=x.device)
-    _lm_head_stats_kernel[(n_tiles, triton.cdiv(N, BLOCK_N))](
-        x2, weight, seed, m, s, u, gv, gi, N, V, H, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles,
-        1.0 / temperature, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee_dots(x.dtype), num_warps=warps)
+    launch(_lm_head_stats_kernel, (n_tiles, triton.cdiv(N, BLOCK_N)),
+           (x2, weight, seed, m, s, u, gv, gi, N, V, H, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles,
+            1.0 / temperature), dict(BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, IEEE=ieee_dots(x.dtype)),
+           _configs(x.dtype, BLOCK_N), key=["N", "V", "H"], config=config)
     M = m.max(dim=1, keepdim=True).values
     w = torch.exp(m - M)
     S, U = (s * w).sum(1), (u * w).sum(1)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import as_rows, ieee_dots, logits_tile, row_block, vocab_block
+from .tuning import k_configs, launch
 
 
 @triton.jit
@@ -39,18 +40,26 @@ def _lm_head_topk_kernel(x_ptr, w_ptr, val_ptr, idx_ptr, N, V, H, s_xn, s_wv, s_
         acc = tl.where(cols[None, :] == arg[:, None], float("-inf"), acc)
 
 
-def lm_head_topk(x: torch.Tensor, weight: torch.Tensor, k: int, *, block_v: int | None = None):
-    """Same contract as reference.lm_head_topk."""
+def _configs(dtype: torch.dtype) -> list:
+    """Launch configs (tuning.k_configs): the H step (common.k_step) at 4 warps first. The doubled step
+    stays at 4 warps (at 8 a 128-wide 16-bit step kept a 16-byte stack frame on sm_80 and sm_90), and
+    fp32 has none (a 32-wide FMA step kept a 24-byte one beside the 64-row tile's top-k rounds)."""
+    return k_configs("BLOCK_H", dtype, 4, longer_warps=None if dtype == torch.float32 else 4)
+
+
+def lm_head_topk(x: torch.Tensor, weight: torch.Tensor, k: int, *, block_v: int | None = None, config=None):
+    """Same contract as reference.lm_head_topk. block_v / config: tuning overrides (tests)."""
     lead = x.shape[:-1]
     x2 = as_rows(x)  # [N, H]
     (N, H), V = x2.shape, weight.shape[0]
-    BLOCK_N, BLOCK_V, BLOCK_H = row_block(N), block_v or vocab_block(V), 64
+    BLOCK_N, BLOCK_V = row_block(N), block_v or vocab_block(V)
     n_tiles = triton.cdiv(V, BLOCK_V)
     vals = torch.empty(N, n_tiles, k, dtype=torch.float32, device=x.device)
     idx = torch.empty(N, n_tiles, k, dtype=torch.int64, device=x.device)
-    _lm_head_topk_kernel[(n_tiles, triton.cdiv(N, BLOCK_N))](
-        x2, weight, vals, idx, N, V, H, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles,
-        K=k, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H, IEEE=ieee_dots(x.dtype))
+    launch(_lm_head_topk_kernel, (n_tiles, triton.cdiv(N, BLOCK_N)),
+           (x2, weight, vals, idx, N, V, H, x2.stride(0), weight.stride(0), weight.stride(1), n_tiles),
+           dict(K=k, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, IEEE=ieee_dots(x.dtype)), _configs(x.dtype),
+           key=["N", "V", "H"], config=config)
     vals, idx = vals.view(N, n_tiles * k), idx.view(N, n_tiles * k)
     if k == 1:
         pick = vals.argmax(dim=1, keepdim=True)  # first maximum: lowest tile, so lowest token id

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ieee_dots, row_block
+from .common import ieee_dots, num_sms, row_block
 from .tree_mask import PackedTreeMask, pack_kernel_mask
+from .tuning import cfg, launch
 
 _LOG2E = 1.4426950408889634
 
@@ -139,18 +140,34 @@ def _tree_attention_merge_kernel(po_ptr, plse_ptr, o_ptr, s_ob, s_ot, s_oh, T, G
     tl.store(ptr, out.to(o_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d < D)[None, :])
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+_SPLIT_ALIGN = 64  # prefix splits are whole BLOCK_N tiles for every BLOCK_N of the configs below
+
+
+def _block_m(M: int, dtype: torch.dtype) -> int:
+    """Rows (tree nodes x GQA heads) per program. fp32 at most 32: its IEEE dots run on FMA units with a
+    [BLOCK_M, head_dim] slice of q per thread; 64 rows spilled 10 KB of stack on sm_80 (head_dim 128)."""
+    return min(row_block(M), 32) if dtype == torch.float32 else row_block(M)
+
+
+def _configs(dtype: torch.dtype, BLOCK_D: int) -> list:
+    """Launch configs of the split kernel (tuning.py), the hand-picked one first: the KV tile BLOCK_N,
+    warps, stages (every BLOCK_N divides _SPLIT_ALIGN). fp32: 16-row KV tiles (32 spilled on sm_80 / sm_90
+    beside a 32-row q tile and head_dim 128, at 4 warps and at 8: FMA dots), then 8 warps.
+    16-bit: 64 rows, 32 from head_dim 128 (the [BLOCK_N, D] K and V tiles), then the other KV tile and a
+    variant in warps / stages: the split kernel streams K and V, so the bytes in flight decide."""
+    if dtype == torch.float32:
+        return [cfg(BLOCK_N=16), cfg(BLOCK_N=16, num_warps=8)]
+    if BLOCK_D <= 64:
+        return [cfg(BLOCK_N=64), cfg(BLOCK_N=32), cfg(BLOCK_N=64, num_warps=8)]
+    return [cfg(BLOCK_N=32), cfg(BLOCK_N=64, num_warps=8), cfg(BLOCK_N=32, num_stages=4)]
 
 
 def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None, *, split_size: int | None = None,
-                   block_m: int | None = None, block_n: int | None = None):
+                   block_m: int | None = None, config=None):
     """Same contract as reference.tree_attention (tree_mask [T, T] or [B, T, T]; any head_dim up to 256:
     tiles pad it to a power of two). tree_mask may also be pack_kernel_mask's result: a caller running
     every layer with one mask (AttentionSite) packs it once per step; a bool mask is packed here.
-    split_size / block_m / block_n: tuning overrides (tests use them to force several splits)."""
+    split_size / block_m / config: tuning overrides (tests use them to force several splits, or a config)."""
     B, T, Hq, D = q.shape
     S, Hkv = k_cache.shape[1], k_cache.shape[2]
     G = Hq // Hkv
@@ -161,16 +178,15 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None,
         q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     scale = D**-0.5 if sm_scale is None else sm_scale
     M = T * G
-    BLOCK_M = block_m or row_block(M)
-    BLOCK_N = block_n or (64 if BLOCK_D <= 64 else 32)
+    BLOCK_M = block_m or _block_m(M, q.dtype)
     m_tiles = triton.cdiv(M, BLOCK_M)
     M_PAD = m_tiles * BLOCK_M
     if split_size is None:
         # enough programs for ~2 waves over the SMs, but no split shorter than 256 rows (each split
         # pays a partial write + merge read of M_PAD x D floats)
-        want = max(1, math.ceil(2 * _num_sms(q.device) / (B * Hkv * m_tiles)))
+        want = max(1, math.ceil(2 * num_sms(q.device) / (B * Hkv * m_tiles)))
         n_splits = max(1, min(want, triton.cdiv(S, 256)))
-        split_size = triton.cdiv(triton.cdiv(S, n_splits), BLOCK_N) * BLOCK_N
+        split_size = triton.cdiv(triton.cdiv(S, n_splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
     n_prefix = max(1, triton.cdiv(S, split_size))
     n_total = n_prefix + 1
     dev = q.device
@@ -179,12 +195,13 @@ def tree_attention(q, k_cache, v_cache, cache_seqlens, tree_mask, sm_scale=None,
     po = torch.empty(B * Hkv * n_total * M_PAD, BLOCK_D, dtype=torch.float32, device=dev)
     plse = torch.empty(B * Hkv * n_total * M_PAD, dtype=torch.float32, device=dev)
     out = torch.empty_like(q)
-    _tree_attention_split_kernel[(m_tiles, n_total, B * Hkv)](
-        q, k_cache, v_cache, cache_seqlens, bits, s_mb, po, plse,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        T, G, Hkv, bits.shape[-1], M_PAD, D, split_size, n_prefix, scale * _LOG2E,
-        BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee_dots(q.dtype))
+    launch(_tree_attention_split_kernel, (m_tiles, n_total, B * Hkv),
+           (q, k_cache, v_cache, cache_seqlens, bits, s_mb, po, plse,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            T, G, Hkv, bits.shape[-1], M_PAD, D, split_size, n_prefix, scale * _LOG2E),
+           dict(BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, IEEE=ieee_dots(q.dtype)), _configs(q.dtype, BLOCK_D),
+           key=["T", "G", "Hkv", "D", "split_size"], config=config)
     _tree_attention_merge_kernel[(m_tiles, B * Hkv)](
         po, plse, out, out.stride(0), out.stride(1), out.stride(2), T, G, Hkv, M_PAD, D, n_total,
         BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M)
