@@ -182,7 +182,7 @@ def plot(ax, rows):
     series = {"default budget": lambda r: r["default_ratio"]}
     if "full_ratio" in rows[0]:
         series["full tree"] = lambda r: r["full_ratio"]
-    plot_ratio_by_batch(ax, rows, series, "tokens/s relative to plain decoding (medians over rounds)")
+    plot_ratio_by_batch(ax, rows, series, "tokens/s / plain decoding\n(median of rounds)")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ catches up in propose() (EAGLE, Amphista, Hydra++'s prefix layer) drafts after p
 it drafts after the same committed tokens without them; bad budgets are refused before any work."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -284,7 +286,7 @@ def test_a_run_plain_at_every_step_is_plain_decoding(model, monkeypatch):
 def test_search_makes_a_valid_table_from_its_measurements(model):
     """The search on a tiny model and grid: a table for the drafter's tree, one measured point per bucket,
     each choice the fastest budget when it beats plain decoding by the margin, else a plain step."""
-    from hydra_kernels.training.budget_search import candidate_budgets, search_budget_table
+    from hydra_kernels.training.budget_search import candidate_budgets, rechoose, search_budget_table
 
     assert candidate_budgets(tuple(range(1, 65))) == [2, 4, 8, 16, 32, 64]
     assert candidate_budgets((1, 3)) == [3]
@@ -302,3 +304,9 @@ def test_search_makes_a_valid_table_from_its_measurements(model):
     d.budget_tables["cpu"] = table
     out = generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=6, eos_token_id=[])
     assert out.sequences == generate(model, PROMPTS, max_new_tokens=6, eos_token_id=[]).sequences
+    # re-choosing from the stored predictions (no timing) with the search's margin gives the same table;
+    # an unreachable margin gives plain steps everywhere; a table without predictions is refused
+    assert rechoose(table, 1.03) == table
+    assert rechoose(copy.deepcopy(table), 1e9).nodes == [[1, 1], [1, 1]]
+    with pytest.raises(ValueError, match="no per-point predictions"):
+        rechoose(BudgetTable(device="cpu", tree=table.tree, full=table.full, batch_sizes=[1], contexts=[8], nodes=[[1]]))
