@@ -80,9 +80,8 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             feats, target, v, n = greedy_verify_step(model, cache, tokens, tr, active, positions=prop.positions,
                                                      kv_len=kv_len, backends=backends, capture=capture)
         else:
-            hidden = model.step(tokens, cache, tr.mask, tr.depths, positions=prop.positions, kv_len=kv_len,
-                                backends=backends, capture=capture)  # [B, T, H]
-            hidden, feats = hidden if capture is not None else (hidden, hidden)  # the drafter's features
+            hidden, feats = verify_forward(model, cache, tokens, tr, positions=prop.positions, kv_len=kv_len,
+                                           backends=backends, capture=capture)
             if typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
                 W = model.output.weight
                 seed = torch.randint(2**62, (1,), device=dev, generator=generator)
@@ -145,12 +144,19 @@ def greedy_verify_step(model, cache, tokens, tree, active, *, positions=None, kv
     and no host sync is what a CUDA graph capture needs too (not yet run on a GPU). The loop around it
     stays eager by design: its one host read per step (the accepted tokens, to stream them and stop)
     and the host-side budget and drafter bookkeeping."""
-    out = model.step(tokens, cache, tree.mask, tree.depths, positions=positions, kv_len=kv_len,
-                     backends=backends, capture=capture)  # [B, T, H] (with capture: and the features)
-    hidden, feats = out if capture is not None else (out, out)
+    hidden, feats = verify_forward(model, cache, tokens, tree, positions=positions, kv_len=kv_len,
+                                   backends=backends, capture=capture)
     target = model.greedy_tokens(hidden, backends)  # [B, T]
     v = ops.greedy_verify(target, tokens, tree.paths, backend=backends["greedy_verify"])
     return feats, target, v, commit_step(cache, v, active, backends)
+
+
+def verify_forward(model, cache, tokens, tree, *, positions=None, kv_len: int, backends, capture=None):
+    """The verify forward of tokens [B, T] over `tree` -> (final hidden states [B, T, H], the drafter's
+    features: those states, or with capture the captured layers' inputs [B, T, n * H])."""
+    out = model.step(tokens, cache, tree.mask, tree.depths, positions=positions, kv_len=kv_len,
+                     backends=backends, capture=capture)
+    return out if capture is not None else (out, out)
 
 
 def commit_step(cache, v, active, backends) -> torch.Tensor:

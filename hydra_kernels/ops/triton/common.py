@@ -94,16 +94,16 @@ def tree_buffer(x: torch.Tensor, inner_dims: int) -> tuple[torch.Tensor, int]:
 
 
 @triton.jit
-def rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, k_lo, k_hi, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr,
+def rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, K, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr,
                   BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
-    """x[offs_n, k_lo:k_hi] @ W[offs_v, k_lo:k_hi]^T in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V] (rows past N,
-    columns past V: 0). x: unit stride along k."""
+    """x[offs_n, :K] @ W[offs_v, :K]^T in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V] (rows past N, columns past
+    V: 0). x: unit stride along k. A K slice: pointers moved to its start, K its length."""
     n_ok = offs_n < N
     v_ok = offs_v < V
     acc = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
-    for h0 in range(k_lo, k_hi, BLOCK_H):
+    for h0 in range(0, K, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < k_hi
+        h_ok = offs_h < K
         x = tl.load(x_ptr + offs_n[:, None].to(tl.int64) * s_xn + offs_h[None, :], mask=n_ok[:, None] & h_ok[None, :],
                     other=0.0)
         w = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * s_wv + offs_h[None, :] * s_wh,
@@ -119,7 +119,7 @@ def rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, k_lo, k_hi, s_xn, s_wv, s_
 def logits_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                 BLOCK_H: tl.constexpr, IEEE: tl.constexpr):
     """x[offs_n] @ W[offs_v]^T over H in BLOCK_H steps -> fp32 [BLOCK_N, BLOCK_V]; columns past V are -inf."""
-    acc = rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, 0, H, s_xn, s_wv, s_wh, BLOCK_N, BLOCK_V, BLOCK_H, IEEE)
+    acc = rows_dot_tile(x_ptr, w_ptr, offs_n, offs_v, N, V, H, s_xn, s_wv, s_wh, BLOCK_N, BLOCK_V, BLOCK_H, IEEE)
     return tl.where((offs_v < V)[None, :], acc, float("-inf"))
 
 

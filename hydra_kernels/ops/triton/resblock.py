@@ -47,7 +47,7 @@ def _resblock_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, R, H, k_per, s_xr, 
     k_lo = pid_k * k_per
     # x[:, k_lo:k_lo+k_len] W[:, k_lo:k_lo+k_len]^T in fp32 (the LM head's tile loop over one K slice; the
     # pointers start at the slice, so the loop keeps no slice bounds live: bounds in the loop spilled)
-    acc = rows_dot_tile(x_ptr + k_lo, w_ptr + k_lo * s_wk, offs_r, offs_o, R, H, 0, tl.minimum(k_per, H - k_lo),
+    acc = rows_dot_tile(x_ptr + k_lo, w_ptr + k_lo * s_wk, offs_r, offs_o, R, H, tl.minimum(k_per, H - k_lo),
                         s_xr, s_wo, s_wk, BLOCK_R, BLOCK_O, BLOCK_K, IEEE)
     if SPLIT:  # partial [splits, R, H] fp32; the finishing kernel applies the epilogue
         both = (offs_r < R)[:, None] & (offs_o < H)[None, :]
