@@ -301,6 +301,17 @@ TILE_CASES = [  # seed, Hq, Hkv, D, node counts of the sequences' trees, seqlens
     (35, 8, 1, 40, [4, 2], [0, 0]),  # G = 8, no prefix: tree keys only
     (36, 32, 4, 64, [33, 20], [2100, 1500]),  # 264 query rows per KV head: the pairs in several batches
     (37, 80, 80, 16, [3], [30]),  # 80 KV heads (more than one thread's span holds), head_dim 16
+    # 3 to 7 rows per KV head around the score passes' row counts (kScoreRows: 4 rows per K pass at
+    # head_dim <= 48, 3 at 64, 2 above): 3 + 1, 3 + 2, 3 + 3, 3 + 3 + 1 at 64; 4 + 2, 4 + 1, 4 + 3 below;
+    # 2 + 1 at 80; prefixes ending inside a 16-key block (the listed-keys pass) and on a block edge
+    (38, 4, 2, 64, [2, 1], [300, 17]),  # G = 2, T = 2: 4 rows
+    (39, 5, 1, 64, [1], [700]),  # G = 5 decoding: 5 rows
+    (40, 6, 1, 64, [1, 1], [129, 0]),  # G = 6 decoding: 6 rows
+    (41, 7, 1, 64, [1], [2100]),  # G = 7 decoding: 7 rows
+    (42, 6, 3, 48, [3, 2], [100, 33]),  # G = 2, T = 3, head_dim 48: 6 rows
+    (43, 5, 1, 40, [1], [47]),  # G = 5, head_dim 40 (masked tail): 5 rows
+    (44, 7, 1, 32, [1], [64]),  # G = 7, head_dim 32: 7 rows
+    (45, 9, 3, 80, [1], [515]),  # SmolLM2's GQA at head_dim 80: 3 rows
 ]
 
 
@@ -309,7 +320,9 @@ TILE_CASES = [  # seed, Hq, Hkv, D, node counts of the sequences' trees, seqlens
 def test_tree_attention_native_fp32_row_is_its_own_one_token_step(backend, seed, Hq, Hkv, D, sizes, seqlens):
     """Each node i of each sequence b, bit for bit: its output in the full step (every sequence's tree,
     all heads, one thread or several) = the output of a 1-token step of that node alone over a cache
-    holding just its keys (prefix rows, then its ancestors-or-self, which end with itself). Also the fp64
+    holding just its keys (prefix rows, then its ancestors-or-self, which end with itself), and each of
+    its heads = that head alone over its KV head (1 query row per KV head: no rows grouped with it, so
+    the grouping of a KV head's rows into score passes cannot leak into a row's result). Also the fp64
     brute force to fp32 tolerance. Rows no query may read are NaN: cache rows past each sequence's tree
     and a KV head beside the real ones (K/V are views of a [.., Hkv + 1, D] buffer)."""
     ops = torch.ops.hydra_kernels
@@ -336,9 +349,14 @@ def test_tree_attention_native_fp32_row_is_its_own_one_token_step(backend, seed,
         for i in range(T):
             rows = list(range(L)) + [L + n for n in mask[b, i].nonzero()[:, 0].tolist()]
             assert rows[-1] == L + i
-            step = ops.tree_attention(q[b : b + 1, i : i + 1], k[b : b + 1, rows], v[b : b + 1, rows],
-                                      torch.tensor([len(rows) - 1], dtype=torch.int32), one, None)
+            kr, vr, Li = k[b : b + 1, rows], v[b : b + 1, rows], torch.tensor([len(rows) - 1], dtype=torch.int32)
+            step = ops.tree_attention(q[b : b + 1, i : i + 1], kr, vr, Li, one, None)
             assert torch.equal(step[0, 0], full[b, i]), f"sequence {b}, node {i}"
+            for h in range(Hq):  # each head alone (its KV head's keys: a view)
+                g = h // (Hq // Hkv)
+                alone = ops.tree_attention(q[b : b + 1, i : i + 1, h : h + 1], kr[:, :, g : g + 1], vr[:, :, g : g + 1],
+                                           Li, one, None)
+                assert torch.equal(alone[0, 0, 0], full[b, i, h]), f"sequence {b}, node {i}, head {h} alone"
     assert_close_rel(full, brute_force(q, k, v, sl, mask, D**-0.5), RTOL[torch.float32], "fp32 tiles")
 
 
