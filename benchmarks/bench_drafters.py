@@ -2,7 +2,8 @@
 
 Same model (the embedded SmolLM2-135M-Instruct, fp32, this machine's CPU), same prompts, one run:
 - tokens per step and lossless count: every decoder on all --mtbench prompts, batched (--batch), greedy,
-  --new-tokens; tokens/step = tokens emitted per verify forward per sequence; identical = outputs equal
+  --new-tokens, each drafter's whole tree every step (its budget table, which at batch 8 picks plain steps,
+  off); tokens/step = tokens emitted per verify forward per sequence; identical = outputs equal
   to our plain greedy decoding token for token. EAGLE is also run at the larger dynamic trees of
   --eagle-budgets (what a GPU affords; measured, not replayed).
 - tokens/s at batch 1 on every 8th prompt (all 8 categories), interleaved: each prompt through every
@@ -32,6 +33,7 @@ from report import write_results
 from tqdm.auto import tqdm
 
 import hydra_kernels as hk
+from hydra_kernels.budget import whole_tree_budget
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.drafters.eagle import DynamicTree
 from hydra_kernels.generate import generate
@@ -106,9 +108,18 @@ def main(argv=None):
     n = args.new_tokens
 
     drafters: dict[str, tuple] = {}  # name -> (drafter, tree)
-    for kind in ("medusa", "hydra"):
+
+    def add_small_speculator(d):  # an MLPSpeculator also at a CPU-sized budget: 2 candidates, top-k 2 then 1
+        small = copy.deepcopy(d)
+        ks = [2] + [1] * (d.config.n_predict - 1)
+        small.config = dataclasses.replace(d.config, top_k_tokens_per_head=ks, n_candidates=2)
+        drafters[f"mlp_speculator (2 candidates, top-k {'/'.join(map(str, ks))})"] = (small, None)
+
+    for kind in ("medusa", "hydra", "mlp_speculator"):
         if kind in hk.drafters.shipped_drafters():
             drafters[kind] = (hk.load_drafter(kind=kind, model=model), None)
+            if kind == "mlp_speculator":
+                add_small_speculator(drafters[kind][0])
     eagle_dir = args.eagle or hk.drafters.shipped_drafters().get("eagle")
     eagle = None
     if eagle_dir is not None:
@@ -127,19 +138,20 @@ def main(argv=None):
         tree = None
         if getattr(d, "trees", None) is not None and "cpu" not in d.trees and "hydra" in drafters:
             tree = drafters["hydra"][0].trees.get("cpu")  # no searched tree: the shipped Hydra heads' CPU tree
-        drafters[f"{d.kind}" + (f" ({tree.num_nodes}-node Hydra tree)" if tree is not None else "")] = (d, tree)
-        if d.kind == "mlp_speculator":  # also at a CPU-sized budget: 2 candidates, top-k 2 then 1 per stage
-            small = copy.deepcopy(d)
-            ks = [2] + [1] * (d.config.n_predict - 1)
-            small.config = dataclasses.replace(d.config, top_k_tokens_per_head=ks, n_candidates=2)
-            drafters[f"mlp_speculator (2 candidates, top-k {'/'.join(map(str, ks))})"] = (small, None)
+        name = f"{d.kind}" + (f" ({tree.num_nodes}-node Hydra tree)" if tree is not None else "")
+        if name in drafters:  # a shipped drafter of the same kind is in the table already
+            name = f"{name} ({path})"
+        drafters[name] = (d, tree)
+        if d.kind == "mlp_speculator" and "mlp_speculator" not in hk.drafters.shipped_drafters():
+            add_small_speculator(d)
     drafters["ngram"] = (hk.new_drafter(model, kind="ngram"), None)
 
     # 1. tokens per step and lossless count, batched
     def batched(drafter=None, tree=None):
         seqs, acc = [], []
         for i in range(0, len(prompts), args.batch):
-            o = generate(model, prompts[i:i + args.batch], drafter=drafter, tree=tree, max_new_tokens=n)
+            budget = None if drafter is None else whole_tree_budget(drafter, tree, model.device.type)
+            o = generate(model, prompts[i:i + args.batch], drafter=drafter, tree=tree, max_new_tokens=n, budget=budget)
             seqs += o.sequences
             acc += o.accept_lengths
         return seqs, sum(map(sum, acc)) / max(1, sum(map(len, acc)))

@@ -150,3 +150,10 @@ def choose(budget, drafter, tree, tree_arg, device_type: str) -> StepBudget:
         raise ValueError(f"budget={budget}: this drafter and tree can run steps of {list(levels)} nodes "
                          "(1 = a plain step)")
     return StepBudget(full, pinned=budget)
+
+
+def whole_tree_budget(drafter, tree, device_type: str) -> int | None:
+    """generate()'s budget that runs the drafter's whole tree every step, its budget table off: what a
+    tokens/step figure of the drafter itself (not of the batch-size policy) must be measured with. None
+    where a tree is passed (a pinned tree already runs whole)."""
+    return drafter.resolve_tree(None, device_type).num_nodes if tree is None else None

@@ -5,7 +5,8 @@ must equal plain greedy decoding token for token; prints the count and tokens pe
         [--batch 8] [--new-tokens 256] [--questions 80]
 
 A name is a shipped kind (hk.load_drafter(kind=...)); anything else is a checkpoint directory. Each
-drafter uses its own tree for this device (tree=None). Exits non-zero if any output differs.
+drafter uses its own tree for this device (tree=None), whole at every step (--budget-table: its budget table's
+choice per batch size, which at batch 8 is often a plain step). Exits non-zero if any output differs.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 import hydra_kernels as hk
+from hydra_kernels.budget import whole_tree_budget
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.generate import generate
 from hydra_kernels.training.data import mtbench_questions
@@ -37,6 +39,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--questions", type=int, default=80)
+    ap.add_argument("--budget-table", action="store_true",
+                    help="let each drafter's per-batch budget table choose its steps (at --batch 8 the shipped tables "
+                         "run plain steps); default: its whole tree every step, so tokens/step measures the drafter")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = hk.load_model(device="cpu")
@@ -46,7 +51,8 @@ def main(argv=None) -> None:
     failed = False
     for name in args.drafters:
         d = hk.load_drafter(name, model=model) if Path(name).is_dir() else hk.load_drafter(model=model, kind=name)
-        seqs, acc = batched(model, prompts, args.batch, name, drafter=d, **kw)
+        budget = None if args.budget_table else whole_tree_budget(d, None, model.device.type)
+        seqs, acc = batched(model, prompts, args.batch, name, drafter=d, budget=budget, **kw)
         same = sum(a == b for a, b in zip(seqs, plain))
         steps = sum(len(a) for a in acc)
         print(f"{name}: {same}/{len(plain)} identical to plain greedy, {sum(map(sum, acc)) / max(1, steps):.3f} tokens/step "

@@ -3,8 +3,9 @@
     .venv/bin/python python/ship_heads.py --src runs/heads --dst runs/ship            # all kinds, bf16
     .venv/bin/python python/ship_heads.py --src runs/ship --package hydra++ medusa    # into the package
 
---package copies the named kinds (with their tree_cpu.json from python/eval_heads.py) into
-hydra_kernels/heads/smollm2-135m-instruct/ and refuses more than 32 MB in total.
+--package copies the named kinds (with their tree_cpu.json / budget_cpu.json) into
+hydra_kernels/heads/smollm2-135m-instruct/, replacing those kinds and keeping the others, and refuses more
+than 32 MB in total. Any drafter kind in our format ships this way (e.g. --kinds mlp_speculator).
 """
 from __future__ import annotations
 
@@ -37,19 +38,19 @@ def main(argv=None):
             mb = (Path(args.dst) / kind / "model.safetensors").stat().st_size / 2**20
             print(f"{kind}: {sum(p.numel() for p in d.parameters()) / 1e6:.2f} M parameters, {mb:.1f} MB in bf16")
         return
-    total = sum((src / k / f).stat().st_size for k in args.package for f in ("model.safetensors", "config.json"))
-    if total > LIMIT_MB * 2**20:
-        raise SystemExit(f"{total / 2**20:.1f} MB > {LIMIT_MB} MB: ship fewer kinds")
     root = SHIPPED_DIR / SHIPPED_MODEL
-    if root.exists():
-        shutil.rmtree(root)
-    for kind in args.package:
+    files = lambda d: [f for f in d.iterdir() if f.suffix in (".json", ".safetensors")]  # noqa: E731
+    kept = [d for d in (root.iterdir() if root.exists() else []) if d.is_dir() and d.name not in args.package]
+    total = sum(f.stat().st_size for d in [src / k for k in args.package] + kept for f in files(d))
+    if total > LIMIT_MB * 2**20:
+        raise SystemExit(f"{total / 2**20:.1f} MB > {LIMIT_MB} MB with the shipped {[d.name for d in kept]}: ship fewer kinds")
+    for kind in args.package:  # replaces these kinds; the other shipped kinds stay
+        if (root / kind).exists():
+            shutil.rmtree(root / kind)
         (root / kind).mkdir(parents=True)
-        for f in (src / kind).iterdir():
-            if f.suffix in (".json", ".safetensors"):
-                shutil.copy(f, root / kind / f.name)
-    print(f"packaged {args.package} ({total / 2**20:.1f} MB) into {root}")
-
+        for f in files(src / kind):
+            shutil.copy(f, root / kind / f.name)
+    print(f"packaged {args.package} beside {[d.name for d in kept]} ({total / 2**20:.1f} MB in all) into {root}")
 
 if __name__ == "__main__":
     main()

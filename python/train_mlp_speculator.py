@@ -8,6 +8,15 @@ model's own answers (python/self_data.py) with --self-data FILE --self-only --in
     .venv/bin/python python/train_mlp_speculator.py --self-data ~/.cache/hydra_kernels/training/self-2048-256.json \
         --self-only --init runs/mlp_speculator/mlp_speculator --out runs/mlp_speculator_self
 
+The shipped speculator (hk.load_drafter(kind="mlp_speculator")): tie_base, the second stage only, on 1024
+answers (550 s here, half the shipped Medusa heads' budget of 800 steps x 512 positions on 2048 answers):
+
+    .venv/bin/python python/self_data.py --prompts 1024 --new-tokens 256 --batch 64
+    .venv/bin/python python/train_mlp_speculator.py --self-data ~/.cache/hydra_kernels/training/self-1024-256.json \
+        --self-only --tie-base --steps 400 --positions 512 --out runs/mlp_tied
+    .venv/bin/python python/ship_heads.py --src runs/mlp_tied --kinds mlp_speculator --dst runs/ship_mlp
+    .venv/bin/python python/search_budget.py --drafter runs/ship_mlp/mlp_speculator
+
 Writes <out>/mlp_speculator/ (our drafter format; hk.load_drafter reads it) and <out>/training_loss.{csv,png}
 (loss per step, and per stage). Base hidden states and training checkpoints are kept under the cache dir,
 so an interrupted run resumes (checkpoints are named by the run's fingerprint).
@@ -42,6 +51,8 @@ def main(argv=None):
     ap.add_argument("--n-candidates", type=int, default=None, help="suffixes kept per step (default min(8, prod))")
     ap.add_argument("--tie-weights", action="store_true", help="share emb / head / norm across stages")
     ap.add_argument("--scale-input", action="store_true", help="RMS-normalise the base hidden state first")
+    ap.add_argument("--tie-base", action="store_true",
+                    help="stages read the base model's embedding and rank with its LM head (frozen, not stored)")
     ap.add_argument("--init", default=None, help="start from this mlp_speculator (e.g. the ShareGPT stage's)")
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--positions", type=int, default=256, help="positions per step (every stage trains on each)")
@@ -79,7 +90,8 @@ def main(argv=None):
             dv = recipe_draft_vocabulary(tok, seqs, starts, args.draft_vocab, args.vocab_seqs)
         drafter = hk.new_drafter(model, "mlp_speculator", n_predict=args.n_predict, inner_dim=args.inner_dim,
                                  top_k_tokens_per_head=args.top_k, n_candidates=args.n_candidates,
-                                 tie_weights=args.tie_weights, scale_input=args.scale_input, draft_vocab=dv)
+                                 tie_weights=args.tie_weights, scale_input=args.scale_input,
+                                 tie_base=args.tie_base, draft_vocab=dv)
     data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
 
     t0 = time.perf_counter()

@@ -3,11 +3,13 @@ module (its forward and generate_suffixes) loaded from the original layouts, str
 the per-sequence trie, lossless greedy decoding, bad input, training and its checkpoint."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import hydra_kernels as hk
@@ -302,6 +304,84 @@ def test_our_format_round_trip(model, tmp_path, tie, draft_vocab):
     assert half.config == d.config and next(half.parameters()).dtype == torch.float32
 
 
+def tied_reference_candidates(d, model, h, root):
+    """tie_base drafting written out per sequence and per prefix (no drafter method): every stage from the
+    base model's embedding rows and LM-head rows, all prod(top_k) suffixes scored, the best n kept."""
+    cfg = d.config
+    dv = torch.arange(V) if d.draft_vocab is None else d.draft_vocab
+    E, W = model.tok_embeddings.weight, model.output.weight[dv]
+
+    def rms(x, norm):
+        return norm.weight * x / torch.sqrt(x.pow(2).mean() + 1e-6) + norm.bias
+
+    def stage(i, state, tok):
+        m, pi = (0, min(i, 1)) if cfg.tie_weights else (i, i)
+        state = torch.nn.functional.gelu(rms(d.proj[pi].weight @ state + d.emb_weight / d.state_weight * E[tok],
+                                             d.ln[m]))
+        return state, torch.log_softmax(W @ rms(d.out[m].weight @ state, d.out_norm[m]), dim=-1)
+
+    out, scores = [], []
+    for b in range(h.shape[0]):
+        beams = [(0.0, [], h[b], int(root[b]))]  # (score, suffix, state, last token)
+        for i, k in enumerate(cfg.top_k_tokens_per_head):
+            nxt = []
+            for sc, suf, st, tok in beams:
+                st, lp = stage(i, st, tok)
+                top = lp.topk(k)
+                nxt += [(sc + float(v), suf + [int(dv[j])], st, int(dv[j])) for v, j in zip(top.values, top.indices)]
+            beams = nxt
+        best = sorted(beams, key=lambda x: -x[0])[: cfg.n_candidates]
+        out.append([x[1] for x in best])
+        scores.append([x[0] for x in best])
+    return torch.tensor(out), torch.tensor(scores)
+
+
+@pytest.mark.parametrize("tie,draft_vocab", [(False, None), (True, list(range(1, V, 3)))])
+def test_tie_base_drafts_with_the_base_models_embedding_and_head(model, tmp_path, tie, draft_vocab):
+    """tie_base: the stages read the base model's embedding and rank with its LM head (not stored); the
+    drafting equals the written-out definition, a checkpoint holds only the stages' own weights, and the
+    loaded drafter follows the model it is given."""
+    torch.manual_seed(9)
+    d = hk.new_drafter(model, kind="mlp_speculator", top_k_tokens_per_head=[3, 2, 2], n_candidates=7,
+                       tie_weights=tie, tie_base=True, draft_vocab=draft_vocab)
+    assert torch.equal(d.out_norm[0].weight, model.norm.weight)  # the head first sees a final-norm-like state
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    g = torch.Generator().manual_seed(10)
+    h, root = torch.randn(4, H, generator=g), torch.randint(0, V, (4,), generator=g)
+    want, want_scores = tied_reference_candidates(d, model, h, root)
+    got, got_scores = d.candidates(h, root, model=model)
+    assert torch.equal(got, want)
+    assert_close_rel(got_scores, want_scores.float(), 1e-5, "candidate scores")
+    if draft_vocab is not None:
+        assert set(got.flatten().tolist()) <= set(draft_vocab)
+    d.save(tmp_path)
+    keys = {k.split(".")[0] for k in load_file(tmp_path / "model.safetensors")}
+    assert keys == {"proj", "ln", "out", "out_norm"} | ({"draft_vocab"} if draft_vocab else set())
+    back = hk.load_drafter(tmp_path, model=model)
+    assert back.config == d.config and back.config.tie_base
+    b, sb = back.candidates(h, root, model=model)
+    assert torch.equal(b, got) and torch.equal(sb, got_scores)
+    other = copy.deepcopy(model)  # another base model's embedding and head: other candidates
+    with torch.no_grad():
+        other.output.weight.mul_(-1.0)
+    assert not torch.equal(back.candidates(h, root, model=other)[0], got)
+    with pytest.raises(ValueError, match="tie_base=True: it reads the base model's embedding and LM head, so pass model="):
+        back.candidates(h, root)
+
+
+@pytest.mark.backends("reference", "native")
+def test_tie_base_greedy_is_lossless(model, backend):
+    n = 16
+    plain = generate(model, PROMPTS, max_new_tokens=n, eos_token_id=[], backend=backend).sequences
+    torch.manual_seed(11)
+    d = hk.new_drafter(model, kind="mlp_speculator", tie_base=True, draft_vocab=list(range(0, V, 2)))
+    out = generate(model, PROMPTS, drafter=d, max_new_tokens=n, eos_token_id=[], backend=backend)
+    assert out.sequences == plain
+    assert max(out.step_nodes) > 1  # it drafted
+
+
 def test_trie_and_tree_from_paths_match_the_parent_constructor():
     """candidate_trie (device ops) builds the BFS trie of the candidates; TreeBatch.from_paths gives the same
     tree as the constructor from parents, padding included."""
@@ -424,7 +504,8 @@ def test_bad_input_is_refused_before_work(model, monkeypatch):
                     (dict(n_candidates=25), r"n_candidates must be an int in \[1, prod\(top_k_tokens_per_head\) = 24\]"),
                     (dict(n_predict=0), "n_predict must be a positive int"),
                     (dict(n_predict=1, tie_weights=True), "needs n_predict >= 2"),
-                    (dict(draft_vocab=[1, 2], top_k_tokens_per_head=[4, 3, 2]), r"ints in \[1, 2\]")):
+                    (dict(draft_vocab=[1, 2], top_k_tokens_per_head=[4, 3, 2]), r"ints in \[1, 2\]"),
+                    (dict(tie_base=True, inner_dim=40), r"inner_dim must be 0 or the hidden size \(72\), got 40")):
         with pytest.raises(ValueError, match=msg):
             hk.new_drafter(model, kind="mlp_speculator", **kw)
     d = hk.new_drafter(model, kind="mlp_speculator")
@@ -443,17 +524,20 @@ def tiny():
     return m, compute_hidden_states(m, seqs, progress=False, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("distill_weight,draft_vocab", [(1.0, None), (0.5, "half")])
-def test_training_lowers_the_loss(tiny, distill_weight, draft_vocab):
+@pytest.mark.parametrize("distill_weight,draft_vocab,tie_base", [(1.0, None, False), (0.5, "half", False),
+                                                               (1.0, "half", True)])
+def test_training_lowers_the_loss(tiny, distill_weight, draft_vocab, tie_base):
     m, data = tiny
     torch.manual_seed(0)
     dv = torch.arange(0, V, 2) if draft_vocab else None
-    d = hk.new_drafter(m, kind="mlp_speculator", n_predict=3, draft_vocab=dv)
+    d = hk.new_drafter(m, kind="mlp_speculator", n_predict=3, draft_vocab=dv, tie_base=tie_base)
+    base = {k: v.clone() for k, v in m.state_dict().items()}
     hist = train_mlp_speculator(m, d, data, steps=40, lr=1e-2, positions_per_step=32, distill_weight=distill_weight,
                                 progress=False)
     first, last = sum(hist["loss"][:5]) / 5, sum(hist["loss"][-5:]) / 5
     assert last < 0.8 * first, (first, last)
     assert len(hist["stage_loss"][0]) == 3 and not d.training
+    assert all(torch.equal(v, base[k]) for k, v in m.state_dict().items())  # the base model stays frozen
 
 
 def test_training_checkpoint_resumes(tiny, tmp_path):
@@ -494,3 +578,43 @@ def test_training_checkpoint_resumes(tiny, tmp_path):
         train_mlp_speculator(m, c2, data, distill_weight=1.5)
     with pytest.raises(ValueError, match="trains an mlp_speculator"):
         train_mlp_speculator(m, hk.new_drafter(m, kind="medusa", num_heads=1), data)
+
+
+@pytest.mark.parametrize("tie_base", [False, True])
+def test_head_ranks_are_the_drafting_ranks(tiny, tie_base):
+    """evaluate.head_ranks (tree search's and the replay's input) ranks stage d's true token at p as the
+    drafting chain ranks it when the earlier stages were fed the true tokens."""
+    from hydra_kernels.training.evaluate import head_ranks
+
+    m, _ = tiny
+    torch.manual_seed(12)
+    d = hk.new_drafter(m, kind="mlp_speculator", n_predict=3, tie_base=tie_base,
+                       draft_vocab=list(range(0, V, 2)) if tie_base else None)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    seqs = [[5, 17, 3, 44, 9, 21, 7, 11, 13, 2, 30], [8, 60, 4, 4, 9]]
+    data = compute_hidden_states(m, seqs, progress=False, dtype=torch.float32)
+    ranks = head_ranks(m, d, seqs, [2, 0], max_rank=V, data=data)
+    dv = torch.arange(V) if d.draft_vocab is None else d.draft_vocab
+    row = 0
+    for s, seq in enumerate(seqs):
+        h_all = m.hidden_states(torch.tensor([seq]))[0]
+        for p in range(2 if s == 0 else 0, len(seq) - 2):
+            state = d.input_state(h_all[p])
+            for k in range(3):
+                tgt = p + 2 + k
+                if tgt >= len(seq):
+                    assert ranks[row, k] == -1
+                    continue
+                state = d.stage(k, state, torch.tensor(seq[p + 1 + k]), m)
+                logits = d.stage_logits(k, state, m)
+                hit = (dv == seq[tgt]).nonzero().flatten()
+                if hit.numel() == 0:  # outside the draft vocabulary: never proposed
+                    assert ranks[row, k] == 1 << 20
+                    continue
+                z = logits[hit[0]]
+                tol = 1e-4 * logits.abs().max()
+                assert int((logits > z + tol).sum()) <= ranks[row, k] <= int((logits > z - tol).sum()) - 1, (p, k)
+            row += 1
+    assert row == ranks.shape[0]

@@ -46,10 +46,11 @@ def drafter_for(model, kind, lm_head, seed=1):
 def packed_calls(monkeypatch) -> list:
     """Counts the draft heads' calls of the packed kernel (the heads' Linear layers and the tied slice)."""
     import hydra_kernels.drafters.draft_heads as dh
+    import hydra_kernels.drafters.fit as fit
     import hydra_kernels.model.packed_linear as pl
 
     calls = []
-    for mod in (dh, pl):
+    for mod in (dh, fit, pl):
         real = mod.packed_linear
 
         def spy(x, packed, n, bias=None, _real=real):
@@ -196,31 +197,34 @@ def test_packed_drafter_copies_repack():
                            d2.draft(model, h, torch.tensor([1]), tree, "reference"))
 
 
-def test_mlp_speculator_drafts_on_the_packed_kernel(packed_model, monkeypatch):
-    """The MLPSpeculator's stages (proj, head) take the packed kernel in a CPU run: on bf16-valued weights
-    it ranks the same candidates as F.linear in fp32, and generate() through it stays lossless."""
+@pytest.mark.parametrize("tie_base", [False, True])
+def test_mlp_speculator_drafts_on_the_packed_kernel(packed_model, monkeypatch, tie_base):
+    """The MLPSpeculator's stages (proj, head; tie_base: proj, out and the base LM head's draft rows) take
+    the packed kernel in a CPU run: on bf16-valued weights it ranks the same candidates as F.linear in fp32,
+    and generate() through it stays lossless."""
     import hydra_kernels.model.packed_linear as pl
-    from hydra_kernels.drafters.fit import pack_draft_linears
 
     model = packed_model
-    d = hk.new_drafter(model, kind="mlp_speculator", n_predict=3, top_k_tokens_per_head=[3, 2, 2], n_candidates=5)
+    dv = torch.arange(2, model.config.vocab_size, 3) if tie_base else None
+    d = hk.new_drafter(model, kind="mlp_speculator", n_predict=3, top_k_tokens_per_head=[3, 2, 2], n_candidates=5,
+                       tie_base=tie_base, draft_vocab=dv)
     with torch.no_grad():
         for p in d.parameters():
             p.normal_(0.0, 0.3)
     d = to_bf16_values(d).eval()
     h, root = torch.randn(3, model.config.hidden_size), torch.tensor([4, 17, 60])
     with torch.no_grad():
-        pack_draft_linears(d, False)
-        want, want_scores = d.candidates(h, root)
-        pack_draft_linears(d, True)
+        d.use_packed_cpu_weights(False)
+        want, want_scores = d.candidates(h, root, model=model)
+        d.use_packed_cpu_weights(True)
         calls = packed_calls(monkeypatch)
-        got, got_scores = d.candidates(h, root)
-    assert len(calls) == 6  # proj and head of each of the 3 stages
+        got, got_scores = d.candidates(h, root, model=model)
+    assert len(calls) == (9 if tie_base else 6)  # proj and head (tie_base: proj, out, base head) of each stage
     assert torch.equal(got, want)
     assert_close_rel(got_scores, want_scores, RTOL[torch.float32], "candidate scores")
     prompts = [[5, 9, 2, 44, 7], [3, 1]]
     plain = generate(model, prompts, max_new_tokens=20)
-    pack_draft_linears(d, False)
+    d.use_packed_cpu_weights(False)
     calls.clear()
     assert generate(model, prompts, drafter=d, max_new_tokens=20).sequences == plain.sequences
-    assert calls and all(isinstance(m, pl.Linear) and m.packed_on for m in (*d.proj, *d.head))
+    assert calls and all(isinstance(m, pl.Linear) and m.packed_on for m in (*d.proj, *(d.out or d.head)))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..model.packed_linear import Linear
+from ..model.packed_linear import MAX_PACKED_ROWS, Linear
+from ..ops.packed_linear import pack_linear_weight, packed_linear
+from ..weight_cache import DerivedCache
 
 # storage of the drafters' packed CPU panels (fp32 accumulation); torch.float32 keeps fp32 weights (same kernel)
 DRAFT_PACK_DTYPE = torch.bfloat16
@@ -46,3 +48,35 @@ def pack_draft_linears(drafter, on: bool) -> None:
         if isinstance(m, Linear) and (m.packed_on != on or m.pack_dtype != DRAFT_PACK_DTYPE):
             m.pack_dtype = DRAFT_PACK_DTYPE
             m.pack_cpu(on)
+
+
+class TiedLMHead:
+    """The base model's LM head as a drafter's frozen output layer: its rows of the draft vocabulary
+    (lm_head_rows, gathered once) and, for the CPU's packed kernel, the same rows in bf16 panels, each
+    kept until the model's weight or the vocabulary changes (weight_cache.DerivedCache). Not a module:
+    the rows belong to the base model and are never saved with the drafter."""
+
+    def __init__(self):
+        self._rows = DerivedCache()
+        self._panels = DerivedCache()
+
+    def weight(self, model, draft_vocab: torch.Tensor | None) -> torch.Tensor:
+        """[Vd, H]: model.output's rows of draft_vocab (the whole head when None)."""
+        w = model.output.weight
+        if draft_vocab is None:
+            return w
+        return self._rows.get((w, draft_vocab), lambda: lm_head_rows(w, draft_vocab))
+
+    def logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., Vd]. packed: the CPU kernel on bf16 panels where its rule allows
+        (fp32 CPU inference, few rows, as model/packed_linear.Linear), else F.linear (autograd, GPU)."""
+        w = self.weight(model, draft_vocab)
+        if (packed and hidden.is_cpu and hidden.dtype is torch.float32 and w.dtype is torch.float32
+                and not torch.is_grad_enabled() and hidden.numel() <= MAX_PACKED_ROWS * hidden.shape[-1]):
+            panels = self._panels.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
+                                      extra=(DRAFT_PACK_DTYPE,))
+            return packed_linear(hidden, panels, w.shape[0])
+        return torch.nn.functional.linear(hidden, w)
+
+    def __deepcopy__(self, memo):  # a copied drafter rebuilds from its own model
+        return TiedLMHead()

@@ -14,6 +14,16 @@ weights). state_weight = 0.5 ** (0.5 / n_predict), emb_weight = sqrt((1 - state_
 the sum is written as fms writes it (proj + emb * emb_weight / state_weight, the norm removing the common
 factor state_weight). tie_weights shares emb, head and norm across stages and proj over stages >= 1.
 
+tie_base (ours, not in fms-extras): the stages read the base model's own token embedding and rank with its
+own LM head (rows of the draft vocabulary), both frozen and never stored, so a checkpoint holds only the
+stages' projections and norms (SmolLM2: ~2.7M parameters, ~5 MB in bf16, where the fms layout's per-stage
+49152-row embeddings and 16k-row heads take 113M). The frozen head needs a signed, final-norm-like input,
+which a GELU state is not, so each stage also maps its state to the base's hidden space:
+
+    logits_i = W_base[draft_vocab] @ out_norm_i(out_i(state)),   out_i: Linear(inner, emb_dim),
+
+out_norm_i the same scale-and-shift RMS norm, its scale starting as the base model's final norm weight.
+
 Drafting (propose) is fms' generate_suffixes: stage i runs on the top-k_{i-1} states of the previous
 stage (the prod(top_k[:i]) prefixes, batched), candidates are the prod(top_k) suffixes scored by their
 summed log-probabilities, the best n_candidates are kept and merged into a per-sequence trie under the
@@ -45,7 +55,7 @@ from torch import nn
 from ..model.packed_linear import Linear
 from ..tree import Tree, TreeBatch
 from .checkpoint import save_ours
-from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
+from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal
 
 EPS = 1e-6  # fms LayerNormParameterized's default, used by the speculator's norms
@@ -70,6 +80,7 @@ class MLPSpeculatorConfig:
     n_candidates: int | None = None  # suffixes kept of the prod(top_k) scored (None: min(8, prod(top_k)))
     tie_weights: bool = False  # one emb / head / norm for all stages, one proj for stages >= 1
     scale_input: bool = False  # h -> rms_norm(h) / sqrt(2) before stage 0
+    tie_base: bool = False  # the base model's embedding and LM head (frozen, not stored) + an output map per stage
     # Heads rank only these many token ids (the buffer `draft_vocab`), as HeadDrafter's; None: the whole vocab
     draft_vocab_size: int | None = None
     _prod: int = field(default=0, init=False, repr=False, compare=False)
@@ -104,6 +115,8 @@ class MLPSpeculatorConfig:
         self.n_candidates = n
         if self.tie_weights and self.n_predict < 2:
             raise ValueError("tie_weights shares weights between stages: it needs n_predict >= 2")
+        if not isinstance(self.tie_base, bool):
+            raise ValueError(f"tie_base must be a bool, got {self.tie_base!r}")
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -136,6 +149,7 @@ class SpeculatorState:
     device: torch.device
     h: torch.Tensor | None = None
     n_candidates: int | None = None  # set_budget: fewer candidates than the config's (None: all)
+    model: object = None  # the base model (tie_base reads its embedding and LM head)
 
 
 def candidate_trie(root: torch.Tensor, cand: torch.Tensor, trim: bool = False):
@@ -163,8 +177,8 @@ def candidate_trie(root: torch.Tensor, cand: torch.Tensor, trim: bool = False):
 
 class MLPSpeculatorDrafter(Drafter):
     """hk.new_drafter(model, kind="mlp_speculator", n_predict=3, inner_dim=0, top_k_tokens_per_head=None,
-    n_candidates=None, tie_weights=False, scale_input=False, draft_vocab=None); hk.load_drafter reads our
-    format and fms-extras' checkpoints."""
+    n_candidates=None, tie_weights=False, scale_input=False, tie_base=False, draft_vocab=None); hk.load_drafter
+    reads our format and fms-extras' checkpoints."""
 
     kinds = ("mlp_speculator",)
     config_class = MLPSpeculatorConfig
@@ -178,13 +192,21 @@ class MLPSpeculatorDrafter(Drafter):
         P, E, I, V = cfg.n_predict, cfg.emb_dim, cfg.inner_dim, cfg.vocab_size
         Vd = cfg.draft_vocab_size or V
         shared = 1 if cfg.tie_weights else P
-        self.emb = nn.ModuleList(nn.Embedding(V, I) for _ in range(shared))
         # nn.Linear's parameters; on a CPU run the stages' GEMVs take the packed kernel with bf16 panels
         # (start): drafting reads every head's [Vd, inner] weight once per step, the bulk of its time
         lin = lambda i, o: Linear(i, o, bias=False, pack_dtype=DRAFT_PACK_DTYPE)  # noqa: E731
         self.proj = nn.ModuleList([lin(E, I)] + [lin(I, I) for _ in range(min(shared, P - 1))])
-        self.head = nn.ModuleList(lin(I, Vd) for _ in range(shared))
         self.ln = nn.ModuleList(SpeculatorNorm(I) for _ in range(shared))
+        if cfg.tie_base:  # the base model's embedding and LM head (base_head) instead of emb / head
+            self.emb = self.head = None
+            self.out = nn.ModuleList(lin(I, E) for _ in range(shared))
+            self.out_norm = nn.ModuleList(SpeculatorNorm(E) for _ in range(shared))
+        else:
+            self.emb = nn.ModuleList(nn.Embedding(V, I) for _ in range(shared))
+            self.head = nn.ModuleList(lin(I, Vd) for _ in range(shared))
+            self.out = self.out_norm = None
+        self.base_head = TiedLMHead()
+        self.packed = False  # the base head's rows on the packed CPU kernel (start)
         self.state_weight = 0.5 ** (0.5 / P)
         self.emb_weight = math.sqrt((1 - self.state_weight**2) * (I / 2))
         # draft index -> token id (None: the identity over the whole vocabulary)
@@ -198,6 +220,11 @@ class MLPSpeculatorDrafter(Drafter):
     def n_predict(self) -> int:
         return self.config.n_predict
 
+    @property
+    def num_heads(self) -> int:
+        """Tokens drafted per chain (n_predict): the columns of evaluate.head_ranks, as a head drafter's heads."""
+        return self.config.n_predict
+
     # ---- the stages ---------------------------------------------------------------------------------
     def _module(self, i: int) -> int:
         return 0 if self.config.tie_weights else i
@@ -206,34 +233,49 @@ class MLPSpeculatorDrafter(Drafter):
         """The base hidden state as stage 0 reads it (scale_input: rms_norm(h) / sqrt(2))."""
         return rms_normalize(h) / (2**0.5) if self.config.scale_input else h
 
-    def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Stage i: state [..., in] and the previous token [...] (the root for stage 0) -> state [..., inner]."""
+    def _base(self, model):
+        if model is None:
+            raise ValueError("this mlp_speculator has tie_base=True: it reads the base model's embedding and LM "
+                             "head, so pass model= (the model it was built for)")
+        return model
+
+    def stage(self, i: int, state: torch.Tensor, tokens: torch.Tensor, model=None) -> torch.Tensor:
+        """Stage i: state [..., in] and the previous token [...] (the root for stage 0) -> state [..., inner].
+        model: the base model (tie_base only)."""
         m = self._module(i)
-        z = self.emb[m](tokens)
+        z = self._base(model).tok_embeddings(tokens) if self.config.tie_base else self.emb[m](tokens)
         s = self.proj[min(i, 1) if self.config.tie_weights else i](state)
         s = torch.add(s, z, alpha=self.emb_weight / self.state_weight)
         return F.gelu(self.ln[m](s))
 
-    def stage_logits(self, i: int, state: torch.Tensor) -> torch.Tensor:
-        """Stage i's logits over the draft vocabulary (column j: token draft_vocab[j])."""
-        return self.head[self._module(i)](state)
+    def stage_logits(self, i: int, state: torch.Tensor, model=None) -> torch.Tensor:
+        """Stage i's logits over the draft vocabulary (column j: token draft_vocab[j]). model: the base
+        model (tie_base only: its LM head's rows, on the packed CPU kernel when drafting on the CPU)."""
+        m = self._module(i)
+        if not self.config.tie_base:
+            return self.head[m](state)
+        y = self.out_norm[m](self.out[m](state))
+        return self.base_head.logits(self._base(model), self.draft_vocab, y, self.packed)
 
-    def chain_logits(self, h: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+    def chain_logits(self, h: torch.Tensor, tokens: torch.Tensor, model=None) -> list[torch.Tensor]:
         """Teacher-forced stages (training): h [N, emb_dim] at positions p, tokens [N, n_predict] the true
-        x_{p+1}, ..., x_{p+n_predict} -> per stage i the logits [N, Vd] for x_{p+2+i} (fms' forward)."""
+        x_{p+1}, ..., x_{p+n_predict} -> per stage i the logits [N, Vd] for x_{p+2+i} (fms' forward).
+        model: the base model (tie_base only)."""
         state, out = self.input_state(h), []
         for i in range(self.n_predict):
-            state = self.stage(i, state, tokens[:, i])
-            out.append(self.stage_logits(i, state))
+            state = self.stage(i, state, tokens[:, i], model)
+            out.append(self.stage_logits(i, state, model))
         return out
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.draft_vocab is None else self.draft_vocab[index]
 
     @torch.no_grad()
-    def candidates(self, h: torch.Tensor, root: torch.Tensor, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates(self, h: torch.Tensor, root: torch.Tensor, n: int | None = None,
+                   model=None) -> tuple[torch.Tensor, torch.Tensor]:
         """fms' generate_suffixes: h [B, emb_dim], root [B] -> (the best n suffixes [B, n, P] (token ids,
-        best first; n: the config's n_candidates when None), their summed log-probabilities [B, n] fp32)."""
+        best first; n: the config's n_candidates when None), their summed log-probabilities [B, n] fp32).
+        model: the base model (tie_base only)."""
         cfg = self.config
         n = cfg.n_candidates if n is None else n
         B = h.shape[0]
@@ -242,8 +284,8 @@ class MLPSpeculatorDrafter(Drafter):
         scores = torch.zeros(B, 1, dtype=torch.float32, device=h.device)
         toks = torch.zeros(B, 1, 0, dtype=torch.long, device=h.device)
         for i, k in enumerate(cfg.top_k_tokens_per_head):
-            state = self.stage(i, state, prev)  # [B, K, inner]
-            lp, idx = F.log_softmax(self.stage_logits(i, state).float(), dim=-1).topk(k, dim=-1)  # [B, K, k]
+            state = self.stage(i, state, prev, model)  # [B, K, inner]
+            lp, idx = F.log_softmax(self.stage_logits(i, state, model).float(), dim=-1).topk(k, dim=-1)  # [B, K, k]
             K = state.shape[1]
             ids = self.token_ids(idx)
             scores = (scores[:, :, None] + lp).reshape(B, K * k)  # suffix (parent, rank) at parent * k + rank
@@ -262,6 +304,9 @@ class MLPSpeculatorDrafter(Drafter):
         if cfg.vocab_size != mc.vocab_size:
             raise ValueError(f"mlp_speculator vocab ({cfg.vocab_size}) does not match the model's ({mc.vocab_size}): "
                              "this speculator was trained for another model")
+        if cfg.tie_base and cfg.inner_dim != mc.hidden_size:  # unreachable from new(); a hand-made config
+            raise ValueError(f"a tie_base mlp_speculator's stages read the model's embedding: inner_dim "
+                             f"({cfg.inner_dim}) must be the hidden size ({mc.hidden_size})")
         check_device_dtype(self, model)
 
     def resolve_tree(self, tree, device_type: str) -> Tree:
@@ -273,8 +318,14 @@ class MLPSpeculatorDrafter(Drafter):
         return Tree([[r] + [0] * (d - 1) for r in range(c.n_candidates) for d in range(1, c.n_predict + 1)])
 
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> SpeculatorState:
-        pack_draft_linears(self, backends is not None and backends.packed_linear)  # None: fp32 F.linear (tests)
-        return SpeculatorState(model.device)
+        self.use_packed_cpu_weights(backends is not None and backends.packed_linear)  # None: fp32 F.linear (tests)
+        return SpeculatorState(model.device, model=model)
+
+    def use_packed_cpu_weights(self, on: bool) -> None:
+        """The stages' GEMVs on the packed CPU kernel with bf16 panels (fit.pack_draft_linears); tie_base's
+        LM-head rows follow `self.packed`."""
+        self.packed = on
+        pack_draft_linears(self, on)
 
     def after_prefill(self, state: SpeculatorState, hidden, lengths) -> None:
         state.h = hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths.long() - 1]
@@ -297,7 +348,7 @@ class MLPSpeculatorDrafter(Drafter):
         state.n_candidates = None if c == self.config.n_candidates else c
 
     def propose(self, state: SpeculatorState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
-        cand, _ = self.candidates(state.h, root, state.n_candidates)
+        cand, _ = self.candidates(state.h, root, state.n_candidates, state.model)
         tokens, paths, T = candidate_trie(root, cand, trim=self.trim_cpu_trees and state.device.type == "cpu")
         return Proposal(tokens, TreeBatch.from_paths(paths, T))
 
@@ -305,19 +356,25 @@ class MLPSpeculatorDrafter(Drafter):
     @classmethod
     def new(cls, model, kind: str = "mlp_speculator", n_predict: int = 3, inner_dim: int = 0,
             top_k_tokens_per_head=None, n_candidates: int | None = None, tie_weights: bool = False,
-            scale_input: bool = False, draft_vocab=None) -> "MLPSpeculatorDrafter":
+            scale_input: bool = False, tie_base: bool = False, draft_vocab=None) -> "MLPSpeculatorDrafter":
         """An untrained speculator for `model` (same device and dtype), initialised as fms' reset_parameters
-        (embeddings and linears N(0, 1/sqrt(inner_dim)), norms identity)."""
+        (embeddings and linears N(0, 1/sqrt(inner_dim)), norms identity; tie_base: the output norms' scale
+        is the model's final norm weight, so the frozen head first sees a final-normed-like state)."""
+        if tie_base and inner_dim not in (0, model.config.hidden_size):
+            raise ValueError(f"tie_base reads the model's embedding in the stages: inner_dim must be 0 or the hidden "
+                             f"size ({model.config.hidden_size}), got {inner_dim}")
         mc = model.config
         cfg = MLPSpeculatorConfig(emb_dim=mc.hidden_size, vocab_size=mc.vocab_size, n_predict=n_predict,
                                   inner_dim=inner_dim, top_k_tokens_per_head=top_k_tokens_per_head,
                                   n_candidates=n_candidates, tie_weights=tie_weights, scale_input=scale_input,
-                                  draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
+                                  tie_base=tie_base, draft_vocab_size=None if draft_vocab is None else len(draft_vocab))
         d = cls(cfg)
         with torch.no_grad():
             for m in d.modules():
                 if isinstance(m, (nn.Embedding, nn.Linear)):
                     nn.init.normal_(m.weight, 0.0, 1 / math.sqrt(cfg.inner_dim))
+            for norm in d.out_norm or ():
+                norm.weight.copy_(model.norm.weight)
         d = d.to(model.device, model.dtype).eval()
         if draft_vocab is not None:
             d.draft_vocab.copy_(draft_vocab_ids(draft_vocab, mc.vocab_size, model.device))

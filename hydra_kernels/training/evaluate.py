@@ -25,6 +25,8 @@ def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], ma
     data = data or compute_hidden_states(model, sequences, progress=False)
     if getattr(drafter, "kind", None) == "amphista":
         return _amphista_ranks(model, drafter, sequences, starts, max_rank, data)
+    if getattr(drafter, "kind", None) == "mlp_speculator":
+        return _speculator_ranks(model, drafter, sequences, starts, max_rank, data)
     dev, dtype = model.device, model.dtype
     ids = data.ids.to(dev)
     out, offset = [], 0
@@ -70,6 +72,34 @@ def _amphista_ranks(model, drafter, sequences, starts, max_rank: int, data: Hidd
             y = drafter.head_states([o[0, pos.to(dev)] for o in stages])  # [n, K, H]
             top = drafter.token_ids(drafter.logits(model, y).topk(k, dim=-1).indices)  # [n, K, k]
             target = pos[:, None] + 2 + torch.arange(K)  # [n, K] positions of head d's tokens
+            hit = top == ids[offset + target.clamp(max=L - 1).to(dev)][..., None]
+            r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), UNRANKED).cpu()
+            ranks = torch.where(target < L, r, -1)
+        out.append(ranks)
+        offset += L
+    return torch.cat(out)
+
+
+def _speculator_ranks(model, drafter, sequences, starts, max_rank: int, data: HiddenStates) -> torch.Tensor:
+    """head_ranks for an MLPSpeculator (drafters/mlp_speculator.py): stage d at p runs the chain from h_p
+    fed the true tokens x_{p+1}..x_{p+1+d} (teacher forcing, chain_logits), which is the state it drafts
+    from when every earlier stage guessed right: a rank path of a static tree is accepted exactly then.
+    (Its own drafting keeps the best n_candidates of the per-stage top-k product instead of a fixed tree.)"""
+    dev, dtype = model.device, model.dtype
+    ids = data.ids.to(dev)
+    P = drafter.n_predict
+    k = min(max_rank, drafter.config.draft_vocab_size or drafter.config.vocab_size)
+    out, offset = [], 0
+    for seq, s0 in zip(sequences, starts):
+        L = len(seq)
+        pos = torch.arange(max(0, s0), L - 2)
+        ranks = torch.full((pos.numel(), P), -1, dtype=torch.long)
+        if pos.numel():
+            at = lambda off: ids[offset + (pos + off).clamp(max=L - 1).to(dev)]  # noqa: E731 (past the end: masked)
+            tokens = torch.stack([at(1 + d) for d in range(P)], dim=1)  # [n, P] x_{p+1+d}
+            logits = drafter.chain_logits(data.hidden[offset + pos].to(dev, dtype), tokens, model)
+            top = torch.stack([drafter.token_ids(lg.topk(k, dim=-1).indices) for lg in logits], dim=1)  # [n, P, k]
+            target = pos[:, None] + 2 + torch.arange(P)  # [n, P] positions of stage d's tokens
             hit = top == ids[offset + target.clamp(max=L - 1).to(dev)][..., None]
             r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), UNRANKED).cpu()
             ranks = torch.where(target < L, r, -1)

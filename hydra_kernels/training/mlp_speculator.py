@@ -81,7 +81,7 @@ def train_mlp_speculator(model, drafter, data, steps: int = 100, lr: float = 1e-
             with torch.enable_grad(), torch.autocast(dev.type, dtype=amp_dtype or torch.bfloat16,
                                                      enabled=amp_dtype is not None):
                 tokens = torch.stack([ids[at(1 + i).to(dev)] for i in range(P)], dim=1)  # x_{p+1+i}
-                logits = drafter.chain_logits(data.hidden[p].to(dev, dtype), tokens)
+                logits = drafter.chain_logits(data.hidden[p].to(dev, dtype), tokens, model)
                 total, per_stage = 0.0, []
                 for i in range(P):
                     rows = k[:, i].nonzero().flatten()
