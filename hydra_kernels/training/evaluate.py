@@ -53,31 +53,42 @@ def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], ma
     return torch.cat(out)
 
 
-def _amphista_ranks(model, drafter, sequences, starts, max_rank: int, data: HiddenStates) -> torch.Tensor:
-    """head_ranks for an Amphista drafter (drafters/amphista.py): its heads all read the adaptation layers'
-    outputs at p, fed (h_t, x_{t+1}) for t <= p (x_{p+1}: the root), so one causal pass per sequence
-    ranks every head at every position."""
-    dev, dtype = model.device, model.dtype
-    ids = data.ids.to(dev)
-    K = drafter.num_heads
-    k = min(max_rank, drafter.config.draft_vocab_size or drafter.config.vocab_size)
+def _ranks_by_sequence(data: HiddenStates, sequences, starts, K: int, device, top_tokens) -> torch.Tensor:
+    """head_ranks for drafters that rank all K heads of a sequence's positions at once: top_tokens(offset,
+    L, pos) -> token ids [n, K, k] of each head's top k at positions pos (sequence at rows offset..offset+L
+    of data) -> ranks [positions, K] (UNRANKED outside the top k, -1 past the sequence's end)."""
+    ids = data.ids.to(device)
     out, offset = [], 0
     for seq, s0 in zip(sequences, starts):
         L = len(seq)
         pos = torch.arange(max(0, s0), L - 2)
         ranks = torch.full((pos.numel(), K), -1, dtype=torch.long)
         if pos.numel():
-            stages = drafter.adapt_full(model, data.hidden[offset: offset + L - 1].to(dev, dtype)[None],
-                                        ids[offset + 1: offset + L][None])
-            y = drafter.head_states([o[0, pos.to(dev)] for o in stages])  # [n, K, H]
-            top = drafter.token_ids(drafter.logits(model, y).topk(k, dim=-1).indices)  # [n, K, k]
+            top = top_tokens(offset, L, pos)  # [n, K, k]
             target = pos[:, None] + 2 + torch.arange(K)  # [n, K] positions of head d's tokens
-            hit = top == ids[offset + target.clamp(max=L - 1).to(dev)][..., None]
+            hit = top == ids[offset + target.clamp(max=L - 1).to(device)][..., None]
             r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), UNRANKED).cpu()
             ranks = torch.where(target < L, r, -1)
         out.append(ranks)
         offset += L
     return torch.cat(out)
+
+
+def _amphista_ranks(model, drafter, sequences, starts, max_rank: int, data: HiddenStates) -> torch.Tensor:
+    """head_ranks for an Amphista drafter (drafters/amphista.py): its heads all read the adaptation layers'
+    outputs at p, fed (h_t, x_{t+1}) for t <= p (x_{p+1}: the root), so one causal pass per sequence
+    ranks every head at every position."""
+    dev, dtype = model.device, model.dtype
+    ids = data.ids.to(dev)
+    k = min(max_rank, drafter.config.draft_vocab_size or drafter.config.vocab_size)
+
+    def top_tokens(offset, L, pos):
+        stages = drafter.adapt_full(model, data.hidden[offset: offset + L - 1].to(dev, dtype)[None],
+                                    ids[offset + 1: offset + L][None])
+        y = drafter.head_states([o[0, pos.to(dev)] for o in stages])  # [n, K, H]
+        return drafter.token_ids(drafter.logits(model, y).topk(k, dim=-1).indices)
+
+    return _ranks_by_sequence(data, sequences, starts, drafter.num_heads, dev, top_tokens)
 
 
 def _speculator_ranks(model, drafter, sequences, starts, max_rank: int, data: HiddenStates) -> torch.Tensor:
@@ -89,23 +100,14 @@ def _speculator_ranks(model, drafter, sequences, starts, max_rank: int, data: Hi
     ids = data.ids.to(dev)
     P = drafter.n_predict
     k = min(max_rank, drafter.config.draft_vocab_size or drafter.config.vocab_size)
-    out, offset = [], 0
-    for seq, s0 in zip(sequences, starts):
-        L = len(seq)
-        pos = torch.arange(max(0, s0), L - 2)
-        ranks = torch.full((pos.numel(), P), -1, dtype=torch.long)
-        if pos.numel():
-            at = lambda off: ids[offset + (pos + off).clamp(max=L - 1).to(dev)]  # noqa: E731 (past the end: masked)
-            tokens = torch.stack([at(1 + d) for d in range(P)], dim=1)  # [n, P] x_{p+1+d}
-            logits = drafter.chain_logits(data.hidden[offset + pos].to(dev, dtype), tokens, model)
-            top = torch.stack([drafter.token_ids(lg.topk(k, dim=-1).indices) for lg in logits], dim=1)  # [n, P, k]
-            target = pos[:, None] + 2 + torch.arange(P)  # [n, P] positions of stage d's tokens
-            hit = top == ids[offset + target.clamp(max=L - 1).to(dev)][..., None]
-            r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), UNRANKED).cpu()
-            ranks = torch.where(target < L, r, -1)
-        out.append(ranks)
-        offset += L
-    return torch.cat(out)
+
+    def top_tokens(offset, L, pos):
+        at = lambda off: ids[offset + (pos + off).clamp(max=L - 1).to(dev)]  # noqa: E731 (past the end: masked)
+        tokens = torch.stack([at(1 + d) for d in range(P)], dim=1)  # [n, P] x_{p+1+d}
+        logits = drafter.chain_logits(data.hidden[offset + pos].to(dev, dtype), tokens, model)
+        return torch.stack([drafter.token_ids(lg.topk(k, dim=-1).indices) for lg in logits], dim=1)
+
+    return _ranks_by_sequence(data, sequences, starts, P, dev, top_tokens)
 
 
 def split_ranks(ranks: torch.Tensor, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
