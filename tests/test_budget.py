@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hydra_kernels as hk
-from hydra_kernels.budget import BudgetTable, StepBudget, load_tables, tree_key
+from hydra_kernels.budget import BudgetTable, StepBudget, load_tables, tree_key, whole_tree_budget
 from hydra_kernels.generate import generate
 from test_llama_vs_transformers import make_hf
 
@@ -251,6 +251,11 @@ def test_tables_are_saved_and_used_by_default(model, tmp_path):
     assert set(four.step_nodes) == {1} and four.sequences == [one.sequences[0]] * 4
     pinned = generate(model, PROMPTS[:1] * 4, drafter=back, budget=3, max_new_tokens=6, eos_token_id=[])
     assert set(pinned.step_nodes) == {3} and pinned.sequences == four.sequences
+    # whole_tree_budget (what tokens/step figures are measured with): the whole tree every step, table off
+    assert whole_tree_budget(back, None, "cpu") == tree.num_nodes and whole_tree_budget(back, tree, "cpu") is None
+    whole = generate(model, PROMPTS[:1] * 4, drafter=back, budget=whole_tree_budget(back, None, "cpu"),
+                     max_new_tokens=6, eos_token_id=[])
+    assert set(whole.step_nodes) == {tree.num_nodes} and whole.sequences == four.sequences
 
 
 def test_a_run_plain_at_every_step_is_plain_decoding(model, monkeypatch):
