@@ -34,10 +34,13 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_generate.py
 	$(BIN)/python benchmarks/bench_speculative.py
 
-# On a CUDA machine: build with CUDA, GPU test tier, benchmarks, decode step + CUDA graph (< 9 min on an
-# H100; without CUDA it says so and exits 0).
-gpu: $(STAMP)
-	$(BIN)/python benchmarks/gpu_suite.py
+# On a CUDA machine: build with CUDA, ceilings, GPU test tier, benchmarks, decode step + CUDA graph (< 9 min
+# on an H100; without CUDA it says so and exits 0). GPU_PYTHON=python3 uses a python that already has a CUDA
+# torch (no venv, no network: e.g. a machine with no package index); GPU_ARGS go to gpu_suite.py.
+GPU_PYTHON ?=
+GPU_ARGS ?=
+gpu: $(if $(GPU_PYTHON),,$(STAMP))
+	$(if $(GPU_PYTHON),PYTHONPATH=$(CURDIR) $(GPU_PYTHON),$(BIN)/python) benchmarks/gpu_suite.py $(GPU_ARGS)
 
 # Every Triton kernel compiled for sm_90 / sm_80 without a GPU; table in benchmarks/results/triton_aot.md.
 triton-aot: $(STAMP)

@@ -2,7 +2,8 @@
 torch has CUDA and nvcc is found). With no sources in csrc/ this is a pure-Python package.
 
 Environment: HYDRA_KERNELS_NO_EXTENSION=1 (pure Python, no extension), HYDRA_KERNELS_SKIP_CUDA_BUILD=1 /
-HYDRA_KERNELS_FORCE_CUDA_BUILD=1, TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": sm_80 and sm_90 code, and
+HYDRA_KERNELS_FORCE_CUDA_BUILD=1, HYDRA_KERNELS_SKIP_RAISE_CHECK=1 (the built extension is run once to check
+that a failing input check raises rather than crashes; see CRASHED), TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": sm_80 and sm_90 code, and
 PTX that newer GPUs compile at load), MAX_JOBS (default: from cores and RAM). Build against the installed
 torch: pip install --no-build-isolation . (pip's default build isolation has no torch: setup.py says so).
 An sdist (python -m build --sdist) needs no torch: it carries csrc/ (MANIFEST.in), and installing it with
@@ -91,7 +92,52 @@ def extensions():
                             extra_link_args=link)
     else:
         ext = CppExtension("hydra_kernels._C", cpp, extra_compile_args={"cxx": cxx}, extra_link_args=link)
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    return [ext], {"build_ext": _checked_build_ext(BuildExtension.with_options(use_ninja=True))}
+
+
+# Run in a fresh interpreter on the built extension: one of its input checks must raise a Python error.
+RAISE_CHECK = """
+import importlib.machinery, importlib.util, sys, torch
+spec = importlib.util.spec_from_file_location("_C", sys.argv[1])
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+try:
+    torch.ops.hydra_kernels.commit_kv(torch.zeros(1, 2, 1, 4, 1, 8), torch.zeros(1, dtype=torch.long),
+                                      torch.zeros(2, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+except RuntimeError as e:
+    sys.exit(0 if "accept_indices" in str(e) else 3)
+sys.exit(4)
+"""
+
+CRASHED = """
+hydra-kernels: the extension just built ({path}) crashes when one of its input checks raises an error
+(exit {rc}): a bad argument would kill the Python process instead of raising. This happens when the C++
+compiler's standard library is not the one torch runs with (seen with CXX pointing at a second GCC in
+/opt/gcc: its inlined iostream code met the system libstdc++). Build with the compiler torch was built
+with (`python -c "import torch; print(torch.__config__.show())"` names it), e.g.
+
+    CC=gcc CXX=g++ pip install --no-build-isolation .
+
+(HYDRA_KERNELS_SKIP_RAISE_CHECK=1 skips this check.)
+"""
+
+
+def _checked_build_ext(base):
+    """build_ext that refuses an extension which crashes when it raises (the check runs the built file)."""
+
+    class CheckedBuildExt(base):
+        def run(self):
+            super().run()
+            if os.environ.get("HYDRA_KERNELS_SKIP_RAISE_CHECK") == "1":
+                return
+            import subprocess
+
+            for ext in self.extensions:
+                path = self.get_ext_fullpath(ext.name)
+                rc = subprocess.run([sys.executable, "-c", RAISE_CHECK, path]).returncode
+                if rc != 0:
+                    sys.exit(CRASHED.format(path=path, rc=rc))
+
+    return CheckedBuildExt
 
 
 ext_modules, cmdclass = extensions()

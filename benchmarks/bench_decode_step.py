@@ -23,7 +23,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hydra_kernels as hk  # noqa: E402
-from report import print_table, time_us, write_results  # noqa: E402
+from report import copy_bandwidth_gbs, print_table, time_us, write_results  # noqa: E402
+
+
+def plan_name(plan) -> str:
+    """A plan's name for the table: what was asked for and the backends its ops resolved to."""
+    used = sorted(set(plan.ops.values()))
+    return plan.requested if used == [plan.requested] else f"{plan.requested} ({'+'.join(used)})"
 
 
 def random_model(name: str, layers: int | None, device, dtype) -> hk.Llama:
@@ -49,9 +55,10 @@ class Steps:
         self.model, self.plan, self.context = model, backends, context
         self.tree = hk.tree.default_tree(T, depth=4).to(dev)
         self.cache = model.new_kv_cache(B, context + T + 1)
-        gen = torch.Generator(device="cpu").manual_seed(B * 1000 + T)
-        self.cache.kv.copy_(torch.randn(self.cache.kv.shape, generator=gen).to(dev, model.dtype) * 0.5)
-        self.tokens = torch.randint(0, V, (B, T), generator=gen).to(dev)
+        # drawn on the device: the cache is GBs at 8B shapes (a CPU draw took minutes)
+        gen = torch.Generator(device=dev).manual_seed(B * 1000 + T)
+        self.cache.kv.normal_(0.0, 0.5, generator=gen)
+        self.tokens = torch.randint(0, V, (B, T), generator=gen, device=dev)
         lens = (self.tree.paths >= 0).sum(1)  # the fixed acceptance: the longest path's first `accept` nodes
         path = self.tree.paths[int(lens.argmax())]
         k = min(accept, int(lens.max()))
@@ -82,8 +89,9 @@ class Steps:
         return target, v.accept_lengths, v.accept_indices
 
 
-def graph_check(steps: Steps) -> str:
-    """Capture steps.speculative in a CUDA graph, replay it from the eager step's starting state, compare."""
+def graph_check(steps: Steps) -> tuple[str, "torch.cuda.CUDAGraph"]:
+    """Capture steps.speculative in a CUDA graph, replay it from the eager step's starting state, compare.
+    Returns (status, the graph): its replays are timed too (a serving engine replays captured steps)."""
     kv0 = steps.cache.kv.clone()
     eager = steps.speculative()
     kv_eager = steps.cache.kv.clone()
@@ -100,7 +108,16 @@ def graph_check(steps: Steps) -> str:
     graph.replay()
     torch.cuda.synchronize()
     same = all(torch.equal(a, b) for a, b in zip(eager, out)) and torch.equal(steps.cache.kv, kv_eager)
-    return "ok" if same else "MISMATCH: graph replay differs from the eager step"
+    return ("ok" if same else "MISMATCH: graph replay differs from the eager step"), graph
+
+
+def step_bytes(model, B: int, context: int, T: int) -> int:
+    """The fewest bytes a step must move: every weight once (the LM head included), the committed K/V
+    (B x context rows, K and V, every layer) read once, and the T new K/V rows written."""
+    cfg = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+    return weights + B * (context + T) * row
 
 
 def main(argv=None) -> list[dict]:
@@ -113,29 +130,51 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--accept", type=int, default=4, help="tokens committed per speculative step (root included)")
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="skip the plain-PyTorch peer (the reference backend)")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     model = random_model(args.model, args.layers, dev, dtype)
-    plan = model.backend_plan(args.backend)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    bw = copy_bandwidth_gbs(dev) if dev.type == "cuda" else float("nan")
     rows = []
+
+    def row(backend, step, T, B, us, k, plain_us, graph="", graph_us=float("nan")):
+        gbs = step_bytes(model, B, args.context, T) / (us * 1e-6) / 1e9
+        return {"device": name, "model": args.model, "backend": backend, "step": step, "T": T, "B": B, "us": us,
+                "tokens_per_step": k, "us_per_token": us / k, "vs_plain": us / plain_us, "GB/s": gbs,
+                "frac_copy_bw": gbs / bw, "graph": graph, "graph_us": graph_us}
+
+    # our plan ("auto": the fastest backend of each op here) beside plain PyTorch ("reference": torch SDPA
+    # with a dense tree mask, torch top-k / argmax), same model, same cache, same run
+    backends = [args.backend] + [b for b in ("reference",) if b != args.backend and args.peers]
     for B in args.batch:
-        plain_us = None
-        for T in args.T:
-            steps = Steps(model, B, T, args.accept, args.context, plan)
-            if plain_us is None:
-                plain_us = time_us(steps.plain, dev, reps=args.reps, warmup=3)
-                rows.append({"device": name, "model": args.model, "step": "plain", "T": 1, "B": B, "us": plain_us,
-                             "tokens_per_step": 1, "us_per_token": plain_us, "vs_plain": 1.0, "graph": ""})
-            us = time_us(steps.speculative, dev, reps=args.reps, warmup=3)
-            graph = graph_check(steps) if dev.type == "cuda" else "no CUDA"
-            rows.append({"device": name, "model": args.model, "step": "speculative", "T": T, "B": B, "us": us,
-                         "tokens_per_step": steps.k, "us_per_token": us / steps.k, "vs_plain": us / plain_us,
-                         "graph": graph})
-    print_table(rows, ["device", "step", "T", "B", "us", "tokens_per_step", "us_per_token", "vs_plain", "graph"])
+        for backend in backends:
+            plan = model.backend_plan(backend)
+            plain_us = None
+            for T in args.T:
+                steps = Steps(model, B, T, args.accept, args.context, plan)
+                if plain_us is None:
+                    plain_us = time_us(steps.plain, dev, reps=args.reps, warmup=3)
+                    rows.append(row(plan_name(plan), "plain", 1, B, plain_us, 1, plain_us))
+                us = time_us(steps.speculative, dev, reps=args.reps, warmup=3)
+                graph, graph_us = "no CUDA", float("nan")
+                if dev.type == "cuda":
+                    try:
+                        graph, g = graph_check(steps)
+                        graph_us = time_us(g.replay, dev, reps=args.reps, warmup=3)
+                    except Exception as e:  # noqa: BLE001 - a step that cannot be captured is reported as such
+                        graph = f"FAILED: {type(e).__name__}: {e}"[:160]
+                rows.append(row(plan_name(plan), "speculative", T, B, us, steps.k, plain_us, graph, graph_us))
+                print(f"B={B} {plan_name(plan)} T={T}: plain {plain_us:.0f} us, speculative {us:.0f} us, graph {graph}",
+                      flush=True)
+    if dev.type == "cuda":
+        print(f"device {name}: measured copy bandwidth {bw:.0f} GB/s (GB/s below: weights + K/V bytes per step / time)")
+    print_table(rows, ["backend", "step", "T", "B", "us", "tokens_per_step", "us_per_token", "vs_plain", "GB/s",
+                       "frac_copy_bw", "graph", "graph_us"])
     write_results(rows, args.out, f"decode_step_{args.model}_{dev.type}")
     return rows
 

@@ -32,6 +32,38 @@ def time_us(fn, device, reps: int = 200, warmup: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graph_us(fn, device, calls: int = 20, reps: int = 20) -> float:
+    """Median microseconds per call of fn replayed from one CUDA graph of `calls` back-to-back calls: the
+    GPU's time without the host's per-launch overhead (eager timings of a small kernel mostly measure Python
+    and the launch path; a serving engine replays captured steps). NaN off CUDA, or where fn cannot be
+    captured (the reason is printed)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return float("nan")
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # autotuning, compiles and allocator pools settle off the capture
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as e:  # noqa: BLE001 - reported, the eager time still stands
+        print(f"graph capture failed: {type(e).__name__}: {e}"[:200])
+        return float("nan")
+    return time_us(graph.replay, device, reps=reps, warmup=2) / calls
+
+
+def plotted_fraction(row: dict) -> float:
+    """The fraction of copy bandwidth a plot shows for a row: the CUDA-graph time's where there is one (the
+    GPU's own time), else the eager time's (the CPU)."""
+    g = row.get("graph_frac_copy_bw", float("nan"))
+    return g if g == g else row["frac_copy_bw"]
+
+
 def copy_bandwidth_gbs(device, nbytes: int = 1 << 30) -> float:
     """The memory ceiling measured here: device-to-device copy of nbytes, (read + write) / time."""
     device = torch.device(device)

@@ -6,6 +6,7 @@ import torch
 
 import hydra_kernels as hk
 from hydra_kernels.ops.backend import has_impl, plan_backends
+from helpers import DEV
 
 
 def test_unknown_or_unusable_backend_is_a_clear_error(monkeypatch):
@@ -43,7 +44,7 @@ def test_generate_with_triton_backend_is_lossless():
     from hydra_kernels.generate import generate
     from test_llama_vs_transformers import make_hf
 
-    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=5)).to(DEV)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12]]
     plain = generate(model, prompts, max_new_tokens=20, eos_token_id=[], backend="reference").sequences
     torch.manual_seed(0)
@@ -60,7 +61,7 @@ def test_generate_typical_with_triton_backend_runs_fused():
     from hydra_kernels.generate import generate
     from test_llama_vs_transformers import make_hf
 
-    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=5)).to(DEV)
     torch.manual_seed(0)
     d = hk.new_drafter(model, kind="hydra", num_heads=3)
     run = lambda: generate(model, [[1, 2, 3], [4, 5]], drafter=d, tree=hk.tree.default_tree(10, depth=3),  # noqa: E731
@@ -76,7 +77,7 @@ def test_generate_with_native_backend_is_lossless():
     from hydra_kernels.generate import generate
     from test_llama_vs_transformers import make_hf
 
-    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=5)).to(DEV)
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12]]
     plain = generate(model, prompts, max_new_tokens=30, eos_token_id=[], backend="reference").sequences
     for kind in ("medusa", "hydra"):

@@ -36,9 +36,11 @@ def test_gpu_suite_steps_name_existing_files():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run")
 def test_decode_step_bench_cpu(tmp_path):
     rows = _load("bench_decode_step").main(["--model", "smollm2-135m", "--layers", "1", "--context", "32", "--T", "8",
-                                             "--accept", "3", "--reps", "1", "--backend", "reference",
+                                             "--accept", "3", "--reps", "1", "--backend", "auto",
                                              "--out", str(tmp_path)])
-    plain, spec = rows
-    assert plain["step"] == "plain" and spec["step"] == "speculative" and spec["T"] == 8
-    assert spec["tokens_per_step"] == 3 and spec["us"] > 0 and plain["us"] > 0
+    assert [(r["backend"].split()[0], r["step"]) for r in rows] == [
+        ("auto", "plain"), ("auto", "speculative"), ("reference", "plain"), ("reference", "speculative")]
+    for plain, spec in (rows[:2], rows[2:]):  # ours, then the plain-PyTorch peer
+        assert spec["T"] == 8 and spec["tokens_per_step"] == 3 and spec["us"] > 0 and plain["us"] > 0
+        assert spec["GB/s"] > 0 and plain["GB/s"] > 0
     assert (tmp_path / "decode_step_smollm2-135m_cpu.csv").exists()

@@ -40,8 +40,9 @@ def test_hydra_first_layer_matches_the_drafter_block(backend):
     cfg = DrafterConfig(num_heads=3, num_layers=1, hidden_size=32, vocab_size=40)
     blk = HydraDrafter(cfg).heads[2].blocks[0]
     torch.nn.init.normal_(blk.linear.weight, std=0.1)
-    h, emb = torch.randn(2, 32), torch.randn(40, 32)
-    toks = torch.randint(0, 40, (2, 4, 3))
+    blk.to(DEV)
+    h, emb = torch.randn(2, 32, device=DEV), torch.randn(40, 32, device=DEV)
+    toks = torch.randint(0, 40, (2, 4, 3), device=DEV)
     x = torch.cat([h[:, None].expand(2, 4, 32), emb[toks].flatten(2)], -1)
     got = hk.ops.hydra_first_layer(h, toks, emb, blk.linear.weight, blk.linear.bias, blk.res_connection.weight,
                                    blk.res_connection.bias, backend=backend)

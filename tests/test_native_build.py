@@ -4,6 +4,7 @@ torch wheel ships them, except one header a CUDA build generates, stubbed here).
 import re
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -52,3 +53,19 @@ def test_cuda_bindings_compile_against_torch_headers(tmp_path):
     cmd = ["g++", "-std=c++20", "-fsyntax-only", *includes, str(CSRC / "cuda_bindings.cpp")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.mark.skipif(not list((ROOT / "hydra_kernels").glob("_C*.so")), reason="the extension is not built here")
+def test_built_extension_raises_instead_of_crashing():
+    """setup.py's RAISE_CHECK on the built extension: a failing input check is a Python RuntimeError, not a
+    crash (a build whose compiler's libstdc++ differs from torch's segfaulted on every raise: the H100 image's
+    CXX, 2026-11-24); and a check that sees no error fails instead of passing."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    check = next(n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)
+                 and n.targets[0].id == "RAISE_CHECK")
+    so = str(next((ROOT / "hydra_kernels").glob("_C*.so")))
+    assert subprocess.run([sys.executable, "-c", check, so]).returncode == 0
+    wrong = check.replace('"accept_indices"', '"a message it never says"')
+    assert subprocess.run([sys.executable, "-c", wrong, so]).returncode == 3

@@ -19,6 +19,7 @@ from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.drafters import Drafter, Proposal
 from hydra_kernels.generate import generate
 from hydra_kernels.tree import TreeBatch
+from helpers import DEV
 from test_llama_vs_transformers import make_hf
 
 
@@ -107,7 +108,7 @@ def run_oracle(model, prompts, n, backend, seed=0, batch_sizes=None):
 
 @pytest.fixture(scope="module")
 def tiny():
-    return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5))
+    return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5)).to(DEV)
 
 
 @pytest.mark.backends("reference", "native", "triton")

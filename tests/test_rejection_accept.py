@@ -186,7 +186,7 @@ def model():
     hf = make_hf("gqa3-tied", seed=5, num_hidden_layers=1)
     with torch.no_grad():
         hf.lm_head.weight.mul_(3.0)
-    return hk.Llama.from_hf(hf)
+    return hk.Llama.from_hf(hf).to(DEV)
 
 
 @pytest.fixture(scope="module")
