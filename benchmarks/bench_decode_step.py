@@ -89,26 +89,40 @@ class Steps:
         return target, v.accept_lengths, v.accept_indices
 
 
-def graph_check(steps: Steps) -> tuple[str, "torch.cuda.CUDAGraph"]:
-    """Capture steps.speculative in a CUDA graph, replay it from the eager step's starting state, compare.
-    Returns (status, the graph): its replays are timed too (a serving engine replays captured steps)."""
+def graph_check(steps: Steps, which: str = "speculative") -> tuple[str, "torch.cuda.CUDAGraph"]:
+    """Capture steps.<which> ("plain" or "speculative") in a CUDA graph, replay it from the eager step's
+    starting state, compare outputs and KV cache. Returns (status, the graph): its replays are timed too (a
+    serving engine replays captured steps; eager steps here are bound by the host's launches)."""
+    step = getattr(steps, which)
     kv0 = steps.cache.kv.clone()
-    eager = steps.speculative()
+    eager = step()
     kv_eager = steps.cache.kv.clone()
     steps.cache.kv.copy_(kv0)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up off the capture stream (Triton compiles, allocator pools)
-        steps.speculative()
+        step()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = steps.speculative()
+        out = step()
     steps.cache.kv.copy_(kv0)
     graph.replay()
     torch.cuda.synchronize()
+    eager, out = (eager,) if torch.is_tensor(eager) else eager, (out,) if torch.is_tensor(out) else out
     same = all(torch.equal(a, b) for a, b in zip(eager, out)) and torch.equal(steps.cache.kv, kv_eager)
     return ("ok" if same else "MISMATCH: graph replay differs from the eager step"), graph
+
+
+def timed_graph(steps: Steps, which: str, dev, reps: int) -> tuple[str, float]:
+    """(graph check status, us per replay) of steps.<which>; ("no CUDA", NaN) on the CPU."""
+    if dev.type != "cuda":
+        return "no CUDA", float("nan")
+    try:
+        status, g = graph_check(steps, which)
+        return status, time_us(g.replay, dev, reps=reps, warmup=3)
+    except Exception as e:  # noqa: BLE001 - a step that cannot be captured is reported as such
+        return f"FAILED: {type(e).__name__}: {e}"[:160], float("nan")
 
 
 def step_bytes(model, B: int, context: int, T: int) -> int:
@@ -159,15 +173,10 @@ def main(argv=None) -> list[dict]:
                 steps = Steps(model, B, T, args.accept, args.context, plan)
                 if plain_us is None:
                     plain_us = time_us(steps.plain, dev, reps=args.reps, warmup=3)
-                    rows.append(row(plan_name(plan), "plain", 1, B, plain_us, 1, plain_us))
+                    rows.append(row(plan_name(plan), "plain", 1, B, plain_us, 1, plain_us,
+                                    *timed_graph(steps, "plain", dev, args.reps)))
                 us = time_us(steps.speculative, dev, reps=args.reps, warmup=3)
-                graph, graph_us = "no CUDA", float("nan")
-                if dev.type == "cuda":
-                    try:
-                        graph, g = graph_check(steps)
-                        graph_us = time_us(g.replay, dev, reps=args.reps, warmup=3)
-                    except Exception as e:  # noqa: BLE001 - a step that cannot be captured is reported as such
-                        graph = f"FAILED: {type(e).__name__}: {e}"[:160]
+                graph, graph_us = timed_graph(steps, "speculative", dev, args.reps)
                 rows.append(row(plan_name(plan), "speculative", T, B, us, steps.k, plain_us, graph, graph_us))
                 print(f"B={B} {plan_name(plan)} T={T}: plain {plain_us:.0f} us, speculative {us:.0f} us, graph {graph}",
                       flush=True)
