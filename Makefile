@@ -36,7 +36,8 @@ bench: $(STAMP)
 
 # On a CUDA machine: build with CUDA, ceilings, GPU test tier, benchmarks, decode step + CUDA graph (< 9 min
 # on an H100; without CUDA it says so and exits 0). GPU_PYTHON=python3 uses a python that already has a CUDA
-# torch (no venv, no network: e.g. a machine with no package index); GPU_ARGS go to gpu_suite.py.
+# torch (no venv, no network: e.g. a machine with no package index); GPU_ARGS go to gpu_suite.py. If the
+# build says the extension crashes when it raises, your CXX is not torch's compiler: CC=gcc CXX=g++ make gpu.
 GPU_PYTHON ?=
 GPU_ARGS ?=
 gpu: $(if $(GPU_PYTHON),,$(STAMP))

@@ -110,13 +110,20 @@ sys.exit(4)
 
 CRASHED = """
 hydra-kernels: the extension just built ({path}) crashes when one of its input checks raises an error
-(exit {rc}): a bad argument would kill the Python process instead of raising. This happens when the C++
+(signal {signal}): a bad argument would kill the Python process instead of raising. It was removed. This happens when the C++
 compiler's standard library is not the one torch runs with (seen with CXX pointing at a second GCC in
 /opt/gcc: its inlined iostream code met the system libstdc++). Build with the compiler torch was built
 with (`python -c "import torch; print(torch.__config__.show())"` names it), e.g.
 
     CC=gcc CXX=g++ pip install --no-build-isolation .
 
+(HYDRA_KERNELS_SKIP_RAISE_CHECK=1 skips this check.)
+"""
+
+NOT_RAISING = """
+hydra-kernels: the extension just built ({path}) failed its check run (exit {rc}; the output above says
+why: 1 is usually an import error, e.g. an undefined symbol from a torch other than the one built against;
+3 / 4: commit_kv's input check did not raise as expected). It was removed.
 (HYDRA_KERNELS_SKIP_RAISE_CHECK=1 skips this check.)
 """
 
@@ -134,8 +141,9 @@ def _checked_build_ext(base):
             for ext in self.extensions:
                 path = self.get_ext_fullpath(ext.name)
                 rc = subprocess.run([sys.executable, "-c", RAISE_CHECK, path]).returncode
-                if rc != 0:
-                    sys.exit(CRASHED.format(path=path, rc=rc))
+                if rc != 0:  # never leave it where `import hydra_kernels` would load it (--inplace, pip -e)
+                    os.remove(path)
+                    sys.exit(CRASHED.format(path=path, signal=-rc) if rc < 0 else NOT_RAISING.format(path=path, rc=rc))
 
     return CheckedBuildExt
 

@@ -3,8 +3,10 @@ against a speculative step (a T-node tree forward, greedy LM head, greedy_verify
 acceptance pattern (every step commits `--accept` tokens: the longest path's first nodes), so the per-step cost is
 measured apart from how good a drafter is. Timings do not depend on weight values.
 
-On CUDA it also captures one speculative step in a CUDA graph and checks the replay against the eager
-step from the same state (target tokens, verification, KV cache): the step must be graph-safe.
+On CUDA it also captures the plain and the speculative step in CUDA graphs, checks each replay against the
+eager step from the same state (tokens, verification, KV cache: the steps must be graph-safe) and times the
+replays (eager steps are bound by the host's launches). A plain-PyTorch peer (the "reference" plan) runs
+beside ours, and GB/s counts the bytes a step must read (step_bytes) against the measured copy bandwidth.
 
     python benchmarks/bench_decode_step.py [--model llama-3-8b] [--T 16 64] [--accept 4] [--context 4096]
 
@@ -126,10 +128,13 @@ def timed_graph(steps: Steps, which: str, dev, reps: int) -> tuple[str, float]:
 
 
 def step_bytes(model, B: int, context: int, T: int) -> int:
-    """The fewest bytes a step must move: every weight once (the LM head included), the committed K/V
-    (B x context rows, K and V, every layer) read once, and the T new K/V rows written."""
+    """The fewest bytes a step must move: every weight once (the LM head included; an untied embedding table
+    not: a step gathers only B x T of its rows), the committed K/V (B x context rows, K and V, every layer)
+    read once, and the T new K/V rows written."""
     cfg = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.tok_embeddings.weight
+    tied = model.output.weight is emb
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
     row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
     return weights + B * (context + T) * row
 

@@ -85,7 +85,8 @@ def peers(q, k, v, seqlens, mask):
         # to its unfused path, which would misstate the peer
         import torch._dynamo as dynamo
 
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, 256)
+        limit = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"  # torch < 2.7
+        setattr(dynamo.config, limit, max(getattr(dynamo.config, limit), 256))
         flex = torch.compile(flex_attention, dynamic=False)
         out["flex tree blockmask"] = lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=Hq != Hkv).transpose(1, 2)
     except Exception as e:  # noqa: BLE001 - report, do not hide

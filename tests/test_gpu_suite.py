@@ -44,3 +44,28 @@ def test_decode_step_bench_cpu(tmp_path):
         assert spec["T"] == 8 and spec["tokens_per_step"] == 3 and spec["us"] > 0 and plain["us"] > 0
         assert spec["GB/s"] > 0 and plain["GB/s"] > 0
     assert (tmp_path / "decode_step_smollm2-135m_cpu.csv").exists()
+
+
+def test_gpu_suite_runs_its_steps_and_kills_a_step_that_runs_over(monkeypatch, tmp_path, capsys):
+    """The suite's loop without a GPU: steps run in order, a failing step does not stop the next, a step over
+    its limit is killed with the processes it started (its process group), --only and --deadline-s apply."""
+    suite = _load("gpu_suite")
+    marker = tmp_path / "grandchild_survived"
+    slow = ["bash", "-c", f"(sleep 3; touch {marker}) & sleep 30"]  # a child that would outlive its parent
+    monkeypatch.setattr(suite, "steps", lambda out: [
+        ("build extension (CUDA)", ["true"], {}, 10), ("fails", ["false"], {}, 10), ("slow", slow, {}, 1),
+        ("after", ["true"], {}, 10)])
+    monkeypatch.setattr(suite, "_build_env", lambda: {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    assert suite.main(["--out", str(tmp_path)]) == 1
+    table = capsys.readouterr().out
+    assert "| build extension (CUDA) | ok |" in table and "| fails | FAILED (exit 1) |" in table
+    assert "| slow | TIMED OUT (1 s) |" in table and "| after | ok |" in table
+    import time
+
+    time.sleep(3.5)
+    assert not marker.exists()  # the step's background child was killed with it
+    assert suite.main(["--out", str(tmp_path), "--only", "after"]) == 0
+    assert suite.main(["--out", str(tmp_path), "--deadline-s", "5", "--only", "slow", "after"]) == 1
+    assert "| after | NOT RUN (deadline) |" in capsys.readouterr().out
