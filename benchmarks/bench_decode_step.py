@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hydra_kernels as hk  # noqa: E402
-from report import copy_bandwidth_gbs, print_table, time_us, write_results  # noqa: E402
+from report import capture_graph, copy_bandwidth_gbs, print_table, time_us, write_results  # noqa: E402
 
 
 def plan_name(plan) -> str:
@@ -100,14 +100,7 @@ def graph_check(steps: Steps, which: str = "speculative") -> tuple[str, "torch.c
     eager = step()
     kv_eager = steps.cache.kv.clone()
     steps.cache.kv.copy_(kv0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up off the capture stream (Triton compiles, allocator pools)
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
     steps.cache.kv.copy_(kv0)
     graph.replay()
     torch.cuda.synchronize()

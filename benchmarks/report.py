@@ -32,6 +32,22 @@ def time_us(fn, device, reps: int = 200, warmup: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def capture_graph(fn, calls: int = 1, warmup: int = 1):
+    """(a CUDA graph of `calls` back-to-back calls of fn, the captured last call's output), after `warmup`
+    eager calls on a side stream (autotuning, compiles and allocator pools settle off the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph, out = torch.cuda.CUDAGraph(), None
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = fn()
+    return graph, out
+
+
 def graph_us(fn, device, calls: int = 20, reps: int = 20) -> float:
     """Median microseconds per call of fn replayed from one CUDA graph of `calls` back-to-back calls: the
     GPU's time without the host's per-launch overhead (eager timings of a small kernel mostly measure Python
@@ -41,16 +57,7 @@ def graph_us(fn, device, calls: int = 20, reps: int = 20) -> float:
     if device.type != "cuda":
         return float("nan")
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # autotuning, compiles and allocator pools settle off the capture
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+        graph, _ = capture_graph(fn, calls, warmup=3)
     except Exception as e:  # noqa: BLE001 - reported, the eager time still stands
         print(f"graph capture failed: {type(e).__name__}: {e}"[:200])
         return float("nan")

@@ -53,11 +53,11 @@ def head_ranks(model, drafter, sequences: list[list[int]], starts: list[int], ma
     return torch.cat(out)
 
 
-def _ranks_by_sequence(data: HiddenStates, sequences, starts, K: int, device, top_tokens) -> torch.Tensor:
-    """head_ranks for drafters that rank all K heads of a sequence's positions at once: top_tokens(offset,
-    L, pos) -> token ids [n, K, k] of each head's top k at positions pos (sequence at rows offset..offset+L
-    of data) -> ranks [positions, K] (UNRANKED outside the top k, -1 past the sequence's end)."""
-    ids = data.ids.to(device)
+def _ranks_by_sequence(ids: torch.Tensor, sequences, starts, K: int, top_tokens) -> torch.Tensor:
+    """head_ranks for drafters that rank all K heads of a sequence's positions at once: ids, the
+    concatenated sequences' tokens on the drafting device; top_tokens(offset, L, pos) -> token ids [n, K, k]
+    of each head's top k at positions pos (the sequence at rows offset..offset+L) -> ranks [positions, K]
+    (UNRANKED outside the top k, -1 past the sequence's end)."""
     out, offset = [], 0
     for seq, s0 in zip(sequences, starts):
         L = len(seq)
@@ -66,7 +66,7 @@ def _ranks_by_sequence(data: HiddenStates, sequences, starts, K: int, device, to
         if pos.numel():
             top = top_tokens(offset, L, pos)  # [n, K, k]
             target = pos[:, None] + 2 + torch.arange(K)  # [n, K] positions of head d's tokens
-            hit = top == ids[offset + target.clamp(max=L - 1).to(device)][..., None]
+            hit = top == ids[offset + target.clamp(max=L - 1).to(ids.device)][..., None]
             r = torch.where(hit.any(-1), hit.float().argmax(-1).long(), UNRANKED).cpu()
             ranks = torch.where(target < L, r, -1)
         out.append(ranks)
@@ -88,7 +88,7 @@ def _amphista_ranks(model, drafter, sequences, starts, max_rank: int, data: Hidd
         y = drafter.head_states([o[0, pos.to(dev)] for o in stages])  # [n, K, H]
         return drafter.token_ids(drafter.logits(model, y).topk(k, dim=-1).indices)
 
-    return _ranks_by_sequence(data, sequences, starts, drafter.num_heads, dev, top_tokens)
+    return _ranks_by_sequence(ids, sequences, starts, drafter.num_heads, top_tokens)
 
 
 def _speculator_ranks(model, drafter, sequences, starts, max_rank: int, data: HiddenStates) -> torch.Tensor:
@@ -107,7 +107,7 @@ def _speculator_ranks(model, drafter, sequences, starts, max_rank: int, data: Hi
         logits = drafter.chain_logits(data.hidden[offset + pos].to(dev, dtype), tokens, model)
         return torch.stack([drafter.token_ids(lg.topk(k, dim=-1).indices) for lg in logits], dim=1)
 
-    return _ranks_by_sequence(data, sequences, starts, P, dev, top_tokens)
+    return _ranks_by_sequence(ids, sequences, starts, P, top_tokens)
 
 
 def split_ranks(ranks: torch.Tensor, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
