@@ -2,10 +2,12 @@
 
     .venv/bin/python python/ship_heads.py --src runs/heads --dst runs/ship            # all kinds, bf16
     .venv/bin/python python/ship_heads.py --src runs/ship --package hydra++ medusa    # into the package
+    .venv/bin/python python/ship_heads.py --src runs/eagle --kinds eagle --draft-vocab 8192  # fewer LM-head rows
 
 --package copies the named kinds (with their tree_cpu.json / budget_cpu.json) into
 hydra_kernels/heads/smollm2-135m-instruct/, replacing those kinds and keeping the others, and refuses more
-than 32 MB in total. Any drafter kind in our format ships this way (e.g. --kinds mlp_speculator).
+than 32 MB in total. --draft-vocab N keeps the first N (most frequent) ids of each drafter's draft
+vocabulary (drafters/fit.draft_vocab_prefix: for drafters that rank with the base model's LM head). Any drafter kind in our format ships this way (e.g. --kinds mlp_speculator).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.drafters import SHIPPED_DIR, SHIPPED_MODEL  # noqa: E402
+from hydra_kernels.drafters.fit import draft_vocab_prefix  # noqa: E402
 
 LIMIT_MB = 32
 
@@ -29,11 +32,14 @@ def main(argv=None):
     ap.add_argument("--dst", default="runs/ship")
     ap.add_argument("--kinds", nargs="+", default=["medusa", "hydra", "hydra++"])
     ap.add_argument("--package", nargs="*", default=None, help="kinds to copy into the package")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="keep this many ids of the draft vocabulary")
     args = ap.parse_args(argv)
     src = Path(args.src)
     if args.package is None:
         for kind in args.kinds:
             d = hk.load_drafter(src / kind)
+            if args.draft_vocab is not None:
+                d = draft_vocab_prefix(d, args.draft_vocab)
             d.save(Path(args.dst) / kind, dtype=torch.bfloat16)
             mb = (Path(args.dst) / kind / "model.safetensors").stat().st_size / 2**20
             print(f"{kind}: {sum(p.numel() for p in d.parameters()) / 1e6:.2f} M parameters, {mb:.1f} MB in bf16")

@@ -270,3 +270,52 @@ def test_training_lowers_the_loss_and_resumes(model, tmp_path):
     assert len(h3["loss"]) == 4
     for k, v in d2.state_dict().items():
         assert torch.equal(v, d3.state_dict()[k]), k
+
+
+def test_draft_vocab_prefix_ranks_the_first_ids_and_stays_lossless(model):
+    """fit.draft_vocab_prefix: the cut drafter's log-probabilities are the full one's over the first `size`
+    ids renormalised (same layer, fewer LM-head rows); greedy output is still plain greedy's; drafters
+    without a draft vocabulary, bad sizes and weights sized by the vocabulary are refused."""
+    from hydra_kernels.drafters.fit import draft_vocab_prefix
+
+    vocab = torch.randperm(101, generator=torch.Generator().manual_seed(3))[:60]
+    d = randomised(model, seed=7, draft_vocab=vocab.tolist())
+    cut = draft_vocab_prefix(d, 23)
+    assert cut.config.draft_vocab_size == 23 and torch.equal(cut.draft_vocab, vocab[:23])
+    y = torch.randn(4, model.config.hidden_size)
+    full = d.draft_log_probs(model, y)[:, :23]
+    assert_close_rel(cut.draft_log_probs(model, y), torch.log_softmax(full, dim=-1), 1e-5)
+    prompts = [[5, 17, 3, 44, 9], [8, 1, 60]]
+    plain = generate(model, prompts, max_new_tokens=14).sequences
+    assert generate(model, prompts, drafter=cut, max_new_tokens=14, tree=DynamicTree(5, 3, 2)).sequences == plain
+    with pytest.raises(ValueError, match="no draft vocabulary"):
+        draft_vocab_prefix(hk.new_drafter(model, kind="eagle"), 10)
+    for bad in (0, 61, 2.5):
+        with pytest.raises(ValueError, match=r"size must be an int in \[1, 60\]"):
+            draft_vocab_prefix(d, bad)
+    untied = hk.new_drafter(model, kind="mlp_speculator", n_predict=2, draft_vocab=vocab.tolist())
+    with pytest.raises(ValueError, match="weights sized by its draft vocabulary"):
+        draft_vocab_prefix(untied, 10)
+
+
+def test_agreement_is_brute_force_top1_per_depth(model):
+    """training.eagle.agreement == per position, a brute-force replay of the depth-d node (true ancestor
+    tokens, predicted features) whose top draft token is compared with the base model's greedy token."""
+    from hydra_kernels.training.eagle import agreement
+
+    d = randomised(model, seed=9, draft_vocab=list(range(0, 101, 3)))
+    text, start = [5, 17, 3, 44, 9, 21, 7, 11, 13, 2, 33], 3
+    logits = model(torch.tensor([text]))[0]  # [L, V]: position q's greedy token is logits[q].argmax()
+    got = agreement(model, d, [text], [start], unroll=2)
+    for depth in (1, 2):
+        hits, n = 0, 0
+        for q in range(max(start, depth), len(text)):  # the node at depth `depth` guesses token q+1
+            c = q - depth + 1  # committed positions 0..c-1; root = text[c]
+            r = Replay(model, d, text[: c + 1])
+            path, f = [], r.feature([])
+            for j in range(1, depth):
+                path = path + [(text[c + j], f)]
+                f = r.feature(path)
+            hits += int(d.token_ids(r.log_probs(f).argmax()) == logits[q].argmax())
+            n += 1
+        assert 0 < n and got[depth - 1] == pytest.approx(hits / n), depth

@@ -80,3 +80,30 @@ class TiedLMHead:
 
     def __deepcopy__(self, memo):  # a copied drafter rebuilds from its own model
         return TiedLMHead()
+
+
+def draft_vocab_prefix(drafter, size: int):
+    """A copy of `drafter` that ranks only the first `size` ids of its draft vocabulary. The recipes order
+    a draft vocabulary by frequency (training/data.recipe_draft_vocabulary), so the prefix keeps the
+    tokens most guesses are; what drops is the cost: on the CPU a draft reads its LM-head rows every
+    depth, so half the rows is about half of that read. Only for drafters whose weights do not depend on
+    the vocabulary size (they rank with the base model's LM head rows: EAGLE-1/2, a base-tied
+    MLPSpeculator); one with its own rows per draft token is refused. Searched trees and budget tables
+    are not carried over: they were measured with the full vocabulary."""
+    vocab = getattr(drafter, "draft_vocab", None)
+    if vocab is None:
+        raise ValueError(f"this {drafter.kind} drafter ranks the whole vocabulary (no draft vocabulary to cut)")
+    if not isinstance(size, int) or not 1 <= size <= vocab.numel():
+        raise ValueError(f"size must be an int in [1, {vocab.numel()}] (the draft vocabulary's size), got {size!r}")
+    import dataclasses
+
+    cut = type(drafter)(dataclasses.replace(drafter.config, draft_vocab_size=size))
+    own = cut.state_dict()
+    state = {k: (v[:size] if k == "draft_vocab" else v) for k, v in drafter.state_dict().items()}
+    sized = sorted(k for k, v in state.items() if k in own and own[k].shape != v.shape)
+    if sized:
+        raise ValueError(f"this {drafter.kind} drafter has weights sized by its draft vocabulary ({', '.join(sized)}); "
+                         "train it with the smaller draft vocabulary instead")
+    cut.load_state_dict(state)
+    p = next(drafter.parameters(), vocab)
+    return cut.to(p.device, p.dtype).train(drafter.training)

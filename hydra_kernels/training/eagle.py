@@ -149,3 +149,36 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
             bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", acc=" ".join(f"{a:.2f}" for a in acc))
             run.done(step)
     return history
+
+
+@torch.no_grad()
+def agreement(model, drafter, sequences: list[list[int]], starts: list[int], unroll: int = 3) -> list[float]:
+    """Teacher-forced top-1 agreement with the base model per draft depth 1..unroll, on whole sequences:
+    the fraction of positions q >= starts[i] (q predicts token q+1; starts as self_data_sequences gives
+    them) where a depth-d draft node's top token (its ancestors the true tokens, fed the draft's own
+    predicted features, exactly as drafting does: unrolled_features) is the base model's greedy token
+    over the whole vocabulary (a token outside the draft vocabulary counts as a miss). Run it on text the
+    layer never trained on: the training log's agreement is over training windows, and on 2048 answers
+    the two differed by ~2x (benchmarks/results/README.md, 2026-11-25)."""
+    if drafter.feature_layers is not None:
+        raise ValueError("agreement() measures EAGLE-1/2 layers (final-normed features), not EAGLE-3 drafters")
+    hits = torch.zeros(unroll, dtype=torch.float64)
+    counts = torch.zeros(unroll, dtype=torch.float64)
+    layer, dev = drafter.layer, model.device
+    for seq, start in zip(sequences, starts):
+        if len(seq) < 3:
+            continue
+        ids = torch.tensor([seq], device=dev)
+        feats = model.hidden_states(ids)  # [1, L, H]: f_q predicts token q+1
+        emb = model.tok_embeddings(ids[:, 1:])
+        x1 = layer.fuse(emb, feats[:, :-1])
+        ys = unrolled_features(layer, x1, lambda y: layer.fuse_node(emb, torch.cat((y[:, :1], y[:, :-1]), 1)),
+                               unroll)
+        greedy = F.linear(feats[0, 1:], model.output.weight).argmax(-1)  # row t: the base's token after q = t+1
+        t = torch.arange(len(seq) - 1, device=dev)
+        for k, y in enumerate(ys):  # unroll step k+1 at row t drafts depth k+1 from committed rows < t-k
+            ok = (t + 1 >= start) & (t >= k)
+            pred = drafter.token_ids(drafter.draft_log_probs(model, y[0]).argmax(-1))
+            hits[k] += (pred == greedy)[ok].sum().item()
+            counts[k] += ok.sum().item()
+    return (hits / counts.clamp(min=1)).tolist()
