@@ -110,10 +110,10 @@ sys.exit(4)
 
 CRASHED = """
 hydra-kernels: the extension just built ({path}) crashes when one of its input checks raises an error
-(signal {signal}): a bad argument would kill the Python process instead of raising. It was removed. This happens when the C++
-compiler's standard library is not the one torch runs with (seen with CXX pointing at a second GCC in
-/opt/gcc: its inlined iostream code met the system libstdc++). Build with the compiler torch was built
-with (`python -c "import torch; print(torch.__config__.show())"` names it), e.g.
+(signal {signal}): a bad argument would kill the Python process instead of raising. It was removed.
+This happens when the C++ compiler's standard library is not the one torch runs with (seen with CXX
+pointing at a second GCC in /opt/gcc: its inlined iostream code met the system libstdc++). Build with the
+compiler torch was built with (`python -c "import torch; print(torch.__config__.show())"` names it), e.g.
 
     CC=gcc CXX=g++ pip install --no-build-isolation .
 

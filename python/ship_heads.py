@@ -7,7 +7,8 @@
 --package copies the named kinds (with their tree_cpu.json / budget_cpu.json) into
 hydra_kernels/heads/smollm2-135m-instruct/, replacing those kinds and keeping the others, and refuses more
 than 32 MB in total. --draft-vocab N keeps the first N (most frequent) ids of each drafter's draft
-vocabulary (drafters/fit.draft_vocab_prefix: for drafters that rank with the base model's LM head). Any drafter kind in our format ships this way (e.g. --kinds mlp_speculator).
+vocabulary (drafters/fit.draft_vocab_prefix: for drafters that rank with the base model's LM head). Any
+drafter kind in our format ships this way (e.g. --kinds mlp_speculator).
 """
 from __future__ import annotations
 

@@ -51,8 +51,11 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/eagle")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--heldout", type=int, default=16,
-                    help="held-out ShareGPT prompts whose greedy answers (128 tokens) measure top-1 agreement after training")
+                    help="held-out ShareGPT prompts whose greedy answers (128 tokens) measure top-1 agreement "
+                         "after training")
     args = ap.parse_args(argv)
+    if args.heldout < 0:
+        ap.error(f"--heldout must be >= 0 (0: no held-out check), got {args.heldout}")
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -77,8 +80,7 @@ def main(argv=None):
     drafter.save(out / "eagle")
     if args.heldout:  # the training log's agreement is over training windows; this is over unseen answers
         prompts = heldout_chat_prompts(tok, args.heldout)
-        with torch.no_grad():
-            answers = generate(model, prompts, max_new_tokens=128).sequences
+        answers = generate(model, prompts, max_new_tokens=128).sequences
         held = agreement(model, drafter, [p + a for p, a in zip(prompts, answers)], [len(p) - 1 for p in prompts],
                          args.unroll)
         print(f"held-out top-1 agreement per depth ({args.heldout} ShareGPT answers): "

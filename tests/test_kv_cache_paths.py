@@ -92,7 +92,8 @@ def test_per_sequence_depths_equal_each_sequence_alone(model):
     same as running sequence b alone with depths[b]; explicit positions give the same again."""
     T = 6
     mask = tree_from_parents([-1, 0, 0, 1, 1, 2])[0].to(DEV)
-    depths = torch.tensor([[0, 1, 1, 2, 2, 2], [0, 2, 1, 3, 5, 4]], device=DEV)  # the second: positions only, not a tree
+    # the second row: positions only, not a tree
+    depths = torch.tensor([[0, 1, 1, 2, 2, 2], [0, 2, 1, 3, 5, 4]], device=DEV)
     lens = [9, 4]
     tokens = ids(2, T, 40)
     cache, prompts = prefilled(model, lens, T + 1, 41)

@@ -2,6 +2,8 @@
 the model's device and dtype) and how its linears run on the packed CPU kernel."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
@@ -95,8 +97,6 @@ def draft_vocab_prefix(drafter, size: int):
         raise ValueError(f"this {drafter.kind} drafter ranks the whole vocabulary (no draft vocabulary to cut)")
     if not isinstance(size, int) or not 1 <= size <= vocab.numel():
         raise ValueError(f"size must be an int in [1, {vocab.numel()}] (the draft vocabulary's size), got {size!r}")
-    import dataclasses
-
     cut = type(drafter)(dataclasses.replace(drafter.config, draft_vocab_size=size))
     own = cut.state_dict()
     state = {k: (v[:size] if k == "draft_vocab" else v) for k, v in drafter.state_dict().items()}

@@ -17,8 +17,8 @@ factor state_weight). tie_weights shares emb, head and norm across stages and pr
 tie_base (ours, not in fms-extras): the stages read the base model's own token embedding and rank with its
 own LM head (rows of the draft vocabulary), both frozen and never stored, so a checkpoint holds only the
 stages' projections, output maps and norms (SmolLM2, 3 stages: ~2.0M parameters, 3.9 MB in bf16, where the
-fms layout's per-stage 49152-row embeddings and 16k-row heads take 113M). The frozen head needs a signed, final-norm-like input,
-which a GELU state is not, so each stage also maps its state to the base's hidden space:
+fms layout's per-stage 49152-row embeddings and 16k-row heads take 113M). The frozen head needs a signed,
+final-norm-like input, which a GELU state is not, so each stage also maps its state to the base's hidden space:
 
     logits_i = W_base[draft_vocab] @ out_norm_i(out_i(state)),   out_i: Linear(inner, emb_dim),
 

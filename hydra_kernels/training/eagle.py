@@ -83,6 +83,12 @@ def unrolled_features(layer, x1: torch.Tensor, fuse_next, unroll: int) -> list[t
     return ys
 
 
+def fuse_next_inputs(layer, emb: torch.Tensor):
+    """emb [S, L, H] = E(x_{t+1}) per row t -> fuse_next for unrolled_features: step s's input at t is step
+    s-1's prediction at t-1 (row 0 repeats its own) fused with the same next token."""
+    return lambda y: layer.fuse_node(emb, torch.cat((y[:, :1], y[:, :-1]), dim=1))
+
+
 def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float = 1e-3, *, seqs_per_step: int = 8,
                 window: int = 256, loss_positions: int = 384, unroll: int = 3, noise: float = 0.1,
                 feature_weight: float = 1.0, token_weight: float = 1.0, warmup: int = 20, grad_clip: float = 0.5,
@@ -117,11 +123,7 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
                 rms = f_in.pow(2).mean(-1, keepdim=True).sqrt()
                 u = torch.rand(f_in.shape, generator=gen).to(dev, dtype)
                 x1 = layer.fuse(emb, f_in + (u - 0.5) * 2 * noise * rms)
-
-                def fuse_next(y):  # step s's input at t: step s-1's prediction at t-1
-                    return layer.fuse_node(emb, torch.cat((y[:, :1], y[:, :-1]), dim=1))
-
-                ys = unrolled_features(layer, x1, fuse_next, unroll)
+                ys = unrolled_features(layer, x1, fuse_next_inputs(layer, emb), unroll)
                 target = feats[:, 1:]  # f_{t+1}
                 W = drafter.lm_weight(model)
                 total, per_step, acc = 0.0, [], []
@@ -171,10 +173,8 @@ def agreement(model, drafter, sequences: list[list[int]], starts: list[int], unr
         ids = torch.tensor([seq], device=dev)
         feats = model.hidden_states(ids)  # [1, L, H]: f_q predicts token q+1
         emb = model.tok_embeddings(ids[:, 1:])
-        x1 = layer.fuse(emb, feats[:, :-1])
-        ys = unrolled_features(layer, x1, lambda y: layer.fuse_node(emb, torch.cat((y[:, :1], y[:, :-1]), 1)),
-                               unroll)
-        greedy = F.linear(feats[0, 1:], model.output.weight).argmax(-1)  # row t: the base's token after q = t+1
+        ys = unrolled_features(layer, layer.fuse(emb, feats[:, :-1]), fuse_next_inputs(layer, emb), unroll)
+        greedy = model.output(feats[0, 1:]).argmax(-1)  # row t: the base's token after q = t+1
         t = torch.arange(len(seq) - 1, device=dev)
         for k, y in enumerate(ys):  # unroll step k+1 at row t drafts depth k+1 from committed rows < t-k
             ok = (t + 1 >= start) & (t >= k)
