@@ -39,10 +39,7 @@ from hydra_kernels.drafters.eagle import DynamicTree
 from hydra_kernels.generate import generate
 from hydra_kernels.training import mtbench_questions
 from hydra_kernels.training.data import heldout_chat_prompts
-
-SEARCH_GRID = [DynamicTree(t, d, k) for t, d, k in [(3, 2, 1), (4, 3, 1), (4, 2, 2), (5, 3, 2), (5, 4, 1), (6, 3, 2),
-                                                     (6, 4, 2), (8, 4, 2), (8, 3, 3), (10, 4, 3), (12, 5, 3)]]
-
+from hydra_kernels.training.tree_search import search_dynamic_tree
 
 class ProposeTimer:
     """Wraps drafter.propose to accumulate its wall time and call count."""
@@ -62,27 +59,6 @@ class ProposeTimer:
 
     def ms_per_step(self) -> float:
         return 1e3 * self.seconds / max(1, self.calls)
-
-
-def search_dynamic_tree(model, drafter, prompts, new_tokens: int) -> tuple[DynamicTree, list[dict]]:
-    """Time every SEARCH_GRID setting by real batch-1 decoding of the prompts, interleaved (each prompt
-    through every setting); the setting with the most tokens/s wins."""
-    toks = {s: 0 for s in SEARCH_GRID}
-    secs = {s: 0.0 for s in SEARCH_GRID}
-    steps = {s: 0 for s in SEARCH_GRID}
-    generate(model, [prompts[0]], drafter=drafter, max_new_tokens=8, tree=SEARCH_GRID[0])  # warm-up
-    for i, p in enumerate(tqdm(prompts, desc="dynamic tree search")):
-        order = SEARCH_GRID[i % len(SEARCH_GRID):] + SEARCH_GRID[: i % len(SEARCH_GRID)]
-        for s in order:
-            t = time.perf_counter()
-            out = generate(model, [p], drafter=drafter, max_new_tokens=new_tokens, tree=s)
-            secs[s] += time.perf_counter() - t
-            toks[s] += len(out.sequences[0])
-            steps[s] += out.num_steps
-    rows = [{"total_tokens": s.total_tokens, "depth": s.depth, "top_k": s.top_k, "tokens_per_s": toks[s] / secs[s],
-             "tokens_per_step": toks[s] / max(1, steps[s])} for s in SEARCH_GRID]
-    best = max(SEARCH_GRID, key=lambda s: toks[s] / secs[s])
-    return best, rows
 
 
 def main(argv=None):
@@ -129,7 +105,6 @@ def main(argv=None):
             write_results(rows, out, "eagle_tree_search")
             print("dynamic tree search (tokens/s):", *(f"{r['total_tokens']}/{r['depth']}/{r['top_k']}: "
                                                        f"{r['tokens_per_s']:.1f} ({r['tokens_per_step']:.2f}/step)" for r in rows))
-            eagle.dynamic_trees["cpu"] = best
             (Path(eagle_dir) / "dynamic_cpu.json").write_text(json.dumps(best.__dict__))
         cpu_tree = eagle.resolve_tree(None, "cpu").dynamic
         drafters[f"eagle ({cpu_tree.total_tokens}/{cpu_tree.depth}/{cpu_tree.top_k})"] = (eagle, cpu_tree)

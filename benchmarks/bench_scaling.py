@@ -67,23 +67,31 @@ def kv_bytes_per_token(model) -> int:
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
-def attention_seconds(model, B: int, C: int, reps: int = 5) -> float:
-    """One decode step's attention alone: num_layers calls of tree_attention at batch B, context C, T = 1."""
+def attention_seconds(model, B: int, C: int, reps: int = 5, cycle_mib: int = 2048) -> float:
+    """One decode step's attention alone: num_layers calls of tree_attention at batch B, context C, T = 1,
+    each call on a K/V buffer not read since long before, as decoding reads each layer's once per step after
+    the other layers' and the weights (one buffer reused by every layer stays in the caches and reads faster
+    than memory: 56-100 GB/s measured that way on a VM whose DRAM reads ~42 GB/s). The calls cycle through
+    ~cycle_mib of buffers (the default 2 GiB: over 4x the 480 MiB L3 of the Xeon VM; at least 2, at most
+    4096 buffers)."""
     c = model.config
-    k = torch.randn(B, C + 1, c.num_kv_heads, c.head_dim)
-    v = torch.randn_like(k)
+    per_layer = 2 * B * (C + 1) * c.num_kv_heads * c.head_dim * 4
+    kvs = [(torch.randn(B, C + 1, c.num_kv_heads, c.head_dim), torch.randn(B, C + 1, c.num_kv_heads, c.head_dim))
+           for _ in range(min(4096, max(2, -(-cycle_mib * 2**20 // per_layer))))]
+    k, v = kvs[0]
     q = torch.randn(B, 1, c.num_heads, c.head_dim)
     seqlens = torch.full((B,), C, dtype=torch.int32)
     mask = torch.ones(1, 1, dtype=torch.bool)
     name = resolved_name("tree_attention", "auto", q.device)
     kernel = resolve("tree_attention", name, q.device)
     ops.check_tree_attention(q, k, v, seqlens, mask)
-    times = []
+    times, call = [], 0
     for _ in range(reps):  # as a step runs it (AttentionSite): the mask in the kernel's form once, every layer
         t = time.perf_counter()
         step_mask = kernel_mask("tree_attention", name, mask)
         for _ in range(c.num_layers):
-            kernel(q, k, v, seqlens, step_mask)
+            kernel(q, *kvs[call % len(kvs)], seqlens, step_mask)
+            call += 1
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -118,6 +126,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None, help="write scaling.csv / scaling.png there")
     ap.add_argument("--ratio-reps", type=int, default=5, help="interleaved reps of the plain short/long ratio")
     ap.add_argument("--ratio-context", type=int, default=2048)
+    ap.add_argument("--attention-cycle-mib", type=int, default=2048,
+                    help="K/V buffers the attention timing cycles through (more than the LLC: memory reads)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = hk.load_model(device="cpu")
@@ -143,7 +153,7 @@ def main(argv=None) -> list[dict]:
                 runs[v].append(generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **kw[v]))
         plain = runs["plain"]
         ctx = sum(map(len, prompts)) / B
-        att = attention_seconds(model, B, int(ctx + args.new_tokens / 2))
+        att = attention_seconds(model, B, int(ctx + args.new_tokens / 2), cycle_mib=args.attention_cycle_mib)
         step = statistics.median(o.decode_s / max(1, o.num_steps) for o in plain)
         kv = B * (ctx + args.new_tokens / 2) * kvt
         row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps,

@@ -3,16 +3,19 @@
     .venv/bin/python python/ship_heads.py --src runs/heads --dst runs/ship            # all kinds, bf16
     .venv/bin/python python/ship_heads.py --src runs/ship --package hydra++ medusa    # into the package
     .venv/bin/python python/ship_heads.py --src runs/eagle --kinds eagle --draft-vocab 8192  # fewer LM-head rows
+    .venv/bin/python python/ship_heads.py --default hydra --measured "1.21x plain, batch 1 (results README, date)"
 
 --package copies the named kinds (with their tree_cpu.json / budget_cpu.json) into
 hydra_kernels/heads/smollm2-135m-instruct/, replacing those kinds and keeping the others, and refuses more
 than 32 MB in total. --draft-vocab N keeps the first N (most frequent) ids of each drafter's draft
 vocabulary (drafters/fit.draft_vocab_prefix: for drafters that rank with the base model's LM head). Any
-drafter kind in our format ships this way (e.g. --kinds mlp_speculator).
+drafter kind in our format ships this way (e.g. --kinds mlp_speculator). --default KIND names the shipped
+kind hk.load_drafter() returns (the fastest measured; --measured says by which measurement), in default.json.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -22,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.drafters import SHIPPED_DIR, SHIPPED_MODEL  # noqa: E402
+from hydra_kernels.drafters.registry import DEFAULT_FILE, shipped_drafters  # noqa: E402
 from hydra_kernels.drafters.fit import draft_vocab_prefix  # noqa: E402
 
 LIMIT_MB = 32
@@ -34,7 +38,18 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", default=["medusa", "hydra", "hydra++"])
     ap.add_argument("--package", nargs="*", default=None, help="kinds to copy into the package")
     ap.add_argument("--draft-vocab", type=int, default=None, help="keep this many ids of the draft vocabulary")
+    ap.add_argument("--default", default=None, help="the shipped kind hk.load_drafter() returns (default.json)")
+    ap.add_argument("--measured", default=None, help="with --default: the measurement that makes it the fastest")
     args = ap.parse_args(argv)
+    if args.default is not None:
+        if not args.measured:
+            ap.error("--default needs --measured: the figure, machine, date and command that make it the fastest")
+        if args.default not in shipped_drafters():
+            ap.error(f"--default {args.default!r} is not shipped ({sorted(shipped_drafters())}): package it first")
+        (SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE).write_text(
+            json.dumps({"kind": args.default, "measured": args.measured}, indent=1) + "\n")
+        print(f"load_drafter() now returns {args.default!r}")
+        return
     src = Path(args.src)
     if args.package is None:
         for kind in args.kinds:

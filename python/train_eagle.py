@@ -1,10 +1,15 @@
 """Recipe: train an EAGLE draft layer for the embedded SmolLM2-135M-Instruct on its own answers to ShareGPT
-prompts (self-distillation), with EAGLE's losses and EAGLE-3's training-time test. Reproduces the
-shipped EAGLE drafter (python/ship_heads.py --package eagle packages it).
+prompts (self-distillation), with EAGLE's losses and EAGLE-3's training-time test. EAGLE is not shipped
+(it has tied the shipped Hydra heads so far: benchmarks/results/README.md); python/ship_heads.py --package
+would package what this trains.
 
     .venv/bin/python python/self_data.py --prompts 2048 --new-tokens 256 --batch 64
     .venv/bin/python python/train_eagle.py --self-data ~/.cache/hydra_kernels/training/self-2048-256.json \
         --out runs/eagle
+
+--feature-layers eagle3 trains an EAGLE-3 layer instead: it reads the residual streams entering base layers
+2, L // 2 and L - 3 (fc 3H -> H), predicts through its own norm and LM head over the draft vocabulary, and
+trains on the token loss alone (the base hidden states are then computed with those streams captured).
 
 Writes runs/eagle/eagle/ (the drafter), runs/eagle/eagle_training.{csv,png} (loss and top-1 agreement
 with the base model per unroll step, over training windows) and prints the agreement on --heldout unseen
@@ -45,8 +50,12 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=256, help="tokens per sequence window")
     ap.add_argument("--loss-positions", type=int, default=384, help="positions per unroll step given the token loss")
     ap.add_argument("--unroll", type=int, default=3, help="training-time test depth (1: EAGLE-1)")
-    ap.add_argument("--noise", type=float, default=0.1)
-    ap.add_argument("--feature-weight", type=float, default=1.0)
+    ap.add_argument("--noise", type=float, default=None,
+                    help="input-feature noise, a fraction of each feature's RMS (default 0.1; EAGLE-3: 0)")
+    ap.add_argument("--feature-weight", type=float, default=None, help="default 1.0 (EAGLE-3: no feature loss)")
+    ap.add_argument("--feature-layers", default=None,
+                    help="'eagle3' (base layers 2, L//2, L-3) or comma-separated base layer indices: an EAGLE-3 "
+                         "layer over the streams entering them (default: EAGLE-1/2 over the final features)")
     ap.add_argument("--token-weight", type=float, default=1.0)
     ap.add_argument("--out", default="runs/eagle")
     ap.add_argument("--seed", type=int, default=0)
@@ -56,6 +65,15 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.heldout < 0:
         ap.error(f"--heldout must be >= 0 (0: no held-out check), got {args.heldout}")
+    fl = args.feature_layers
+    if fl is not None and fl != "eagle3":
+        try:
+            fl = [int(k) for k in fl.split(",")]
+        except ValueError:
+            ap.error(f"--feature-layers takes 'eagle3' or comma-separated layer indices, got {fl!r}")
+    if fl is not None and args.feature_weight:
+        ap.error("--feature-weight: an EAGLE-3 layer trains on the token loss alone")
+    noise = args.noise if args.noise is not None else (0.0 if fl is not None else 0.1)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,12 +85,12 @@ def main(argv=None):
     dv = None
     if args.draft_vocab:
         dv = recipe_draft_vocabulary(tok, seqs, starts, args.draft_vocab, args.vocab_seqs)
-    data = compute_hidden_states(model, seqs, cache_dir=work).train_from(starts)
+    drafter = hk.new_drafter(model, "eagle", draft_vocab=dv, feature_layers=fl)
+    data = compute_hidden_states(model, seqs, cache_dir=work, capture=drafter.feature_layers).train_from(starts)
     torch.manual_seed(args.seed)
-    drafter = hk.new_drafter(model, "eagle", draft_vocab=dv)
     t0 = time.perf_counter()
     hist = train_eagle(model, drafter, data, steps=args.steps, lr=args.lr, seqs_per_step=args.seqs_per_step,
-                       window=args.window, loss_positions=args.loss_positions, unroll=args.unroll, noise=args.noise,
+                       window=args.window, loss_positions=args.loss_positions, unroll=args.unroll, noise=noise,
                        feature_weight=args.feature_weight, token_weight=args.token_weight, seed=args.seed,
                        warmup=max(1, args.steps // 20), checkpoint_dir=work, checkpoint_every=25)
     print(f"eagle: {args.steps} steps in {time.perf_counter() - t0:.0f} s, final loss {hist['loss'][-1]:.3f}, "

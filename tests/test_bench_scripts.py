@@ -89,6 +89,7 @@ def test_bench_scaling_runs(tmp_path):
     every round lossless."""
     rows = _run_returning("bench_scaling", ["--batches", "1", "2", "--contexts", "short", "300", "--new-tokens", "4",
                                             "--reps", "2", "--ratio-reps", "1", "--ratio-context", "200",
+                                            "--attention-cycle-mib", "16",
                                             "--out", str(tmp_path)])
     assert [(r["batch"], r["context"]) for r in rows] == [(1, "short"), (2, "short"), (1, "300"), (2, "300")]
     assert all(r["default_identical"] == r["full_identical"] == 2 * r["batch"] for r in rows)

@@ -270,3 +270,26 @@ def test_shipped_heads_registry_and_errors(tmp_path, monkeypatch):
         hk.load_drafter(tmp_path, kind="hydra")
     with pytest.raises(ValueError, match="shipped drafters are for the embedded SmolLM2"):
         hk.load_drafter(model=model)
+    with pytest.raises(FileNotFoundError, match=r"no shipped 'eagle' drafter.*python/train_eagle.py"):
+        hk.load_drafter(kind="eagle")
+
+
+def test_default_kind_is_the_one_default_json_names(tmp_path, monkeypatch):
+    """load_drafter() returns the kind the package's default.json names (the fastest measured), not the first
+    of the fallback order; a default.json that is not JSON, lacks its kind or names a kind not shipped is
+    refused as a corrupt package."""
+    import hydra_kernels.drafters.registry as drafters
+
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
+    root = tmp_path / drafters.SHIPPED_MODEL
+    for kind in ("medusa", "hydra"):
+        hk.new_drafter(model, kind, num_heads=2).save(root / kind, dtype=torch.bfloat16)
+    assert drafters.default_kind() == "hydra"  # no default.json: the fallback order
+    (root / "default.json").write_text('{"kind": "medusa", "measured": "a test"}')
+    assert drafters.default_kind() == "medusa" and hk.load_drafter().kind == "medusa"
+    for bad, why in (("{not json", "must be JSON"), ('{"measured": "x"}', "must be JSON"),
+                     ('{"kind": "eagle"}', "names 'eagle', which is not shipped")):
+        (root / "default.json").write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            hk.load_drafter()

@@ -10,7 +10,8 @@ import hydra_kernels as hk
 from hydra_kernels.drafters.eagle import DynamicTree, EagleDrafter
 from hydra_kernels.generate import generate
 from hydra_kernels.training import HiddenStates
-from hydra_kernels.training.eagle import train_eagle, unrolled_features
+from hydra_kernels.training.eagle import fuse_next_inputs, train_eagle, unrolled_features
+from hydra_kernels.training.hidden_cache import compute_hidden_states
 from helpers import assert_close_rel
 from test_llama_vs_transformers import make_hf
 
@@ -149,14 +150,16 @@ def test_static_tree_equals_brute_force_replay(model):
                 feats[i] = r.feature(paths[i])
 
 
-def test_training_unroll_is_what_drafting_computes(model):
-    """Unroll step s at position t == a depth-(s-1) node drafted after committing positions < t-s+2."""
-    d = randomised(model, seed=4)
+@pytest.mark.parametrize("feature_layers", [None, "eagle3"])
+def test_training_unroll_is_what_drafting_computes(model, feature_layers):
+    """Unroll step s at position t == a depth-(s-1) node drafted after committing positions < t-s+2 (EAGLE-3:
+    a layer built by new_drafter(feature_layers=...), as training builds it)."""
+    d = randomised(model, seed=4, feature_layers=feature_layers)
     text = [5, 17, 3, 44, 9, 21, 7, 11, 13, 2]
-    feats = model.hidden_states(torch.tensor([text]))  # [1, L, H]
+    feats = base_features(model, d, torch.tensor([text]))  # [1, L, n*H]
     emb = model.tok_embeddings(torch.tensor([text[1:]]))
     x1 = d.layer.fuse(emb, feats[:, :-1])
-    ys = unrolled_features(d.layer, x1, lambda y: d.layer.fuse(emb, torch.cat((y[:, :1], y[:, :-1]), 1)), 3)
+    ys = unrolled_features(d.layer, x1, fuse_next_inputs(d.layer, emb), 3)
     for s in (2, 3):
         for t in range(s - 1, len(text) - 1):
             c = t - s + 2  # committed positions 0..c-1; root = text[c]
@@ -189,29 +192,37 @@ def test_greedy_output_is_plain_greedy_on_triton(model, backend):
     assert out.sequences == ref.sequences
 
 
-def test_an_oracle_layer_is_accepted(model):
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_oracle_layer_is_accepted(model, ragged):
     """A drafter whose top-1 is always the base model's next token is accepted to full depth: the
-    drafted tree reaches the verifier intact (a self-check of propose -> verify -> commit)."""
+    drafted tree reaches the verifier intact (a self-check of propose -> verify -> commit). Ragged: three
+    prompts of different lengths in one batch, whose oracles know the next 3, 1 and 0 tokens, so every
+    step accepts a different number of tokens per sequence; each output is still plain greedy's."""
     d = randomised(model, seed=2)
-    prompts = [[5, 17, 3, 44, 9]]
-    ref = generate(model, prompts, max_new_tokens=30).sequences[0]
-    text = prompts[0] + ref
+    prompts = [[5, 17, 3, 44, 9], [8, 1], [60, 2, 7, 7, 3, 1, 9, 4]] if ragged else [[5, 17, 3, 44, 9]]
+    known = [3, 1, 0] if ragged else [3]  # how deep each sequence's oracle sees
+    ref = generate(model, prompts, max_new_tokens=30).sequences
+    texts = [p + r for p, r in zip(prompts, ref)]
 
     def oracle_propose(state, root, seqlens, _orig=d.propose):
         p = _orig(state, root, seqlens)
-        n = state.host_len[0]  # committed tokens; root at n
         toks = p.tokens.clone()
-        par = p.tree.parents[0].tolist()
-        for i in range(1, toks.shape[1]):  # the right tokens along root -> first child -> its first child ...
-            depth = int(p.tree.depths[0, i])
-            if _first_child_chain(par, i) and n + depth < len(text):
-                toks[0, i] = text[n + depth]
+        for b, text in enumerate(texts):
+            n = state.host_len[b]  # committed tokens; root at n
+            par = p.tree.parents[b].tolist()
+            for i in range(1, toks.shape[1]):  # the right tokens along root -> first child -> its first child ...
+                depth = int(p.tree.depths[b, i])
+                if depth <= known[b] and _first_child_chain(par, i) and n + depth < len(text):
+                    toks[b, i] = text[n + depth]
         return type(p)(toks, p.tree, p.positions)
 
     d.propose = oracle_propose
     out = generate(model, prompts, drafter=d, max_new_tokens=30, tree=dict(total_tokens=6, depth=3, top_k=2))
-    assert out.sequences[0] == ref
-    assert out.num_steps <= 30 // 3 + 2  # ~depth + 1 tokens per step
+    assert out.sequences == ref
+    per_seq = [sum(a) / len(a) for a in out.accept_lengths]  # tokens per step of each sequence
+    assert len(out.accept_lengths[0]) <= 30 // 3 + 2 and per_seq[0] >= 3.0, per_seq  # ~depth + 1 a step
+    if ragged:  # ~4, ~2 and ~1 tokens per step (the random layer alone guesses a repetitive text at times)
+        assert per_seq[0] > per_seq[1] >= 1.8 and per_seq[1] > per_seq[2], per_seq
 
 
 def _first_child_chain(parents: list[int], i: int) -> bool:
@@ -246,6 +257,9 @@ def test_bad_input_is_refused_before_work(model):
         d.resolve_tree(dict(total_tokens=4, width=2), "cpu")
     with pytest.raises(ValueError, match="positive int"):
         DynamicTree(4, 0, 2)
+    small = hk.new_drafter(model, kind="eagle", draft_vocab=[1, 2, 3])
+    with pytest.raises(ValueError, match="lower top_k to at most 3"):
+        generate(model, [[1, 2, 3]], drafter=small, max_new_tokens=4, tree=dict(total_tokens=5, depth=2, top_k=4))
     other = hk.Llama.from_hf(make_hf("mha-untied"))
     with pytest.raises(ValueError, match="another model"):
         generate(other, [[1, 2, 3]], drafter=d, max_new_tokens=4)
@@ -298,12 +312,13 @@ def test_draft_vocab_prefix_ranks_the_first_ids_and_stays_lossless(model):
         draft_vocab_prefix(untied, 10)
 
 
-def test_agreement_is_brute_force_top1_per_depth(model):
+@pytest.mark.parametrize("feature_layers", [None, "eagle3"])
+def test_agreement_is_brute_force_top1_per_depth(model, feature_layers):
     """training.eagle.agreement == per position, a brute-force replay of the depth-d node (true ancestor
     tokens, predicted features) whose top draft token is compared with the base model's greedy token."""
     from hydra_kernels.training.eagle import agreement
 
-    d = randomised(model, seed=9, draft_vocab=list(range(0, 101, 3)))
+    d = randomised(model, seed=9, draft_vocab=list(range(0, 101, 3)), feature_layers=feature_layers)
     text, start = [5, 17, 3, 44, 9, 21, 7, 11, 13, 2, 33], 3
     logits = model(torch.tensor([text]))[0]  # [L, V]: position q's greedy token is logits[q].argmax()
     got = agreement(model, d, [text], [start], unroll=2)
@@ -319,3 +334,78 @@ def test_agreement_is_brute_force_top1_per_depth(model):
             hits += int(d.token_ids(r.log_probs(f).argmax()) == logits[q].argmax())
             n += 1
         assert 0 < n and got[depth - 1] == pytest.approx(hits / n), depth
+
+
+def test_eagle3_new_trains_saves_and_decodes_losslessly(model, tmp_path):
+    """new_drafter(kind="eagle", feature_layers="eagle3"): an EAGLE-3 layer over the streams entering base
+    layers 2, L//2, L-3 whose fresh start ranks with the base model's final norm and LM-head rows; training on
+    captured data lowers the token loss (no feature term) and resumes; data without the captured streams, a
+    feature weight and EAGLE-1 norms are refused before any work; a trained checkpoint reloads and greedy
+    decoding with it is plain greedy decoding."""
+    from hydra_kernels.drafters.eagle_original import eagle3_feature_layers
+
+    vocab = list(range(0, 101, 2))
+    d = hk.new_drafter(model, kind="eagle", feature_layers="eagle3", draft_vocab=vocab)
+    assert d.feature_layers == tuple(eagle3_feature_layers(model.config.num_layers))
+    assert torch.equal(d.layer.lm_head.weight, model.output.weight[torch.tensor(vocab)])
+    assert torch.equal(d.layer.logit_norm.weight, model.norm.weight)
+    y = torch.randn(3, model.config.hidden_size)  # the fresh layer ranks like the base model on its rows
+    base = torch.log_softmax(model.output(model.norm(y))[:, vocab], dim=-1)
+    assert_close_rel(d.draft_log_probs(model, y), base, 1e-5)
+    with pytest.raises(ValueError, match="leave them out"):
+        hk.new_drafter(model, kind="eagle", feature_layers=[0, 2], input_norm=True)
+    with pytest.raises(ValueError, match="capture must be distinct"):
+        hk.new_drafter(model, kind="eagle", feature_layers=[0, 9])
+
+    torch.manual_seed(0)
+    seqs = [torch.randint(0, 101, (n,)).tolist() for n in (40, 33, 57, 25)]
+    plain_data = compute_hidden_states(model, seqs, progress=False, dtype=torch.float32)
+    with pytest.raises(ValueError, match="capture="):
+        train_eagle(model, d, plain_data, steps=2, progress=False)
+    data = compute_hidden_states(model, seqs, progress=False, dtype=torch.float32, capture=d.feature_layers)
+    with pytest.raises(ValueError, match="token loss alone"):
+        train_eagle(model, d, data, steps=2, feature_weight=1.0, progress=False)
+    hist = train_eagle(model, d, data, steps=30, lr=3e-3, seqs_per_step=3, window=32, loss_positions=64, unroll=2,
+                       warmup=2, noise=0.0, progress=False)
+    assert sum(hist["loss"][-5:]) < sum(hist["loss"][:5])
+    runs = []
+    for _ in range(2):  # the second run resumes at step 4 of 4: nothing left to do, same weights
+        e = hk.new_drafter(model, kind="eagle", feature_layers="eagle3", draft_vocab=vocab)
+        runs.append(e)
+        train_eagle(model, e, data, steps=4, seqs_per_step=2, window=16, unroll=2, checkpoint_dir=tmp_path,
+                    checkpoint_every=2, progress=False)
+    for k, v in runs[0].state_dict().items():
+        assert torch.equal(v, runs[1].state_dict()[k]), k
+
+    d.save(tmp_path / "e3")
+    loaded = hk.load_drafter(tmp_path / "e3", model=model)
+    assert loaded.feature_layers == d.feature_layers
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    prompts = [[5, 17, 3, 44, 9], [8, 1], [60, 2, 7, 7, 3, 1, 9, 4]]
+    plain = generate(model, prompts, max_new_tokens=14).sequences
+    for tree in (None, "chain-3"):
+        assert generate(model, prompts, drafter=loaded, max_new_tokens=14, tree=tree).sequences == plain
+
+
+def test_dynamic_tree_search_records_the_fastest_setting(model, tmp_path):
+    """training.tree_search.search_dynamic_tree decodes every setting and plain decoding (rows in grid order,
+    plain first, each setting's tokens/step >= 1), records the fastest setting for this device class (saved as
+    dynamic_<device>.json, used by generate(tree=None)) and refuses a setting the draft cannot rank first."""
+    from hydra_kernels.training.tree_search import search_dynamic_tree
+
+    d = randomised(model, seed=11, draft_vocab=list(range(0, 101, 5)))
+    grid = [DynamicTree(3, 2, 1), DynamicTree(5, 3, 2)]
+    best, rows = search_dynamic_tree(model, d, [[5, 17, 3, 44], [8, 1, 60]], max_new_tokens=10, grid=grid,
+                                     progress=False)
+    assert [(r["total_tokens"], r["depth"], r["top_k"]) for r in rows] == [(1, 0, 0), (3, 2, 1), (5, 3, 2)]
+    assert rows[0]["tokens_per_step"] == 1 and rows[0]["vs_plain"] == 1
+    assert all(r["tokens_per_s"] > 0 and r["tokens_per_step"] >= 1 for r in rows)
+    fastest = max(rows[1:], key=lambda r: r["tokens_per_s"])
+    assert best in grid and (best.total_tokens, best.depth, best.top_k) == (
+        fastest["total_tokens"], fastest["depth"], fastest["top_k"])
+    assert d.dynamic_trees == {"cpu": best}
+    d.save(tmp_path / "e")
+    assert hk.load_drafter(tmp_path / "e", model=model).resolve_tree(None, "cpu").dynamic == best
+    with pytest.raises(ValueError, match="lower top_k to at most 21"):
+        search_dynamic_tree(model, d, [[1, 2]], grid=[DynamicTree(30, 2, 22)], progress=False)

@@ -69,6 +69,30 @@ def test_hidden_states_cache_resumes_and_matches(smollm2, tmp_path):
         assert torch.allclose(c.hidden[8:], model.hidden_states(torch.tensor([[6, 6]]))[0], atol=1e-5)
 
 
+def test_hidden_states_with_captured_layers(smollm2, tmp_path):
+    """capture: the streams entering the named base layers are kept beside the final states (EAGLE-3's
+    features), in their own cache folder, batched or not, equal to Llama.hidden_states(capture=...)."""
+    model, _ = smollm2
+    seqs = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4]]
+    plain = compute_hidden_states(model, seqs, cache_dir=tmp_path, shard_size=2, progress=False, dtype=torch.float32)
+    assert plain.captured is None and plain.capture is None
+    runs = [compute_hidden_states(model, seqs, cache_dir=tmp_path, shard_size=2, progress=False, dtype=torch.float32,
+                                  capture=[2, 15], batch_tokens=b) for b in (1, 1, 100)]  # computed, reread, batched
+    assert len(list(tmp_path.glob("hidden-*"))) == 2  # captured shards never mix with plain ones
+    with torch.no_grad():
+        refs = [model.hidden_states(torch.tensor([s]), capture=(2, 15)) for s in seqs]
+    ref_h, ref_c = (torch.cat([r[i][0] for r in refs]) for i in (0, 1))
+    for got in runs:
+        assert got.capture == (2, 15) and got.captured.shape == (12, 2 * model.config.hidden_size)
+        assert torch.allclose(got.hidden, ref_h, atol=1e-4) and torch.allclose(got.captured, ref_c, atol=1e-4)
+        assert torch.equal(got.hidden, plain.hidden) or got is runs[2]
+    assert torch.equal(runs[0].captured, runs[1].captured)
+    trained = runs[0].train_from([2, 0, 1])
+    assert trained.captured is runs[0].captured and trained.to("cpu").capture == (2, 15)
+    with pytest.raises(ValueError, match="capture must be distinct layer indices"):
+        compute_hidden_states(model, seqs, progress=False, capture=[2, 2])
+
+
 def test_hidden_states_batched_forwards_match_one_sequence_each(smollm2):
     """Sequences of mixed lengths, batched (right-padded, longest first) under several token budgets:
     every sequence's states, in the input order, are as close to an fp64 forward of it alone as the

@@ -163,21 +163,38 @@ class EagleDrafter(Drafter):
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
     def new(cls, model, kind: str = "eagle", *, draft_vocab=None, tree=None, input_norm: bool = False,
-            final_norm: bool = False) -> "EagleDrafter":
+            final_norm: bool = False, feature_layers=None) -> "EagleDrafter":
+        """feature_layers: None, an EAGLE-1/2 layer over the final-normed features; "eagle3" (the base layers
+        EAGLE-3 reads: 2, L // 2, L - 3) or a list of layer indices, an EAGLE-3 layer over the residual
+        streams entering them, with its own LM head over the draft vocabulary (input_norm / final_norm are
+        then EAGLE-3's and may not be given)."""
         mc = model.config
         spec = as_dynamic(tree) or DynamicTree()
-        with torch.no_grad():  # features are final-normed: their RMS is about the final norm weight's
-            rms = lambda w: float(w.float().pow(2).mean().sqrt())  # noqa: E731
-            emb_scale = round(rms(model.norm.weight) / max(rms(model.tok_embeddings.weight), 1e-6), 4)
+        if feature_layers is not None:
+            if input_norm or final_norm:
+                raise ValueError("input_norm / final_norm choose an EAGLE-1/2 layer's norms; an EAGLE-3 layer "
+                                 "(feature_layers) has its own: leave them out")
+            if feature_layers == "eagle3":
+                from .eagle_original import eagle3_feature_layers
+
+                feature_layers = eagle3_feature_layers(mc.num_layers)
+            feature_layers = list(model.check_capture(feature_layers))
+            emb_scale, fc_bias, input_norm = 1.0, False, True
+        else:
+            with torch.no_grad():  # features are final-normed: their RMS is about the final norm weight's
+                rms = lambda w: float(w.float().pow(2).mean().sqrt())  # noqa: E731
+                emb_scale = round(rms(model.norm.weight) / max(rms(model.tok_embeddings.weight), 1e-6), 4)
+            fc_bias = True
+        ids = draft_vocab_ids(draft_vocab, mc.vocab_size, model.device) if draft_vocab is not None else None
         cfg = EagleConfig(hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
                           base_config=mc.to_hf_dict(include_extra=False), input_norm=input_norm,
-                          final_norm=final_norm, draft_vocab_size=None if draft_vocab is None else len(draft_vocab),
-                          tree=asdict(spec), emb_scale=emb_scale)
+                          final_norm=final_norm, fc_bias=fc_bias, draft_vocab_size=None if ids is None else len(ids),
+                          tree=asdict(spec), emb_scale=emb_scale, feature_layers=feature_layers)
         drafter = cls(cfg)
+        if ids is not None:
+            drafter.draft_vocab.copy_(ids.cpu())
         drafter.init_from(model)
         drafter = drafter.to(model.device, model.dtype).eval()
-        if draft_vocab is not None:
-            drafter.draft_vocab.copy_(draft_vocab_ids(draft_vocab, mc.vocab_size, model.device))
         return drafter
 
     @torch.no_grad()
@@ -191,7 +208,8 @@ class EagleDrafter(Drafter):
         every unroll depth (as Hydra++'s prefix layer starts, drafters/prefix.py)."""
         own = self.layer.block.state_dict()
         src = model.layers[-1].state_dict()
-        self.layer.block.load_state_dict({k: src[k].clone() for k in own})
+        same = {k: src[k].clone() for k in own if src[k].shape == own[k].shape}  # EAGLE-3's q/k/v read 2H
+        self.layer.block.load_state_dict(same, strict=self.feature_layers is None)
         blk = self.layer.block
         for lin in (blk.attention.wo, blk.feed_forward.w2):
             lin.weight.zero_()
@@ -199,9 +217,29 @@ class EagleDrafter(Drafter):
                 lin.bias.zero_()
         H = self.config.hidden_size
         self.layer.fc.weight.zero_()
-        self.layer.fc.weight[:, H:] = torch.eye(H)
+        if self.feature_layers is None:
+            self.layer.fc.weight[:, H:] = torch.eye(H)
+        else:
+            self._init_eagle3(model, src)
         if self.layer.fc.bias is not None:
             self.layer.fc.bias.zero_()
+
+    @torch.no_grad()
+    def _init_eagle3(self, model, src: dict) -> None:
+        """EAGLE-3's start, in the spirit of init_from: fc passes the highest feature layer's stream through
+        (the predicted feature starts as that stream, a late layer's view of the next token); q/k/v read
+        the feature half with the base layer's weights and the token half as zero; the output norm is the
+        base model's final norm and the LM head its rows of the draft vocabulary (both trained after)."""
+        H, layer = self.config.hidden_size, self.layer
+        layer.fc.weight[:, -H:] = torch.eye(H)
+        wqkv = src["attention.wqkv.weight"]
+        layer.block.attention.wqkv.weight.zero_()
+        layer.block.attention.wqkv.weight[:, H:] = wqkv
+        layer.hidden_norm.weight.copy_(src["attention_norm.weight"])
+        layer.logit_norm.weight.copy_(model.norm.weight.detach())
+        w = model.output.weight.detach().to("cpu", torch.float32)
+        rows = w if self.draft_vocab is None else w.index_select(0, self.draft_vocab.cpu())
+        layer.lm_head.weight.copy_(rows)
 
     # ---- checks before any work -----------------------------------------------------------------
     def check_model(self, model) -> None:
@@ -224,10 +262,13 @@ class EagleDrafter(Drafter):
         if tree is None:
             tree = self.dynamic_trees.get(device_type) or self.trees.get(device_type) or DynamicTree(**self.config.tree)
         spec = as_dynamic(tree)
+        vd = self.config.draft_vocab_size or self.config.vocab_size
         if spec is not None:
+            if spec.top_k > vd:
+                raise ValueError(f"the dynamic tree asks for the draft's top {spec.top_k} tokens, but it ranks {vd}: "
+                                 f"lower top_k to at most {vd}")
             return spec.bound()
         t = as_tree(tree)
-        vd = self.config.draft_vocab_size or self.config.vocab_size
         k = max((p.topk for p in t.plans), default=0)
         if k > vd:
             raise ValueError(f"the tree asks for the draft's guess of rank {k - 1}, but it ranks {vd} tokens")
@@ -347,6 +388,10 @@ class EagleDrafter(Drafter):
         """The LM head rows the draft ranks with (EAGLE-3: its own LM head's weight)."""
         if self.layer.lm_head is not None:
             return self.layer.lm_head.weight
+        return self.base_lm_rows(model)
+
+    def base_lm_rows(self, model) -> torch.Tensor:
+        """The base model's LM-head rows of the draft vocabulary [Vd, H] (training's teacher)."""
         w = model.output.weight
         if self.draft_vocab is None:
             return w

@@ -29,9 +29,15 @@ _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "heads"
 SHIPPED_MODEL = "smollm2-135m-instruct"  # the embedded default (hk.load_model())
-# load_drafter() takes the first shipped kind in this order; only the best measured kind is shipped
-# besides Medusa (python/eval_heads.py decides; python/ship_heads.py --package writes the package)
+# load_drafter() takes the kind named in <SHIPPED_DIR>/<SHIPPED_MODEL>/default.json, the fastest measured
+# (python/ship_heads.py --default KIND --measured "..." writes it); without that file, the first shipped
+# kind in this order
 SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
+DEFAULT_FILE = "default.json"
+# the recipe that trains each family (named when a kind is asked for but not shipped)
+RECIPES = {"medusa": "python/train_heads.py", "hydra": "python/train_heads.py", "hydra++": "python/train_heads.py",
+           "eagle": "python/train_eagle.py", "mlp_speculator": "python/train_mlp_speculator.py",
+           "amphista": "python/train_amphista.py"}
 
 
 def family(kind: str) -> type[Drafter]:
@@ -80,6 +86,23 @@ def shipped_drafters() -> dict[str, Path]:
     return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").exists()} if root.is_dir() else {}
 
 
+def default_kind() -> str:
+    """The kind load_drafter() returns: the one default.json names (the fastest measured on the embedded
+    model, with the measurement it rests on), else the first shipped kind of SHIPPED_PREFERENCE."""
+    shipped = shipped_drafters()
+    f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
+    if f.exists():
+        try:
+            kind = json.loads(f.read_text())["kind"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{f} must be JSON with a 'kind' ({e!r}); the package is corrupt: reinstall it") from e
+        if kind not in shipped:
+            raise ValueError(f"{f} names {kind!r}, which is not shipped ({sorted(shipped)}); the package is corrupt: "
+                             "reinstall it")
+        return kind
+    return next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
+
+
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     """Load a drafter, recognising its format: ours (any kind), an original Hydra checkpoint dir,
     original Medusa heads (also vLLM's layout), an fms-extras MLPSpeculator (HF hub or vLLM naming) or an
@@ -90,10 +113,12 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     generate(tree=None) uses it."""
     if path is None:
         shipped = shipped_drafters()
-        kind = kind or next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
+        kind = kind or default_kind()
         if kind not in shipped:
+            recipe = RECIPES.get(kind)
+            how = f"train your own with {recipe}, or pass" if recipe else "pass"
             raise FileNotFoundError(f"no shipped {kind!r} drafter; shipped: {sorted(shipped) or 'none'} "
-                                    "(train your own with python/train_heads.py, or pass a checkpoint directory)")
+                                    f"({how} a checkpoint directory)")
         path = shipped[kind]
         if model is not None and (model.config.vocab_size, model.config.hidden_size) != (49152, 576):
             raise ValueError("the shipped drafters are for the embedded SmolLM2-135M-Instruct (vocab 49152, hidden 576); "

@@ -62,7 +62,7 @@ def train_amphista(model, drafter, data: HiddenStates, steps: int = 400, lr: flo
     heads = torch.arange(K)
     with run.steps_left("training amphista", progress) as bar:
         for step in bar:
-            ids, feats, train, _ = windows.sample()  # [S, L], [S, L, H], [S, L]
+            ids, feats, train, *_ = windows.sample()  # [S, L], [S, L, H], [S, L]
             S, L = ids.shape
             # head d at p trains when its teacher position q = p+1+d is trained (then x_{q+1} is in the window)
             q = torch.arange(L - 1)[:, None] + 1 + heads  # [L-1, K]

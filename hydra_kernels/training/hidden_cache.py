@@ -29,6 +29,9 @@ class HiddenStates:
     # bool [N] or None (all): teacher positions q whose next token (q+1) the heads are trained on,
     # e.g. only the answers of self-generated data (prompts are text the heads never draft)
     trainable: torch.Tensor | None = None
+    # [N, n * H] or None: the residual streams entering the base layers `capture` (EAGLE-3's features)
+    captured: torch.Tensor | None = None
+    capture: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -44,7 +47,8 @@ class HiddenStates:
 
     def to(self, device) -> "HiddenStates":
         t = None if self.trainable is None else self.trainable.to(device)
-        return HiddenStates(self.ids.to(device), self.hidden.to(device), self.after.to(device), t)
+        c = None if self.captured is None else self.captured.to(device)
+        return HiddenStates(self.ids.to(device), self.hidden.to(device), self.after.to(device), t, c, self.capture)
 
     def train_from(self, starts: list[int]) -> "HiddenStates":
         """Train only on positions q >= starts[i] of sequence i (q predicts token q+1): for a prompt of
@@ -55,19 +59,21 @@ class HiddenStates:
         seq_start = torch.cat([ends.new_zeros(1), ends[:-1]])
         offset = torch.arange(self.num_tokens) - torch.repeat_interleave(seq_start, ends - seq_start)
         first = torch.repeat_interleave(torch.tensor(starts), ends - seq_start)
-        return HiddenStates(self.ids, self.hidden, self.after, offset >= first)
+        return HiddenStates(self.ids, self.hidden, self.after, offset >= first, self.captured, self.capture)
 
 
 def _after(lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n - 1, -1, -1) for n in lengths])
 
 
-def _model_key(model, dtype) -> str:
-    """Which model and storage dtype: the config and a cheap weight sample."""
+def _model_key(model, dtype, capture=None) -> str:
+    """Which model, storage dtype and captured layers: the config and a cheap weight sample."""
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_hf_dict(include_extra=False), sort_keys=True, default=str).encode())
     h.update(model.output.weight.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     h.update(str(dtype).encode())
+    if capture is not None:  # the folder of a run without capture keeps its old name
+        h.update(f"capture={list(capture)}".encode())
     return h.hexdigest()[:16]
 
 
@@ -84,8 +90,10 @@ def _shard_key(chunk: list[list[int]]) -> str:
 @torch.no_grad()
 def compute_hidden_states(model, sequences: list[list[int]], cache_dir: str | Path | None = None,
                           shard_size: int = 32, dtype=torch.bfloat16, progress: bool = True,
-                          batch_tokens: int | None = None) -> HiddenStates:
+                          batch_tokens: int | None = None, capture=None) -> HiddenStates:
     """Full causal forwards over the sequences -> HiddenStates (hidden stored as `dtype`).
+    capture (base layer indices): also keep the residual streams entering those layers (HiddenStates.captured,
+    [N, len(capture) * H], as Llama.hidden_states(capture=...) gives them; EAGLE-3's features).
     cache_dir: keep finished shards there (a folder per model and dtype; a file per shard, named by its
     sequences) and reuse them. batch_tokens: padded tokens per forward, sequences of similar length
     batched together. Default: one sequence per forward on the CPU (a ~260-token sequence already keeps
@@ -93,9 +101,10 @@ def compute_hidden_states(model, sequences: list[list[int]], cache_dir: str | Pa
     [B, heads, L, L] scores), 8192 on a GPU (one sequence per forward leaves it mostly idle)."""
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("need at least one sequence, each of at least 2 tokens")
+    capture = None if capture is None else model.check_capture(capture)
     root = None
     if cache_dir is not None:
-        root = Path(cache_dir) / f"hidden-{_model_key(model, dtype)}"
+        root = Path(cache_dir) / f"hidden-{_model_key(model, dtype, capture)}"
         root.mkdir(parents=True, exist_ok=True)
     if batch_tokens is None:
         batch_tokens = 1 if model.device.type == "cpu" else 8192
@@ -107,22 +116,28 @@ def compute_hidden_states(model, sequences: list[list[int]], cache_dir: str | Pa
         if shard is not None and shard.exists():
             parts.append(torch.load(shard, weights_only=True))
         else:
-            parts.append(_forward_chunk(model, chunk, batch_tokens, dtype))
+            parts.append(_forward_chunk(model, chunk, batch_tokens, dtype, capture))
             if shard is not None:
                 torch.save(parts[-1], shard.with_suffix(".tmp"))
                 shard.with_suffix(".tmp").rename(shard)
         bar.update(sum(map(len, chunk)))
     bar.close()
+    captured = None
+    if capture is not None:  # each shard holds (hidden [n, H], captured [n, len(capture) * H])
+        parts, captured = [p[0] for p in parts], torch.cat([p[1] for p in parts])
     return HiddenStates(ids=torch.tensor([t for s in sequences for t in s], dtype=torch.long),
-                        hidden=torch.cat(parts), after=_after([len(s) for s in sequences]))
+                        hidden=torch.cat(parts), after=_after([len(s) for s in sequences]), captured=captured,
+                        capture=capture)
 
 
-def _forward_chunk(model, chunk: list[list[int]], batch_tokens: int, dtype) -> torch.Tensor:
-    """Hidden states of the chunk's sequences, concatenated in order [sum(len), H]. Longest first,
-    grouped while the right-padded batch stays within batch_tokens (a sequence longer than that goes
-    alone). Right padding is exact under the causal mask: a real token never sees the padding after it."""
+def _forward_chunk(model, chunk: list[list[int]], batch_tokens: int, dtype, capture=None):
+    """Hidden states of the chunk's sequences, concatenated in order [sum(len), H] (with capture: the pair
+    (them, the captured streams [sum(len), len(capture) * H])). Longest first, grouped while the
+    right-padded batch stays within batch_tokens (a sequence longer than that goes alone). Right padding
+    is exact under the causal mask: a real token never sees the padding after it."""
     order = sorted(range(len(chunk)), key=lambda i: -len(chunk[i]))
     out: list[torch.Tensor | None] = [None] * len(chunk)
+    kept: list[torch.Tensor | None] = [None] * len(chunk)
     i = 0
     while i < len(order):
         longest = len(chunk[order[i]])
@@ -130,11 +145,16 @@ def _forward_chunk(model, chunk: list[list[int]], batch_tokens: int, dtype) -> t
         ids = torch.zeros(len(group), longest, dtype=torch.long)
         for r, j in enumerate(group):
             ids[r, : len(chunk[j])] = torch.tensor(chunk[j])
-        h = model.hidden_states(ids.to(model.device)).to("cpu", dtype)
+        if capture is None:
+            h = model.hidden_states(ids.to(model.device)).to("cpu", dtype)
+        else:
+            h, c = (t.to("cpu", dtype) for t in model.hidden_states(ids.to(model.device), capture=capture))
         for r, j in enumerate(group):
             out[j] = h[r, : len(chunk[j])]
+            if capture is not None:
+                kept[j] = c[r, : len(chunk[j])]
         i += len(group)
-    return torch.cat(out)
+    return torch.cat(out) if capture is None else (torch.cat(out), torch.cat(kept))
 
 
 def draft_vocabulary(sequences: list[list[int]], size: int, always: list[int] = ()) -> torch.Tensor:

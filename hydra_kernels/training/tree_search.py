@@ -105,3 +105,58 @@ def time_tree_sizes(model, drafter, ranks: torch.Tensor, sizes: list[int], promp
     return [{"size": s, "tokens_per_s": tot[s]["tok"] / tot[s]["secs"],
              "tokens_per_step": tot[s]["acc"] / max(1, tot[s]["steps"]),
              "expected_tokens_per_step": trees[s][1][-1]} for s in sizes]
+
+
+def dynamic_search_grid():
+    """The EAGLE-2 settings (total_tokens, depth, top_k) search_dynamic_tree times by default: small trees, as
+    a 2-core CPU affords (a 3-node verify step costs ~1.13x a plain one there, a 16-node one ~1.9x)."""
+    from ..drafters.eagle import DynamicTree
+
+    return [DynamicTree(t, d, k) for t, d, k in [(3, 2, 1), (4, 3, 1), (4, 2, 2), (5, 3, 2), (5, 4, 1), (6, 3, 2),
+                                                 (6, 4, 2), (8, 4, 2), (8, 3, 3), (10, 4, 3), (12, 5, 3)]]
+
+
+def search_dynamic_tree(model, drafter, prompts: list[list[int]], max_new_tokens: int = 96, grid=None,
+                        progress: bool = True):
+    """EAGLE's tree search on this device: real greedy decoding (batch 1) of `prompts` with every dynamic-tree
+    setting of `grid` (default dynamic_search_grid()) and with plain decoding, interleaved as time_tree_sizes
+    is (each prompt through every setting back to back, the order rotated per prompt). The setting with the
+    most tokens/s is recorded as drafter.dynamic_trees[<device type>] (drafter.save writes it as
+    dynamic_<device>.json; generate(tree=None) then uses it). -> (the best DynamicTree, rows {total_tokens,
+    depth, top_k, tokens_per_s, tokens_per_step, vs_plain}; the plain row has total_tokens 1)."""
+    from ..generate import generate
+
+    grid = list(grid or dynamic_search_grid())
+    if not grid or not prompts:
+        raise ValueError("search_dynamic_tree needs at least one setting and one prompt")
+    for spec in grid:  # every setting checked before any timing
+        drafter.resolve_tree(spec, model.device.type)
+    settings = [None] + grid  # None: plain decoding
+    tot = {i: {"tok": 0, "emitted": 0, "steps": 0, "secs": 0.0} for i in range(len(settings))}
+
+    def run(i, prompt, n):
+        spec = settings[i]
+        return generate(model, [prompt], drafter=None if spec is None else drafter, tree=spec, max_new_tokens=n)
+
+    for i in range(len(settings)):
+        run(i, prompts[0], 8)  # warm-up
+    bar = tqdm(total=len(settings) * len(prompts), desc="dynamic tree search", disable=not progress)
+    for j, p in enumerate(prompts):
+        order = list(range(len(settings)))
+        for i in order[j % len(order):] + order[: j % len(order)]:
+            t0 = time.perf_counter()
+            out = run(i, p, max_new_tokens)
+            tot[i]["secs"] += time.perf_counter() - t0
+            tot[i]["tok"] += len(out.sequences[0])
+            tot[i]["emitted"] += len(out.sequences[0]) - 1  # the first token comes from the prefill
+            tot[i]["steps"] += out.num_steps
+            bar.update()
+    bar.close()
+    speed = {i: tot[i]["tok"] / tot[i]["secs"] for i in tot}
+    rows = [{"total_tokens": 1 if s is None else s.total_tokens, "depth": 0 if s is None else s.depth,
+             "top_k": 0 if s is None else s.top_k, "tokens_per_s": speed[i],
+             "tokens_per_step": tot[i]["emitted"] / max(1, tot[i]["steps"]), "vs_plain": speed[i] / speed[0]}
+            for i, s in enumerate(settings)]
+    best = settings[max(range(1, len(settings)), key=lambda i: speed[i])]
+    drafter.dynamic_trees[model.device.type] = best
+    return best, rows
