@@ -41,11 +41,15 @@ FAMILIES = {  # name: (new_drafter options, the tree generate() gets)
     "mlp_speculator": (dict(kind="mlp_speculator", n_predict=2), None),
     "ngram": (dict(kind="ngram"), None),
     "lookahead": (dict(kind="lookahead"), None),
+    "combined": (dict(kind="combined"), hk.tree.default_tree(6, depth=3)),  # n-gram + Hydra heads
 }
 
 
 def make(model, name):
     opts, tree = FAMILIES[name]
+    if name == "combined":
+        heads = randomised(hk.new_drafter(model, kind="hydra", num_heads=3), seed=len(name))
+        return hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads]), tree
     d = hk.new_drafter(model, **opts)
     if name not in ("ngram", "lookahead"):
         randomised(d, seed=len(name))
@@ -315,3 +319,19 @@ def test_search_makes_a_valid_table_from_its_measurements(model):
     assert rechoose(copy.deepcopy(table), 1e9).nodes == [[1, 1], [1, 1]]
     with pytest.raises(ValueError, match="no per-point predictions"):
         rechoose(BudgetTable(device="cpu", tree=table.tree, full=table.full, batch_sizes=[1], contexts=[8], nodes=[[1]]))
+
+
+def test_combined_budget_caps_the_merged_draft(model):
+    """The combined drafter (n-gram + heads) offers every budget up to its whole draft; a step held to n
+    nodes proposes at most n per sequence, and the output stays plain greedy's."""
+    d, tree = make(model, "combined")
+    assert d.budget_levels(d.resolve_tree(tree, "cpu")) == tuple(range(1, 17))  # 6 heads' + 10 n-gram nodes
+    prompts = [[5, 17, 3, 44, 9, 5, 17, 3], [8, 1, 60, 8, 1]]  # repeats: the n-gram part drafts
+    plain = generate(model, prompts, max_new_tokens=12, eos_token_id=[]).sequences
+    sizes, orig = [], d.propose
+    d.propose = lambda state, root, seqlens: sizes.append(orig(state, root, seqlens)) or sizes[-1]
+    for n in (3, 5):
+        sizes.clear()
+        out = generate(model, prompts, drafter=d, tree=tree, budget=n, max_new_tokens=12, eos_token_id=[])
+        assert out.sequences == plain and set(out.step_nodes) == {n}
+        assert sizes and max(p.tokens.shape[1] for p in sizes) == n

@@ -93,6 +93,14 @@ class CombinedDrafter(Drafter):
                              self.heads.start(model, batch_size, max_seq_len, ht, backends),
                              ht.parents.tolist(), budget, model.device)
 
+    def budget_levels(self, tree: Tree) -> tuple[int, ...]:
+        """Any node budget up to the run's (node_budget, else both drafts whole): a step keeps that many
+        nodes of the two drafts, by the same rule as node_budget (the stronger draft first)."""
+        return tuple(range(1, (self.node_budget or tree.num_nodes) + 1))
+
+    def set_budget(self, state: CombinedState, nodes: int) -> None:
+        state.budget = nodes
+
     def use_generator(self, state: CombinedState, generator) -> None:
         self.ngram.use_generator(state.ngram, generator)
         self.heads.use_generator(state.heads, generator)

@@ -345,14 +345,14 @@ class EagleDrafter(Drafter):
         n = state.pend_n
         i = torch.arange(P, device=dev)
         tok = torch.where(i[None, :] == (n - 1)[:, None], root[:, None], state.pend_tok)  # [B, P]
-        dlen = state.cache.seqlens.long()
-        rows = dlen[:, None] + i  # [B, P] = the positions
-        kv_len = min(max(state.host_len) + P, state.cache.max_seq_len)
-        r = torch.arange(kv_len, device=dev)
-        mask = r[None, None, :] <= rows[:, :, None]  # [B, P, kv_len]: causal over prefix + chunk
+        cache = state.cache
+        rows = cache.seqlens.long()[:, None] + i  # [B, P] = the positions
+        kv_len = min(max(state.host_len) + P, cache.max_seq_len)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()  # the chunk over itself, after the prefix
         x = self.layer.fuse(state.model.tok_embeddings(tok), state.pend_h)
-        y = self.layer.forward_masked(x, rows, state.cache.layers[0], rows, mask)  # [B, P, H]
-        state.cache.advance(n.to(state.cache.seqlens.dtype))
+        y = self.layer.forward_tree(x, rows, cache.layers[0], cache.seqlens, None, causal, kv_len,
+                                    state.backends["tree_attention"])  # [B, P, H]
+        cache.advance(n.to(cache.seqlens.dtype))
         return y[torch.arange(B, device=dev), (n - 1).clamp(min=0)]
 
     def _run_nodes(self, state: EagleState, tok: torch.Tensor, feat: torch.Tensor, depth: int, rows_rel: torch.Tensor,
@@ -360,16 +360,17 @@ class EagleDrafter(Drafter):
         """Draft nodes at tree depth `depth` (>= 1): tok [B, n] their tokens, feat [B, n, H] their parents'
         predicted features, rows_rel [B, n] their rows after the committed prefix, anc bool [B, n, R] the
         tree rows each sees (ancestors and itself) -> their predicted features [B, n, H]."""
-        dlen = state.cache.seqlens.long()  # == the base model's committed length (after _chunk)
-        R = anc.shape[-1]
-        kv_len = min(max(state.host_len) + R, state.cache.max_seq_len)
-        rel = torch.arange(kv_len, device=tok.device)[None, :] - dlen[:, None]  # [B, kv_len]
-        in_tree = (rel >= 0) & (rel < R)
-        tree_part = anc.gather(2, rel.clamp(0, R - 1)[:, None, :].expand(-1, tok.shape[1], -1))
-        mask = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)  # [B, n, kv_len]
+        cache = state.cache
+        dlen = cache.seqlens.long()  # == the base model's committed length (after _chunk)
+        B, n, R = anc.shape
+        kv_len = min(max(state.host_len) + R, cache.max_seq_len)
+        # the step's tree rows [0, R): the nodes' rows see their ancestors and themselves, the rest only itself
+        mask = torch.eye(R, dtype=torch.bool, device=tok.device).expand(B, R, R).clone()
+        mask[torch.arange(B, device=tok.device)[:, None], rows_rel] = anc
         positions = (dlen + depth - 1)[:, None].expand_as(rows_rel)
         x = self.layer.fuse_node(state.model.tok_embeddings(tok), feat)
-        return self.layer.forward_masked(x, positions, state.cache.layers[0], dlen[:, None] + rows_rel, mask)
+        return self.layer.forward_tree(x, positions, cache.layers[0], cache.seqlens, rows_rel, mask, kv_len,
+                                       state.backends["tree_attention"])
 
     def draft_log_probs(self, model, y: torch.Tensor) -> torch.Tensor:
         """Predicted features [..., H] -> log-probabilities [..., Vd] over the draft vocabulary (the base

@@ -7,13 +7,14 @@ EAGLE-1's layer has no input RMSNorm (its fc output goes straight into attention
 EAGLE-3 (`Eagle3Layer`) differs in what it reads and predicts; see its docstring.
 
 Two ways to run it:
-- `forward_full(x)`: causal over whole sequences, no cache (training);
-- `forward_masked(x, positions, kv, rows, mask)`: the inputs' keys/values written to rows of the
-  drafter's own KV buffer, each query attending to the buffer rows its mask allows (committed prefix,
-  its ancestors in the draft tree, itself). Drafting runs a few queries per call (the pending chunk,
-  then top_k nodes per depth), whose visible rows are not a square tree over the new rows alone, so
-  this takes a dense [B, Tq, kv_len] mask through torch SDPA: at kv_len of a few hundred rows and
-  Tq <= 8 that is microseconds next to the layer's GEMVs.
+- `forward_full(x)` (and `qkv` + `attend` with a dense mask, the training unroll): causal over whole
+  sequences, no cache;
+- `forward_tree(x, positions, kv, seqlens, slots, tree_mask, kv_len, backend)` (drafting): the inputs'
+  keys/values written to the drafter's own KV buffer at rows seqlens[b] + slots, each query attending to
+  the committed prefix and the tree rows its mask allows, through ops.tree_attention (the run's backend:
+  the native CPU kernel reads each K/V row once per GQA group). Drafting's queries are a few rows of a
+  larger tree (the pending chunk: all of its rows; a depth: top_k nodes among the step's tree rows), so
+  the op gets the tree rows [0, T) with queries only at `slots` (the other rows padding that sees itself).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..model.config import LlamaConfig
 from ..model.layers import RMSNorm, TransformerBlock
 from ..model.packed_linear import Linear
@@ -95,16 +97,26 @@ class EagleLayer(nn.Module):
         h = self._residual(x) + self.block.attention.wo(o.transpose(1, 2).flatten(2))
         return self._mlp(h)
 
-    def forward_masked(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
-        """x [B, Tq, *] fused inputs at rope positions [B, Tq]; kv [2, B, S_max, Hkv, D] the drafter's
-        buffer, the inputs' K/V written at rows [B, Tq]; mask bool [B, Tq, kv_len] the buffer rows each
-        query sees (kv_len <= S_max, a host-known bound) -> predicted features [B, Tq, H]."""
+    def forward_tree(self, x: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, seqlens: torch.Tensor,
+                     slots: torch.Tensor | None, tree_mask: torch.Tensor, kv_len: int, backend: str) -> torch.Tensor:
+        """x [B, n, *] fused inputs at rope positions [B, n]; kv [2, B, S_max, Hkv, D] the drafter's buffer
+        with seqlens [B] committed rows; slots [B, n] the inputs' tree rows (their K/V go to buffer rows
+        seqlens + slots; None: slots 0..n-1); tree_mask bool [T, T] or [B, T, T] over the tree rows [0, T)
+        (ancestor-or-self; rows that are not in `slots` see themselves only); kv_len >= seqlens + T, a
+        host-known bound on the buffer rows read -> predicted features [B, n, H]."""
+        B, n = x.shape[:2]
         q, k, v = self.qkv(x, positions, kv.shape[2])
-        bidx = torch.arange(x.shape[0], device=x.device)[:, None]
+        bidx = torch.arange(B, device=x.device)[:, None]
+        rows = seqlens.long()[:, None] + (torch.arange(n, device=x.device) if slots is None else slots)
         kv[:, bidx, rows] = torch.stack((k, v))
-        n = mask.shape[-1]
-        return self.attend(x, q, kv[0, :, :n], kv[1, :, :n], mask)
+        T = tree_mask.shape[-1]
+        if slots is not None:  # the queries at their tree rows, zeros elsewhere (padding rows)
+            q = q.new_zeros(B, T, *q.shape[2:]).index_put_((bidx, slots), q)
+        o = ops.tree_attention(q, kv[0, :, :kv_len], kv[1, :, :kv_len], seqlens, tree_mask, backend=backend)
+        if slots is not None:
+            o = o[bidx, slots]
+        h = self._residual(x) + self.block.attention.wo(o.flatten(2))
+        return self._mlp(h)
 
 
 class Eagle3Layer(EagleLayer):
