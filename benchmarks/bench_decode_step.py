@@ -52,14 +52,18 @@ def random_model(name: str, layers: int | None, device, dtype) -> hk.Llama:
 class Steps:
     """Plain and speculative steps on one cache, each starting from the same committed length."""
 
-    def __init__(self, model, B: int, T: int, accept: int, context: int, backends):
+    def __init__(self, model, B: int, T: int, accept: int, context: int, backends, cache=None):
+        """cache: a KV cache of batch B and at least context + T + 1 rows to reuse (its rows as they are:
+        a sweep draws one cache per batch size); default a new one drawn at random."""
         dev, V = model.device, model.config.vocab_size
         self.model, self.plan, self.context = model, backends, context
         self.tree = hk.tree.default_tree(T, depth=4).to(dev)
-        self.cache = model.new_kv_cache(B, context + T + 1)
-        # drawn on the device: the cache is GBs at 8B shapes (a CPU draw took minutes)
         gen = torch.Generator(device=dev).manual_seed(B * 1000 + T)
-        self.cache.kv.normal_(0.0, 0.5, generator=gen)
+        if cache is None:
+            cache = model.new_kv_cache(B, context + T + 1)
+            # drawn on the device: the cache is GBs at 8B shapes (a CPU draw took minutes)
+            cache.kv.normal_(0.0, 0.5, generator=gen)
+        self.cache = cache
         self.tokens = torch.randint(0, V, (B, T), generator=gen, device=dev)
         lens = (self.tree.paths >= 0).sum(1)  # the fixed acceptance: the longest path's first `accept` nodes
         path = self.tree.paths[int(lens.argmax())]

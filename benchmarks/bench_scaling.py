@@ -73,7 +73,9 @@ def attention_seconds(model, B: int, C: int, reps: int = 5, cycle_mib: int = 204
     the other layers' and the weights (one buffer reused by every layer stays in the caches and reads faster
     than memory: 56-100 GB/s measured that way on a VM whose DRAM reads ~42 GB/s). The calls cycle through
     ~cycle_mib of buffers (the default 2 GiB: over 4x the 480 MiB L3 of the Xeon VM; at least 2, at most
-    4096 buffers)."""
+    4096 buffers), each read once before the timing: the first read of freshly written buffers ran at half the
+    rate of later ones (Xeon VM, 2026-11-26: 368 vs 187 us a call at 2080 keys), and decoding rereads one
+    long-lived K/V buffer."""
     c = model.config
     per_layer = 2 * B * (C + 1) * c.num_kv_heads * c.head_dim * 4
     kvs = [(torch.randn(B, C + 1, c.num_kv_heads, c.head_dim), torch.randn(B, C + 1, c.num_kv_heads, c.head_dim))
@@ -85,6 +87,9 @@ def attention_seconds(model, B: int, C: int, reps: int = 5, cycle_mib: int = 204
     name = resolved_name("tree_attention", "auto", q.device)
     kernel = resolve("tree_attention", name, q.device)
     ops.check_tree_attention(q, k, v, seqlens, mask)
+    warm = kernel_mask("tree_attention", name, mask)
+    for kv in kvs:
+        kernel(q, *kv, seqlens, warm)
     times, call = [], 0
     for _ in range(reps):  # as a step runs it (AttentionSite): the mask in the kernel's form once, every layer
         t = time.perf_counter()

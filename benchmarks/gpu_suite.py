@@ -7,7 +7,9 @@ Steps (each its own process; a failing step is reported and the next still runs)
   3. the GPU test tier: the op tests with Triton compiled for real (TRITON_INTERPRET=0) and the CUDA kernels,
      every backend against the reference on the GPU (helpers.DEV is "cuda" there), every dtype, awkward shapes
   4. benchmarks: bench_tree_attn, bench_heads, bench_verify at Llama-3-8B shapes (CSVs)
-  5. an end-to-end decode step at Llama-3-8B shapes with random weights, plain vs speculative with a fixed
+  5. the scaling sweep (bench_scaling_gpu: plain and verify steps at batch 1-16, context 128-8k, budgets
+     3-64, with Hydra-style drafting; projected tokens/s from the real drafter's measured acceptance)
+  6. an end-to-end decode step at Llama-3-8B shapes with random weights, plain vs speculative with a fixed
      acceptance pattern, beside plain PyTorch; both steps captured in CUDA graphs, checked against the eager
      steps and timed
 Writes benchmarks/out/gpu_suite.csv (step, status, seconds) and prints it last. Each step has its own time
@@ -66,6 +68,8 @@ def steps(out: str) -> list[tuple[str, list[str], dict, int]]:
                              "16384", "--T", "1", "16", "64", "--batch", "1", "8", "--out", out], real, 150),
         ("bench_heads", [py, "benchmarks/bench_heads.py", "--model", "llama-3-8b", "--out", out], real, 60),
         ("bench_verify", [py, "benchmarks/bench_verify.py", "--model", "llama-3-8b", "--out", out], real, 60),
+        # issue 26's GPU half: 15 (batch, context) points x plain + 5 budgets, graph-replayed (~2 min)
+        ("scaling", [py, "benchmarks/bench_scaling_gpu.py", "--model", "llama-3-8b", "--out", out], real, 240),
         ("decode step + CUDA graph", [py, "benchmarks/bench_decode_step.py", "--model", "llama-3-8b", "--batch", "1", "8",
                                       "--out", out], real, 150),
     ]

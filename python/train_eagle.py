@@ -109,7 +109,8 @@ def main(argv=None):
     def plot(ax):
         plot_training(ax, rows, [f"acc{i + 1}" for i in range(args.unroll)],
                       [f"top-1 agreement, depth {i + 1}" for i in range(args.unroll)],
-                      "EAGLE layer training, SmolLM2-135M-Instruct, self-generated answers")
+                      f"{'EAGLE-3' if fl is not None else 'EAGLE'} layer training, SmolLM2-135M-Instruct, "
+                      "self-generated answers")
 
     write_results(rows, out, "eagle_training", plot)
 

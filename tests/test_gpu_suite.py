@@ -69,3 +69,23 @@ def test_gpu_suite_runs_its_steps_and_kills_a_step_that_runs_over(monkeypatch, t
     assert suite.main(["--out", str(tmp_path), "--only", "after"]) == 0
     assert suite.main(["--out", str(tmp_path), "--deadline-s", "5", "--only", "slow", "after"]) == 1
     assert "| after | NOT RUN (deadline) |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run")
+def test_scaling_gpu_bench_cpu(tmp_path):
+    """The GPU scaling sweep's loop on the CPU (eager times): every point has plain, verify and draft times,
+    projected ratios from the acceptance CSV, and a chosen budget that is the fastest projected."""
+    mod = _load("bench_scaling_gpu")
+    rows = mod.main(["--model", "smollm2-135m", "--layers", "1", "--batches", "1", "3", "--contexts", "17", "40",
+                     "--budgets", "3", "8", "--reps", "1", "--out", str(tmp_path)])
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 17), (1, 40), (3, 17), (3, 40)]
+    curve = mod.read_acceptance(mod.DEFAULT_ACCEPTANCE, "hydra")
+    for r in rows:
+        assert r["plain_us"] > 0 and r["plain_GB_s"] > 0
+        for T in (3, 8):
+            expect = r["batch"] * curve[T] / (r[f"verify{T}_us"] + r[f"draft{T}_us"]) * 1e6 / r["plain_tok_s"]
+            assert r[f"T{T}_ratio"] == pytest.approx(expect)
+        assert r["chosen_ratio"] == pytest.approx(max([1.0] + [r[f"T{T}_ratio"] for T in (3, 8)]))
+    assert (tmp_path / "scaling_smollm2-135m_cpu.csv").exists()
+    with pytest.raises(SystemExit, match="pick budgets among them"):
+        mod.main(["--model", "smollm2-135m", "--layers", "1", "--budgets", "5", "--out", str(tmp_path)])

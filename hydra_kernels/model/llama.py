@@ -133,8 +133,10 @@ class Llama(nn.Module):
 
     @property
     def has_packed_weights(self) -> bool:
-        """The LM head (and, with it, every projection) runs the native packed kernel (use_packed_cpu_weights)."""
-        return self.output.packed_on
+        """The LM head (and, with it, every projection) runs the native packed kernel (use_packed_cpu_weights):
+        a model packed on the CPU and then moved to a GPU keeps its packed_on flags but runs F.linear there
+        (H100, 2026-11-26: the GPU tier found this claiming True on CUDA)."""
+        return self.output.packed_on and self.output.weight.is_cpu
 
     def backend_plan(self, backends: BackendPlan | str | None = None) -> BackendPlan:
         """backends as a BackendPlan: a plan is returned as is; a backend name ("auto" | "reference" |
