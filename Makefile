@@ -23,8 +23,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m hydra_kernels.demo
 
+# Two pytest workers, whole files each (a file's module fixtures, e.g. the loaded SmolLM2, load once), one
+# torch thread each (tests/conftest.py): the suite is largely single-threaded Python (Triton's interpreter),
+# so on the 2-core CI machine this took the suite from 16 to ~N min. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_tree_attn.py

@@ -2,7 +2,7 @@
 save it beside the drafter as budget_<device>.json, which generate() then uses by default.
 
     .venv/bin/python python/search_budget.py [--drafter DIR | --kind hydra] [--prompts 24] [--new-tokens 64]
-        [--batches 1 2 4 8 16] [--contexts 128 2048 8000] [--margin 1.15] [--out benchmarks/results]
+        [--batches 1 2 4 8 16] [--contexts 128 2048 8000] [--margin 1.15] [--reps 5] [--out benchmarks/results]
     .venv/bin/python python/search_budget.py [--drafter DIR | --kind hydra] --rechoose [--margin M]
 
 tokens/step per budget: greedy decoding of --prompts held-out ShareGPT first turns (not MT-Bench, the
@@ -41,8 +41,13 @@ def main(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2048, 8000])
     ap.add_argument("--margin", type=float, default=MARGIN)
     ap.add_argument("--rechoose", action="store_true", help="re-choose the saved CPU table from its predictions")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed run pairs per step time (medians); Amphista's first pass over a long context made "
+                         "its 5-rep search take ~110 min on the Xeon VM (2026-11-26)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     path = Path(args.drafter) if args.drafter else shipped_drafters()[args.kind]
     if args.rechoose:
         table = rechoose(load_tables(path)["cpu"], args.margin)
@@ -53,7 +58,7 @@ def main(argv=None):
     model, tok = hk.load_model(device="cpu")
     drafter = hk.load_drafter(path, model=model)
     table = search_budget_table(model, drafter, heldout_chat_prompts(tok, args.prompts), batch_sizes=args.batches,
-                                contexts=args.contexts, new_tokens=args.new_tokens, margin=args.margin)
+                                contexts=args.contexts, new_tokens=args.new_tokens, margin=args.margin, reps=args.reps)
     print(json.dumps(table.measured["tokens_per_step"]))
     from report import print_table, write_results
 

@@ -14,6 +14,12 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 from helpers import DEV  # noqa: E402
 
+# Under pytest-xdist (make test: 2 workers on 2 cores) each worker runs torch on one thread: two workers of
+# torch's default thread count would oversubscribe the cores (OpenMP threads spin while they wait). Tests
+# that check results across thread counts set the counts they compare themselves.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 # ---- backends: one test per op, run once per backend -----------------------------------------------
 def pytest_configure(config):

@@ -321,6 +321,26 @@ def test_search_makes_a_valid_table_from_its_measurements(model):
         rechoose(BudgetTable(device="cpu", tree=table.tree, full=table.full, batch_sizes=[1], contexts=[8], nodes=[[1]]))
 
 
+def test_search_refuses_speculative_steps_timed_faster_than_plain(model, monkeypatch, capsys):
+    """A speculative step timed under 0.9x the plain step (the run-differencing failing, as it did for
+    Amphista at 8k context) is no measurement: the point runs plain steps, is marked invalid, and says so."""
+    from hydra_kernels.training import budget_search
+
+    fake = {None: 0.010}  # plain 10 ms; budgets: 30 ms at batch 1, an impossible 2 ms at batch 3
+    monkeypatch.setattr(budget_search, "step_seconds",
+                        lambda m, d, t, B, C, nodes, backends, reps=5: fake.get(nodes, 0.030 if B == 1 else 0.002))
+    monkeypatch.setattr(budget_search, "tokens_per_step", lambda *a, **k: {n: 4.0 for n in a[4]})
+    d, tree = make(model, "hydra")
+    table = budget_search.search_budget_table(model, d, PROMPTS, tree_arg=tree, batch_sizes=(1, 3), contexts=(16,),
+                                              margin=1.03, backend="reference")
+    one, three = table.measured["points"]
+    assert "invalid" not in one and one["chosen"] > 1  # 4 tokens in 30 ms beat 1 in 10 ms
+    assert three["invalid"] and three["chosen"] == 1 and table.nodes == [[one["chosen"]], [1]]
+    assert all(v == 0.0 for k, v in three.items() if k.startswith("nodes_"))
+    assert "batch 3, context 16: speculative steps timed faster than a plain step" in capsys.readouterr().out
+    assert budget_search.implausible_steps(0.01, {2: 0.0095, 3: -1.0, 4: 0.008}) == {3: -1.0, 4: 0.008}
+
+
 def test_combined_budget_caps_the_merged_draft(model):
     """The combined drafter (n-gram + heads) offers every budget up to its whole draft; a step held to n
     nodes proposes at most n per sequence, and the output stays plain greedy's."""

@@ -409,3 +409,23 @@ def test_eagle3_loading_is_strict(model, tmp_path):
     path = save_original(tmp_path / "ok", ref, cfg, "bin")
     with pytest.raises(ValueError, match="three distinct"):
         hk.load_drafter(path, model=five_layers)
+
+
+def test_eagle3_config_names_the_feature_layers(model, tmp_path):
+    """A config's eagle_config.eagle_aux_hidden_state_layer_ids (vLLM / SpecForge) decides which base layers'
+    inputs the layer reads (in layer order), its fc sized to match; ids outside the model, repeated or not a
+    list are refused before loading, naming the field."""
+    ref, cfg, _ = eagle3(model, tmp_path)
+    two = {**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 0]}}
+    fc = {"fc.weight": ref.fc.weight.detach()[:, : 2 * H].clone()}
+    path = save_original(tmp_path / "two-layers", ref, two, "bin", drop=("fc.weight",), add=fc)
+    d = hk.load_drafter(path, model=model)
+    assert list(d.config.feature_layers) == [0, 2]
+    assert torch.equal(d.layer.fc.weight.float(), fc["fc.weight"].float())
+    with pytest.raises(ValueError, match="mis-shaped.*fc.weight"):  # three ids, a two-layer fc
+        hk.load_drafter(save_original(tmp_path / "three", ref, {**two, "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, "bin", drop=("fc.weight",), add=fc), model=model)
+    for ids in ([0, 1, 3], [1, 1, 2], "2,1,0"):
+        bad = {**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}}
+        with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+            hk.load_drafter(save_original(tmp_path / f"bad-{ids}", ref, bad, "bin"), model=model)

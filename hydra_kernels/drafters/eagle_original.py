@@ -53,6 +53,20 @@ def eagle3_feature_layers(num_layers: int) -> list[int]:
     return layers
 
 
+def eagle3_config_layers(cfg_dict: dict, num_layers: int) -> list[int]:
+    """The base layers an EAGLE-3 checkpoint reads: its config's eagle_config.eagle_aux_hidden_state_layer_ids
+    where given (as vLLM and SpecForge write it; each id is a layer whose input is read, concatenated in
+    layer order as the base model's forward meets them), else EAGLE-3's default (eagle3_feature_layers)."""
+    ids = (cfg_dict.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return eagle3_feature_layers(num_layers)
+    if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < num_layers for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise ValueError(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids!r}: expected distinct layer ids in "
+                         f"[0, {num_layers}) of this base model; fix the checkpoint's config.json")
+    return sorted(ids)
+
+
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if (path / WEIGHT_FILES[0]).exists():
         return torch.load(path / WEIGHT_FILES[0], map_location="cpu", weights_only=True)
@@ -134,7 +148,7 @@ def load_original(cls, path: Path, cfg_dict: dict, model=None):
             raise NotImplementedError(f"EAGLE-3 target_hidden_size {cfg_dict['target_hidden_size']} != hidden_size "
                                       f"{H} (a draft narrower than the base model) is not supported")
         Vd = int(cfg_dict.get("draft_vocab_size", V))
-        feature_layers = eagle3_feature_layers(mc.num_layers)
+        feature_layers = eagle3_config_layers(cfg_dict, mc.num_layers)
         keys = _layer_keys("midlayer.", c, 2 * H)
         keys.update({"fc.weight": [("fc.weight", (H, len(feature_layers) * H))],
                      "block.attention_norm.weight": [("midlayer.input_layernorm.weight", (H,))],
