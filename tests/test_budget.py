@@ -339,6 +339,12 @@ def test_search_refuses_speculative_steps_timed_faster_than_plain(model, monkeyp
     assert all(v == 0.0 for k, v in three.items() if k.startswith("nodes_"))
     assert "batch 3, context 16: speculative steps timed faster than a plain step" in capsys.readouterr().out
     assert budget_search.implausible_steps(0.01, {2: 0.0095, 3: -1.0, 4: 0.008}) == {3: -1.0, 4: 0.008}
+    assert budget_search.implausible_steps(-0.01, {2: 0.02, 3: 0.0}) == {2: 0.02, 3: 0.0}  # plain itself failed
+    fake[None] = -0.010  # a failed plain timing: every budget invalid, plain steps everywhere
+    table = budget_search.search_budget_table(model, d, PROMPTS, tree_arg=tree, batch_sizes=(1,), contexts=(16,),
+                                              margin=1.03, backend="reference")
+    assert table.nodes == [[1]] and table.measured["points"][0]["invalid"]
+    assert budget_search.rechoose(table, 0.0).nodes == [[1]]  # re-choosing keeps an invalid point plain
 
 
 def test_combined_budget_caps_the_merged_draft(model):

@@ -41,19 +41,31 @@ def test_barrier_check_sees_loads_before_stores():
     assert not aot._barrier_between_loads_and_stores(late_load)
 
 
+# CI's share of the matrix `make triton-aot` compiles (every model, dtype and arch: 1068 compiles, ~15 CPU-minutes
+# on a cold cache, 2026-11-26; its table is committed): sm_90 at both head dims (SmolLM2's 64, Llama-3-8B's 128,
+# GQA) in bf16 and fp32 (fp16 compiles as bf16 does; fp32 holds the largest tiles: the spill and shared-memory
+# limits), and sm_80 (the smaller shared memory) at Llama-3-8B's shapes in the same dtypes.
+CI_MATRIX = {"90": (["smollm2-135m", "llama-3-8b"], ["bf16", "fp32"]), "80": (["llama-3-8b"], ["bf16", "fp32"])}
+
+
 def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), "--out", str(tmp_path)],
-                       capture_output=True, text=True, env=env, cwd=ROOT)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
-    with open(tmp_path / "triton_aot.csv") as f:
-        rows = list(csv.DictReader(f))
+    rows = []
+    for arch, (models, dtypes) in CI_MATRIX.items():
+        out = tmp_path / f"sm{arch}"
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), "--out", str(out), "--arch", arch,
+                            "--models", *models, "--dtypes", *dtypes], capture_output=True, text=True, env=env, cwd=ROOT)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+        with open(out / "triton_aot.csv") as f:
+            got = list(csv.DictReader(f))
+        groups = {(x["kernel"], x["model"], x["dtype"], x["arch"]) for x in got}
+        assert (out / "triton_aot.md").read_text().count("\n| _") == len(groups)  # one line per group
+        assert {x["model"] for x in got} == set(models) and {x["dtype"] for x in got} == set(dtypes)
+        rows += got
     aot = _aot()
     for op in aot.kernel_files():
         for kernel in aot.declared_kernels(op):
-            for arch in ("90", "80"):
+            for arch in CI_MATRIX:
                 got = [x for x in rows if x["kernel"] == kernel and x["arch"] == arch]
                 assert got and all(x["registers"] for x in got), f"{kernel} sm_{arch} not compiled"
-    groups = {(x["kernel"], x["model"], x["dtype"], x["arch"]) for x in rows}
-    assert (tmp_path / "triton_aot.md").read_text().count("\n| _") == len(groups)  # one line per group
     assert not [x for x in rows if x["fails"]]

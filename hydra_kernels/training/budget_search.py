@@ -104,9 +104,10 @@ def _synthetic_run(model, drafter, tree, B: int, C: int, nodes: int | None, step
 
 
 def implausible_steps(plain_s: float, spec_s: dict[int, float], slack: float = 0.9) -> dict[int, float]:
-    """The budgets whose measured step time is under `slack` x the plain step's (or not positive): a
-    speculative step does the plain step's work and more, so such a figure is a failed measurement."""
-    return {n: s for n, s in spec_s.items() if not s >= slack * plain_s}
+    """The budgets whose measured step time is under `slack` x the plain step's, or not positive (every
+    budget, when the plain step's is not): a speculative step does the plain step's work and more, so such a
+    figure is a failed measurement."""
+    return {n: s for n, s in spec_s.items() if not (plain_s > 0 and s >= slack * plain_s)}
 
 
 def step_seconds(model, drafter, tree, B: int, C: int, nodes: int | None, backends, steps=(4, 16), reps: int = 5) -> float:
@@ -137,8 +138,8 @@ def search_budget_table(model, drafter, prompts: list[list[int]], *, tree_arg=No
     for B, C in tqdm(points, desc="step time per batch size and context"):
         plain_s = step_seconds(model, drafter, tree, B, C, None, backends, reps=reps)
         spec_s = {n: step_seconds(model, drafter, tree, B, C, n, backends, reps=reps) for n in budgets}
-        point = {"batch": B, "context": C, "plain_tok_s": B / plain_s,
-                 **{f"nodes_{n}_tok_s": B * acc[n] / s for n, s in spec_s.items()}}
+        point = {"batch": B, "context": C, "plain_tok_s": B / plain_s if plain_s > 0 else 0.0,
+                 **{f"nodes_{n}_tok_s": B * acc[n] / s if s > 0 else 0.0 for n, s in spec_s.items()}}
         invalid = implausible_steps(plain_s, spec_s)
         if invalid:
             # a verify step runs more tokens than a plain step plus the drafting: one timed faster is the
@@ -167,7 +168,8 @@ def rechoose(table: BudgetTable, margin: float = MARGIN) -> BudgetTable:
     for pt in points:
         spec = {int(k.split("_")[1]): v for k, v in pt.items() if k.startswith("nodes_")}
         best = max(spec, key=spec.get)
-        pt["chosen"] = best if spec[best] >= margin * pt["plain_tok_s"] else 1
+        valid = not pt.get("invalid") and pt["plain_tok_s"] > 0  # a failed timing runs plain steps
+        pt["chosen"] = best if valid and spec[best] >= margin * pt["plain_tok_s"] else 1
         nodes.append(pt["chosen"])
     n_ctx = len(table.contexts)
     grid = [nodes[i * n_ctx:(i + 1) * n_ctx] for i in range(len(table.batch_sizes))]
