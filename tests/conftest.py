@@ -95,14 +95,3 @@ def _no_grad():
     with torch.no_grad():
         yield
 
-
-# ---- order: the longest files first ------------------------------------------------------------------
-# make test's workers take whole files in collection order; a long file met last runs alone at the end
-# (2026-11-26: test_triton_aot's ~3 min compile started 13 min in). These files took 2.5-8 min each on a
-# 2-core VM; starting them first lets the many short files fill the other worker meanwhile.
-LONGEST_FIRST = ("test_lossless_smollm2.py", "test_triton_aot.py", "test_install_paths.py", "test_per_sequence_trees.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
