@@ -41,6 +41,9 @@ from hydra_kernels.training import mtbench_questions
 from hydra_kernels.training.data import heldout_chat_prompts
 from hydra_kernels.training.tree_search import search_dynamic_tree
 
+FAMILY_ORDER = ("medusa", "hydra", "hydra++", "mlp_speculator", "amphista")  # the shipped kinds' rows in this order
+
+
 class ProposeTimer:
     """Wraps drafter.propose to accumulate its wall time and call count."""
 
@@ -91,12 +94,13 @@ def main(argv=None):
         small.config = dataclasses.replace(d.config, top_k_tokens_per_head=ks, n_candidates=2)
         drafters[f"mlp_speculator (2 candidates, top-k {'/'.join(map(str, ks))})"] = (small, None)
 
-    for kind in ("medusa", "hydra", "mlp_speculator"):
-        if kind in hk.drafters.shipped_drafters():
+    shipped = hk.drafters.shipped_drafters()
+    for kind in sorted(shipped, key=lambda k: (FAMILY_ORDER.index(k) if k in FAMILY_ORDER else len(FAMILY_ORDER), k)):
+        if kind != "eagle":  # below, with its dynamic tree
             drafters[kind] = (hk.load_drafter(kind=kind, model=model), None)
             if kind == "mlp_speculator":
                 add_small_speculator(drafters[kind][0])
-    eagle_dir = args.eagle or hk.drafters.shipped_drafters().get("eagle")
+    eagle_dir = args.eagle or shipped.get("eagle")
     eagle = None
     if eagle_dir is not None:
         eagle = hk.load_drafter(eagle_dir, model=model)
@@ -117,7 +121,7 @@ def main(argv=None):
         if name in drafters:  # a shipped drafter of the same kind is in the table already
             name = f"{name} ({path})"
         drafters[name] = (d, tree)
-        if d.kind == "mlp_speculator" and "mlp_speculator" not in hk.drafters.shipped_drafters():
+        if d.kind == "mlp_speculator" and "mlp_speculator" not in shipped:
             add_small_speculator(d)
     drafters["ngram"] = (hk.new_drafter(model, kind="ngram"), None)
 

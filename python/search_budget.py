@@ -42,8 +42,8 @@ def main(argv=None):
     ap.add_argument("--margin", type=float, default=MARGIN)
     ap.add_argument("--rechoose", action="store_true", help="re-choose the saved CPU table from its predictions")
     ap.add_argument("--reps", type=int, default=5,
-                    help="timed run pairs per step time (medians); Amphista's first pass over a long context made "
-                         "its 5-rep search take ~110 min on the Xeon VM (2026-11-26)")
+                    help="timed run pairs per step time (medians); 5 reps of the shipped Amphista's search "
+                         "took 28 min alone on the 2-core Xeon VM (2026-11-26)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.reps < 1:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import hydra_kernels as hk
 from hydra_kernels.drafters import AmphistaDrafter
 from hydra_kernels.generate import generate
+from hydra_kernels.model.llama import PREFILL_CHUNK_TOKENS
 from hydra_kernels.model.rope import rope_inv_freq, rope_table
 from hydra_kernels.training import HiddenStates, train_amphista
 from hydra_kernels.training.evaluate import head_ranks
@@ -130,6 +131,20 @@ def test_drafting_equals_brute_force(model, opts, tree, backend):
         with torch.no_grad():
             for p in d.parameters():
                 p.copy_(p.bfloat16().float())
+    check_two_steps_equal_brute_force(model, d, tree, backend)
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 6])
+def test_prompts_first_pass_in_prefill_chunks(model, monkeypatch, chunk_tokens):
+    """The prompts' first pass through the adaptation layers runs in prefill chunks (model/llama.py
+    chunked_prefill): 1 or 2 positions per chunk for 3 sequences, so the last real positions (6, 1, 4)
+    fall in different chunks; the drafts still equal the brute force's, at both steps."""
+    monkeypatch.setitem(PREFILL_CHUNK_TOKENS, "cpu", chunk_tokens)
+    check_two_steps_equal_brute_force(model, randomised(model, seed=4), [[0], [1], [0, 0], [1, 0], [0, 0, 0]],
+                                      "reference")
+
+
+def check_two_steps_equal_brute_force(model, d, tree, backend):
     t = d.resolve_tree(tree, "cpu")
     prompts = [[5, 17, 3, 44, 9, 21, 7], [2, 8], [60, 61, 62, 63, 64]]  # ragged
     accepted = [[30, 31, 32], [40], [50, 51]]  # root first; different accept lengths

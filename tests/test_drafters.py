@@ -8,6 +8,7 @@ from transformers import LlamaModel
 
 import hydra_kernels as hk
 from hydra_kernels.generate import generate
+from hydra_kernels.model.llama import PREFILL_CHUNK_TOKENS
 from helpers import assert_close_rel
 from test_llama_vs_transformers import make_hf
 
@@ -119,6 +120,32 @@ def test_prefix_layer_without_final_norm(model, tmp_path):
     assert back.config.prefix_final_norm is False and back.config == d.config
     assert not any(k.startswith("prefix.norm") for k in back.state_dict())
     assert torch.equal(back.prefix.forward_full(x), full)
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 10**6])
+def test_prefix_layer_prompts_in_prefill_chunks(model, monkeypatch, chunk_tokens):
+    """The prompts' first pass (PrefixLayer.prefill, after the base model's prefill): in prefill chunks of
+    1 position (3 sequences, chunk_tokens 3) or in one piece, each sequence's output at its last real
+    position equals the cache-free layer's, its K/V rows those of the step path, seqlens = lengths; a
+    step after it still equals the cache-free layer over the whole text."""
+    monkeypatch.setitem(PREFILL_CHUNK_TOKENS, "cpu", chunk_tokens)
+    d = randomise(hk.new_drafter(model, kind="hydra++", num_heads=2), 8)
+    x = torch.randn(3, 7, 72, generator=torch.Generator().manual_seed(9))
+    lengths = torch.tensor([7, 2, 5], dtype=torch.int32)
+    full, plan = d.prefix.forward_full(x), model.backend_plan("reference")
+    cache, ref_cache = d.prefix.new_cache(3, 16, model), d.prefix.new_cache(3, 16, model)
+    cache.kv.fill_(1234.5)
+    out = d.prefix.prefill(x, lengths, cache)
+    assert_close_rel(out, full[torch.arange(3), lengths.long() - 1], 1e-5, "last real positions")
+    assert torch.equal(cache.seqlens, lengths)
+    d.prefix(x, ref_cache, plan)  # the step path over the whole padded prompt
+    for b, n in enumerate(lengths.tolist()):
+        assert_close_rel(cache.kv[:, :, b, :n], ref_cache.kv[:, :, b, :n], 1e-5, f"K/V rows of sequence {b}")
+    nxt = torch.randn(3, 2, 72, generator=torch.Generator().manual_seed(10))
+    step = d.prefix(nxt, cache, plan)
+    for b, n in enumerate(lengths.tolist()):
+        whole = d.prefix.forward_full(torch.cat([x[b:b + 1, :n], nxt[b:b + 1]], 1))[0, n:]
+        assert_close_rel(step[b], whole, 1e-5, f"a step after the chunked prompts, sequence {b}")
 
 
 # ---- original Hydra / Medusa checkpoints, written by replicas of their modules -----------------

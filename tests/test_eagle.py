@@ -9,6 +9,7 @@ import torch
 import hydra_kernels as hk
 from hydra_kernels.drafters.eagle import DynamicTree, EagleDrafter
 from hydra_kernels.generate import generate
+from hydra_kernels.model.llama import PREFILL_CHUNK_TOKENS
 from hydra_kernels.training import HiddenStates
 from hydra_kernels.training.eagle import fuse_next_inputs, train_eagle, unrolled_features
 from hydra_kernels.training.hidden_cache import compute_hidden_states
@@ -114,7 +115,21 @@ def run_two_proposals(model, drafter, prompts, accepted, roots, tree):
 @pytest.mark.parametrize("draft_vocab", [None, list(range(100, 0, -3))])
 def test_dynamic_tree_equals_brute_force_replay(model, spec, draft_vocab):
     torch.manual_seed(0)
-    d = randomised(model, draft_vocab=draft_vocab)
+    check_two_steps_equal_brute_force(model, randomised(model, draft_vocab=draft_vocab), spec)
+
+
+@pytest.mark.parametrize("chunk_tokens", [3, 6])
+@pytest.mark.parametrize("feature_layers", [None, "eagle3"])
+def test_prompts_first_pass_in_prefill_chunks(model, monkeypatch, chunk_tokens, feature_layers):
+    """The prompts' first pass through the layer runs in prefill chunks (model/llama.py chunked_prefill):
+    1 or 2 positions per chunk for 3 sequences, so the last real positions (6, 1, 4) fall in different
+    chunks; the drafts still equal the brute-force replay's, at both steps."""
+    monkeypatch.setitem(PREFILL_CHUNK_TOKENS, "cpu", chunk_tokens)
+    d = randomised(model, seed=2, **({} if feature_layers is None else dict(feature_layers=feature_layers)))
+    check_two_steps_equal_brute_force(model, d, DynamicTree(6, 3, 2))
+
+
+def check_two_steps_equal_brute_force(model, d, spec):
     prompts = [[5, 17, 3, 44, 9, 21, 7], [2, 8], [60, 61, 62, 63, 64]]  # ragged
     accepted = [[30, 31, 32], [40], [50, 51]]  # root first; different accept lengths
     roots = [[30, 40, 50], [33, 41, 52]]

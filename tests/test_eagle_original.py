@@ -240,6 +240,19 @@ def test_eagle1_checkpoint_computes_what_the_original_computes(model, tmp_path, 
                            F.linear(want, model.output.weight).topk(5, dim=-1).indices)
 
 
+def test_eagle1_checkpoint_without_embed_tokens_uses_the_base_models(model, tmp_path):
+    """embed_tokens is optional (EAGLE loads the base model's embeddings anyway): a checkpoint without it
+    loads and computes what the original computes with the base model's embeddings."""
+    ref, cfg, _ = eagle1(model, tmp_path)
+    d = hk.load_drafter(save_original(tmp_path / "no-embed", ref, cfg, "safetensors", drop=("embed_tokens.weight",)),
+                        model=model)
+    g = torch.Generator().manual_seed(3)
+    ids, feats = torch.randint(0, V, (2, 9), generator=g), torch.randn(2, 9, H, generator=g)
+    with torch.no_grad():
+        assert_close_rel(d.layer.forward_full(d.layer.fuse(model.tok_embeddings(ids), feats)), ref(feats, ids), 1e-5,
+                         "EAGLE-1 without embed_tokens")
+
+
 def test_eagle1_loading_is_strict(model, tmp_path):
     ref, cfg, _ = eagle1(model, tmp_path)
     cases = {

@@ -24,8 +24,8 @@ rows and one LM-head top-k.
 Per step, as EAGLE's pending chunk (drafters/eagle.py): the positions the base model committed since the
 last draft (after the prefill: the prompt) wait with their base hidden states until propose(), where the
 last one's next token (the root) is known; the chunk then runs through both adaptation layers into their
-KV buffers (attention through the run's tree_attention op, causal over the chunk), and its last position's
-outputs feed the heads. The prompts' next tokens come from the first observe_tokens call (host copies).
+KV buffers (attention through the run's tree_attention op, causal over the chunk; the prompts' chunk in
+prefill chunks, as the base model's prefill), and its last position's outputs feed the heads. The prompts' next tokens come from the first observe_tokens call (host copies).
 
 Our checkpoint format only (no public implementation exists): config.json + model.safetensors +
 tree_<device>.json (trees searched per device class for these heads).
@@ -44,6 +44,7 @@ from ..model.attention import AttentionSite
 from ..model.config import LlamaConfig
 from ..model.kv_cache import KVCache
 from ..model.layers import TransformerBlock
+from ..model.llama import chunked_prefill
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..model.rope import RopeCache
 from ..ops.packed_linear import pack_linear_weight, packed_linear
@@ -108,6 +109,7 @@ class AmphistaState:
         self.pend_tok: torch.Tensor | None = None  # [B, P] the token after each (the last valid one: the root)
         self.pend_n: torch.Tensor | None = None  # [B] valid pending positions
         self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
+        self.first_pass = True  # the pending chunk is the prompts (the buffers are empty)
 
     def use_tree(self, tree: Tree) -> None:
         self.tree = tree
@@ -262,17 +264,31 @@ class AmphistaDrafter(Drafter):
         n = state.pend_n
         i = torch.arange(P, device=dev)
         tok = torch.where(i[None, :] == (n - 1)[:, None], root[:, None], state.pend_tok)  # [B, P]
-        rows = cache.seqlens.long()[:, None] + i  # [B, P] buffer rows = positions
-        cos, sin = self._rope(rows, cache.max_seq_len, state.pend_h.dtype)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()
-        site = AttentionSite(rows, cache.seqlens, causal, cache.max_seq_len, backend=state.backends["tree_attention"])
         emb = state.model.tok_embeddings(tok)
-        last = (n - 1).clamp(min=0)
-        bidx = torch.arange(B, device=dev)
-        outs, x = [], state.pend_h
-        for s, (fc, blk) in enumerate(zip(self.fc, self.adapt)):
-            x = blk(fc(torch.cat((x, emb), dim=-1)), cos, sin, site, cache.layers[s])
-            outs.append(x[bidx, last])
+
+        def run(x: torch.Tensor, emb: torch.Tensor, cos, sin, site) -> list[torch.Tensor]:
+            outs = []
+            for s, (fc, blk) in enumerate(zip(self.fc, self.adapt)):
+                x = blk(fc(torch.cat((x, emb), dim=-1)), cos, sin, site, cache.layers[s])
+                outs.append(x)
+            return outs
+
+        if state.first_pass:  # the prompts: in prefill chunks (flash attention), not one dense [P, P] mask
+            state.first_pass = False
+
+            def run_chunk(s: int, e: int, site) -> list[torch.Tensor]:
+                cos, sin = self._rope(torch.arange(s, e, device=dev).expand(B, e - s), e, state.pend_h.dtype)
+                return run(state.pend_h[:, s:e], emb[:, s:e], cos, sin, site)
+
+            outs = chunked_prefill(run_chunk, n, P)
+        else:  # a step's accepted positions (at most depth + 1), causal among themselves after the prefix
+            rows = cache.seqlens.long()[:, None] + i  # [B, P] buffer rows = positions
+            cos, sin = self._rope(rows, cache.max_seq_len, state.pend_h.dtype)
+            causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()
+            site = AttentionSite(rows, cache.seqlens, causal, cache.max_seq_len,
+                                 backend=state.backends["tree_attention"])
+            last, bidx = (n - 1).clamp(min=0), torch.arange(B, device=dev)
+            outs = [x[bidx, last] for x in run(state.pend_h, emb, cos, sin, site)]
         cache.advance(n.to(cache.seqlens.dtype))
         return outs
 

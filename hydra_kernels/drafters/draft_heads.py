@@ -217,10 +217,10 @@ class HeadDrafter(Drafter):
         state.tree = run_subtree(state.full_tree, nodes, state.subtrees, state.model.device)
 
     def after_prefill(self, state: HeadState, hidden, lengths) -> None:
-        out = hidden if self.prefix is None else self.prefix(hidden, state.prefix_cache, state.backends)
-        if state.prefix_cache is not None:
-            state.prefix_cache.seqlens.copy_(lengths)
-        state.h = _at(out, lengths.long() - 1)
+        if self.prefix is None:
+            state.h = _at(hidden, lengths.long() - 1)
+        else:
+            state.h = self.prefix.prefill(hidden, lengths, state.prefix_cache)
 
     def after_step(self, state: HeadState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         out = accepted_hidden if self.prefix is None else self.prefix(accepted_hidden, state.prefix_cache, state.backends)

@@ -3,8 +3,8 @@ dynamic trees, or a static tree.
 
 Per step (all on the device, no host read):
 1. the pending chunk: the positions the base model committed since the last step (after the prefill:
-   the whole prompt), each fed fc(cat(E(next token), base feature)), go through the layer into its own KV
-   buffer; the last one's output predicts the feature at the root, whose LM-head distribution gives the
+   the whole prompt, in prefill chunks), each fed fc(cat(E(next token), base feature)), go through the
+   layer into its own KV buffer; the last one's output predicts the feature at the root, whose LM-head distribution gives the
    root's children (depth 1).
 2. dynamic (EAGLE-2): at each further depth the top_k nodes of the previous depth by cumulative draft
    log-probability run the layer (each attending to the committed prefix and its own ancestors), each
@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.kv_cache import KVCache
+from ..model.llama import chunked_prefill
 from ..model.packed_linear import MAX_PACKED_ROWS
 from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, TreeBatch, as_tree, run_subtree
@@ -128,6 +129,7 @@ class EagleState:
         self.pend_n: torch.Tensor | None = None  # [B] valid pending positions
         self.host_len = [0] * batch_size  # committed base tokens per sequence, from observe_tokens
         self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
+        self.first_pass = True  # the pending chunk is the prompts (the buffer is empty)
 
 
 class EagleDrafter(Drafter):
@@ -346,14 +348,20 @@ class EagleDrafter(Drafter):
         i = torch.arange(P, device=dev)
         tok = torch.where(i[None, :] == (n - 1)[:, None], root[:, None], state.pend_tok)  # [B, P]
         cache = state.cache
-        rows = cache.seqlens.long()[:, None] + i  # [B, P] = the positions
-        kv_len = min(max(state.host_len) + P, cache.max_seq_len)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()  # the chunk over itself, after the prefix
         x = self.layer.fuse(state.model.tok_embeddings(tok), state.pend_h)
-        y = self.layer.forward_tree(x, rows, cache.layers[0], cache.seqlens, None, causal, kv_len,
-                                    state.backends["tree_attention"])  # [B, P, H]
+        if state.first_pass:  # the prompts: in prefill chunks (flash attention), not one dense [P, P] mask
+            state.first_pass = False
+            y = chunked_prefill(lambda s, e, site: [self.layer.forward_full(x[:, s:e], s, site, cache.layers[0])],
+                                n, P)[0]
+        else:  # a step's accepted positions (at most depth + 1)
+            rows = cache.seqlens.long()[:, None] + i  # [B, P] = the positions
+            kv_len = min(max(state.host_len) + P, cache.max_seq_len)
+            causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()  # the chunk over itself, after the prefix
+            y = self.layer.forward_tree(x, rows, cache.layers[0], cache.seqlens, None, causal, kv_len,
+                                        state.backends["tree_attention"])  # [B, P, H]
+            y = y[torch.arange(B, device=dev), (n - 1).clamp(min=0)]
         cache.advance(n.to(cache.seqlens.dtype))
-        return y[torch.arange(B, device=dev), (n - 1).clamp(min=0)]
+        return y
 
     def _run_nodes(self, state: EagleState, tok: torch.Tensor, feat: torch.Tensor, depth: int, rows_rel: torch.Tensor,
                    anc: torch.Tensor) -> torch.Tensor:

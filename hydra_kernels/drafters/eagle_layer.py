@@ -8,7 +8,7 @@ EAGLE-3 (`Eagle3Layer`) differs in what it reads and predicts; see its docstring
 
 Two ways to run it:
 - `forward_full(x)` (and `qkv` + `attend` with a dense mask, the training unroll): causal over whole
-  sequences, no cache;
+  sequences, no cache; with a prefill site and the buffer, the prompts' first pass in prefill chunks;
 - `forward_tree(x, positions, kv, seqlens, slots, tree_mask, kv_len, backend)` (drafting): the inputs'
   keys/values written to the drafter's own KV buffer at rows seqlens[b] + slots, each query attending to
   the committed prefix and the tree rows its mask allows, through ops.tree_attention (the run's backend:
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..model.attention import AttentionSite
 from ..model.config import LlamaConfig
 from ..model.layers import RMSNorm, TransformerBlock
 from ..model.packed_linear import Linear
@@ -76,12 +77,15 @@ class EagleLayer(nn.Module):
         blk = self.block
         return self.norm(h + blk.feed_forward(blk.ffn_norm(h)))
 
-    def forward_full(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, L, *] fused inputs of positions 0..L-1 -> predicted features [B, L, H], causal, no cache."""
+    def forward_full(self, x: torch.Tensor, start: int = 0, site: AttentionSite | None = None,
+                     kv: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, L, *] fused inputs of positions start..start+L-1 -> predicted features [B, L, H], causal.
+        No cache (site None: start must be 0), or a prefill chunk's site (model/attention.py) writing
+        kv [2, B, S_max, Hkv, D] rows [start, start + L) and attending to the rows before them too."""
         B, L, _ = x.shape
-        pos = torch.arange(L, device=x.device).expand(B, L)
-        cos, sin = self._rope(pos, L, x.dtype)
-        h = self._residual(x) + self.block.attention(self._attn_in(x), cos, sin)
+        pos = torch.arange(start, start + L, device=x.device).expand(B, L)
+        cos, sin = self._rope(pos, start + L, x.dtype)
+        h = self._residual(x) + self.block.attention(self._attn_in(x), cos, sin, site, kv)
         return self._mlp(h)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, max_pos: int):

@@ -12,6 +12,7 @@ from ..model.attention import AttentionSite
 from ..model.config import LlamaConfig
 from ..model.kv_cache import KVCache
 from ..model.layers import RMSNorm, TransformerBlock
+from ..model.llama import chunked_prefill
 from ..model.rope import RopeCache
 
 
@@ -89,6 +90,21 @@ class PrefixLayer(nn.Module):
                                            attn_mask=mask[:, None], enable_gqa=q.shape[2] != k.shape[2])
         h = x[bidx, rows] + blk.attention.wo(o.transpose(1, 2).flatten(2))
         return self.norm(h + blk.feed_forward(blk.ffn_norm(h)))
+
+    def prefill(self, x: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The prompts after the base model's prefill: x [B, L, H] their base hidden states (right-padded,
+        lengths [B] real positions), the buffer empty -> normed outputs at each sequence's last real
+        position [B, H]. In prefill chunks (model/llama.py chunked_prefill: flash attention, not one
+        dense [L, L] tree mask); sets cache.seqlens = lengths."""
+        B = x.shape[0]
+
+        def run_chunk(s: int, e: int, site) -> list[torch.Tensor]:
+            cos, sin = self._rope(torch.arange(s, e, device=x.device).expand(B, e - s), e, x.dtype)
+            return [self.norm(self.block(x[:, s:e], cos, sin, site, cache.layers[0]))]
+
+        out = chunked_prefill(run_chunk, lengths, x.shape[1])[0]
+        cache.seqlens.copy_(lengths)
+        return out
 
     def forward(self, x: torch.Tensor, cache: KVCache, backends) -> torch.Tensor:
         """x [B, T, H] base hidden states appended after cache.seqlens (causal among themselves) ->

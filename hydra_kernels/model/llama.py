@@ -2,7 +2,7 @@
 
 - ``model(input_ids)``: full causal forward without a cache -> logits [B, L, V] (parity tests).
 - ``model.prefill(tokens, lengths, cache)``: a right-padded ragged batch fills rows [0, L) of the
-  static KV buffer, in chunks of positions (prefill_chunk_positions); returns the final hidden state
+  static KV buffer, in chunks of positions (chunked_prefill, prefill_chunk_positions); returns the final hidden state
   at each sequence's last real token.
 - ``model.step(tokens, cache, tree_mask, depths)``: T tokens per sequence appended after the
   committed prefix at positions ``seqlens + depths``; attention through ``hk.ops.tree_attention``,
@@ -48,6 +48,38 @@ def prefill_chunk_positions(device: torch.device, batch: int, length: int, chunk
     if budget is None:
         return max(1, length)
     return max(1, min(length, budget // max(batch, 1)))
+
+
+def chunked_prefill(run_chunk, lengths: torch.Tensor, length: int, *, all_rows: bool = False,
+                    chunk_tokens: int | None = None) -> list:
+    """The chunk loop of a prefill, for any stack of layers that fills a static KV buffer from row 0: the
+    base model's, and a drafter's own layers over the prompts after it (EAGLE, Amphista, Hydra++'s
+    prefix layer), which would otherwise attend over the whole prompt as one dense tree-masked chunk.
+
+    run_chunk(s, e, site) runs positions [s, e) of every sequence of the right-padded batch (rows [0, s)
+    already written; site: the chunk's AttentionSite) and returns a list of outputs [B, e - s, *] (an
+    entry may be None). lengths [B]: real positions per sequence; length: the padded length. Returns
+    the list with each output at each sequence's last real position [B, *], or with all_rows=True at
+    every position [B, length, *]."""
+    B = lengths.shape[0]
+    step = prefill_chunk_positions(lengths.device, B, length, chunk_tokens)
+    last = (lengths.long() - 1).clamp(min=0)  # [B]: each sequence's last real position
+    bidx = torch.arange(B, device=lengths.device)
+    kept = None  # per output: every chunk's rows (all_rows), or the last real rows seen so far
+    for s in range(0, length, step):
+        e = min(length, s + step)
+        outs = run_chunk(s, e, prefill_site(s))
+        if all_rows:
+            kept = [[o] for o in outs] if kept is None else [k + [o] for k, o in zip(kept, outs)]
+            continue
+        here = (last >= s) & (last < e)  # [B]: sequences whose last real position is in this chunk
+        at = (last - s).clamp(0, e - s - 1)
+        rows = [None if o is None else o[bidx, at] for o in outs]
+        kept = rows if kept is None else [None if r is None else torch.where(here[:, None], r, k)
+                                          for r, k in zip(rows, kept)]
+    if not all_rows:
+        return kept
+    return [None if k[0] is None else (k[0] if len(k) == 1 else torch.cat(k, dim=1)) for k in kept]
 
 
 class Llama(nn.Module):
@@ -206,37 +238,22 @@ class Llama(nn.Module):
         if L == 0:
             raise ValueError("prefill needs at least one token per sequence (tokens is [B, 0])")
         capture = None if capture is None else self.check_capture(capture)
-        step = prefill_chunk_positions(tokens.device, B, L, chunk_tokens)
-        last = (lengths.long() - 1).clamp(min=0)  # [B]: each sequence's last real position
-        bidx = torch.arange(B, device=tokens.device)
-        hs, fs = [], []  # per chunk: every position (all_hidden) or the last real positions seen so far
-        for s in range(0, L, step):
-            e = min(L, s + step)
+
+        def run_chunk(s: int, e: int, site: AttentionSite) -> list:
             x = self.tok_embeddings(tokens[:, s:e])  # [B, e - s, H]
             pos = torch.arange(s, e, device=tokens.device).expand(B, e - s)
             cos, sin = self._rope(pos, e, x.dtype)  # [B, e - s, D]
-            site = prefill_site(s)
             feats = None
             if capture is not None:
                 x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, capture)
             else:
                 for layer, kv in zip(self.layers, cache.layers):
                     x = layer(x, cos, sin, site, kv)
-            h = self.norm(x)
-            if all_hidden:
-                hs.append(h)
-                fs.append(feats)
-                continue
-            here = (last >= s) & (last < e)  # [B]: sequences whose last real token is in this chunk
-            at = (last - s).clamp(0, e - s - 1)
-            hs = [torch.where(here[:, None], h[bidx, at], hs[0]) if hs else h[bidx, at]]
-            if feats is not None:
-                fs = [torch.where(here[:, None], feats[bidx, at], fs[0]) if fs else feats[bidx, at]]
+            return [self.norm(x), feats]
+
+        h, feats = chunked_prefill(run_chunk, lengths, L, all_rows=all_hidden, chunk_tokens=chunk_tokens)
         cache.seqlens.copy_(lengths)
-        h = hs[0] if len(hs) == 1 else torch.cat(hs, dim=1)
-        if capture is None:
-            return h
-        return h, (fs[0] if len(fs) == 1 else torch.cat(fs, dim=1))
+        return h if capture is None else (h, feats)
 
     def step(self, tokens: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor | None = None,
              depths: torch.Tensor | None = None, *, positions: torch.Tensor | None = None, kv_len: int | None = None,
