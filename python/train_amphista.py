@@ -6,14 +6,17 @@ weighted cross-entropy on the true tokens, the adaptation layers run causally ov
     .venv/bin/python python/train_amphista.py --self-data ~/.cache/hydra_kernels/training/self-1024-256.json \
         --out runs/amphista
 
-Amphista on the shipped Medusa heads' budget (800 steps x 512 positions on 2048 answers; 1309 s on the
-2-core Xeon VM), the run of the results log (2026-11-26; not shipped: see there):
+The shipped Amphista (hk.load_drafter(kind="amphista")): the shipped Medusa heads' budget, 800 steps x 512
+positions on 2048 answers (1309 s on the 2-core Xeon VM), its 3-node CPU tree from python/eval_heads.py and its
+budget table from python/search_budget.py (results log, 2026-11-26):
 
     .venv/bin/python python/train_amphista.py --self-data ~/.cache/hydra_kernels/training/self-2048-256.json \
         --steps 800 --loss-positions 512 --out runs/amphista2k
     .venv/bin/python python/ship_heads.py --src runs/amphista2k --kinds amphista --dst runs/eval_amph
     (copy the shipped medusa and hydra dirs into runs/eval_amph)
     .venv/bin/python python/eval_heads.py --heads runs/eval_amph --kinds medusa hydra amphista --size 3
+    .venv/bin/python python/search_budget.py --drafter runs/eval_amph/amphista --reps 5
+    .venv/bin/python python/ship_heads.py --src runs/eval_amph --package amphista
 
 Writes runs/amphista/amphista/ (the drafter, our format; hk.load_drafter reads it) and
 runs/amphista/amphista_training.{csv,png} (loss, and top-1 agreement with the base model per head). Base

@@ -94,4 +94,3 @@ def hf_smollm2():
 def _no_grad():
     with torch.no_grad():
         yield
-

@@ -105,3 +105,12 @@ def test_bench_prefill_runs(tmp_path):
     assert float(row["chunked_tok_s"]) > 0 and float(row["one_piece_tok_s"]) > 0 and float(row["transformers_tok_s"]) > 0
     assert float(row["max_abs_diff"]) < 1e-3 and rows[0]["max_abs_diff"] < 1e-3
     assert (tmp_path / "prefill.png").exists()
+
+
+def test_bench_first_pass_runs(tmp_path):
+    """The drafters' first pass beside the base prefill (a 20-token prompt, batch 2, untrained drafters)."""
+    rows = _run_returning("bench_first_pass", ["--drafters", "new:amphista", "new:eagle", "new:hydra++", "--context",
+                                               "20", "--batch", "2", "--reps", "1", "--out", str(tmp_path)])
+    assert [r["drafter"] for r in rows] == ["base prefill", "new:amphista", "new:eagle", "new:hydra++"]
+    assert all(r["median_s"] > 0 for r in rows) and len(_rows(tmp_path / "first_pass.csv")) == 4
+    assert (tmp_path / "first_pass.png").exists()

@@ -125,7 +125,7 @@ def search_budget_table(model, drafter, prompts: list[list[int]], *, tree_arg=No
                         contexts=CONTEXTS, new_tokens: int = 64, margin: float | None = None, backend: str = "auto",
                         reps: int = 5) -> BudgetTable:
     """The table for `drafter` with the tree generate(tree=tree_arg) resolves to on this device; reps: timed
-    run pairs per step time (medians; fewer for a drafter whose first pass over a long context is slow)."""
+    run pairs per step time (medians)."""
     dev = model.device.type
     tree = drafter.resolve_tree(tree_arg, dev)
     budgets = candidate_budgets(drafter.budget_levels(tree))
