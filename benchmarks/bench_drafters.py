@@ -6,14 +6,16 @@ Same model (the embedded SmolLM2-135M-Instruct, fp32, this machine's CPU), same 
   off); tokens/step = tokens emitted per verify forward per sequence; identical = outputs equal
   to our plain greedy decoding token for token. EAGLE is also run at the larger dynamic trees of
   --eagle-budgets (what a GPU affords; measured, not replayed).
-- tokens/s at batch 1 on every 8th prompt (all 8 categories), interleaved: each prompt through every
+- tokens/s at batch 1 on every 8th prompt (--batch1-every; 8: all 8 categories), interleaved: each prompt through every
   decoder back to back, the order rotating; new tokens / wall time of the whole call. Drafting ms per
   step: the drafter's propose() timed inside those runs (what a step spends before the verify forward).
 - transformers' generate (and its prompt lookup) on the same batch-1 prompts, as the outside peers.
 - --search: the dynamic tree (total_tokens, depth, top_k) that decodes fastest here, by real decoding
   of --search-prompts held-out ShareGPT turns at batch 1, written as dynamic_cpu.json into --eagle.
 
-    python benchmarks/bench_drafters.py --eagle runs/eagle/eagle [--search] [--new-tokens 256] [--out DIR]
+Rows: every shipped kind (--kinds: some), n-gram, and the combined drafter (n-gram + the default shipped kind).
+
+    python benchmarks/bench_drafters.py --eagle runs/eagle/eagle [--search] [--new-tokens 256] [--kinds K ...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import hydra_kernels as hk
 from hydra_kernels.budget import whole_tree_budget
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.drafters.eagle import DynamicTree
+from hydra_kernels.drafters.registry import default_kind
 from hydra_kernels.generate import generate
 from hydra_kernels.training import mtbench_questions
 from hydra_kernels.training.data import heldout_chat_prompts
@@ -77,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--search-tokens", type=int, default=128)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--skip-steps", action="store_true", help="only the batch-1 timing (tokens/step from an earlier run)")
+    ap.add_argument("--kinds", nargs="*", default=None, help="shipped kinds to run (default: all; none: only n-gram, "
+                    "combined and the peers)")
+    ap.add_argument("--batch1-every", type=int, default=8, help="time every Nth prompt at batch 1 (8: all 8 categories)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
@@ -96,11 +102,13 @@ def main(argv=None):
 
     shipped = hk.drafters.shipped_drafters()
     for kind in sorted(shipped, key=lambda k: (FAMILY_ORDER.index(k) if k in FAMILY_ORDER else len(FAMILY_ORDER), k)):
+        if args.kinds is not None and kind not in args.kinds:
+            continue
         if kind != "eagle":  # below, with its dynamic tree
             drafters[kind] = (hk.load_drafter(kind=kind, model=model), None)
             if kind == "mlp_speculator":
                 add_small_speculator(drafters[kind][0])
-    eagle_dir = args.eagle or shipped.get("eagle")
+    eagle_dir = args.eagle or (shipped.get("eagle") if args.kinds is None or "eagle" in args.kinds else None)
     eagle = None
     if eagle_dir is not None:
         eagle = hk.load_drafter(eagle_dir, model=model)
@@ -124,6 +132,10 @@ def main(argv=None):
         if d.kind == "mlp_speculator" and "mlp_speculator" not in shipped:
             add_small_speculator(d)
     drafters["ngram"] = (hk.new_drafter(model, kind="ngram"), None)
+    if shipped:  # n-gram chains beside the default shipped drafter's tree, in one verify (CombinedDrafter)
+        default = default_kind()
+        both = [hk.new_drafter(model, kind="ngram"), hk.load_drafter(kind=default, model=model)]
+        drafters[f"combined (ngram + {default})"] = (hk.new_drafter(model, kind="combined", drafters=both), None)
 
     # 1. tokens per step and lossless count, batched
     def batched(drafter=None, tree=None):
@@ -147,7 +159,7 @@ def main(argv=None):
         print(f"{name}: {tps:.2f} tokens/step, identical {summary[name]['identical']}/{len(prompts)}")
 
     # 2. tokens/s at batch 1, interleaved
-    sub = prompts[::8]
+    sub = prompts[::args.batch1_every]
     decoders = {"plain": lambda p: generate(model, [p], max_new_tokens=n).sequences[0]}
     timers = {}
     for name, (d, tree) in drafters.items():

@@ -5,11 +5,14 @@ Steps (each its own process; a failing step is reported and the next still runs)
      for this GPU's arch unless TORCH_CUDA_ARCH_LIST says otherwise)
   2. the two ceilings (benchmarks/ceilings.py: copy GB/s, bf16 matmul TFLOP/s) the figures are quoted against
   3. the GPU test tier: the op tests with Triton compiled for real (TRITON_INTERPRET=0) and the CUDA kernels,
-     every backend against the reference on the GPU (helpers.DEV is "cuda" there), every dtype, awkward shapes
+     every backend against the reference on the GPU (helpers.DEV is "cuda" there), every dtype, awkward shapes,
+     and every drafter family's generate() on the GPU against plain greedy (test_drafters_on_device)
   4. benchmarks: bench_tree_attn, bench_heads, bench_verify at Llama-3-8B shapes (CSVs)
   5. the scaling sweep (bench_scaling_gpu: plain and verify steps at batch 1-16, context 128-8k, budgets
      3-64, with Hydra-style drafting; projected tokens/s from the real drafter's measured acceptance)
-  6. an end-to-end decode step at Llama-3-8B shapes with random weights, plain vs speculative with a fixed
+  6. generate() end to end at SmolLM2 shapes (random weights): ours plain and n-gram beside transformers'
+     generate and prompt lookup (bench_generate_device)
+  7. an end-to-end decode step at Llama-3-8B shapes with random weights, plain vs speculative with a fixed
      acceptance pattern, beside plain PyTorch; both steps captured in CUDA graphs, checked against the eager
      steps and timed
 Writes benchmarks/out/gpu_suite.csv (step, status, seconds) and prints it last. Each step has its own time
@@ -38,7 +41,7 @@ GPU_TESTS = ["tests/test_tree_attention.py", "tests/test_commit_kv.py", "tests/t
              "tests/test_lm_head_sample_stats.py", "tests/test_lm_head_residual_sample.py", "tests/test_rejection_accept.py",
              "tests/test_hydra_first_layer.py", "tests/test_resblock.py",
              "tests/test_tree_inputs.py", "tests/test_backends.py", "tests/test_per_sequence_trees.py",
-             "tests/test_kv_cache_paths.py"]
+             "tests/test_kv_cache_paths.py", "tests/test_drafters_on_device.py"]
 
 
 def _pytest_workers() -> list[str]:
@@ -70,6 +73,9 @@ def steps(out: str) -> list[tuple[str, list[str], dict, int]]:
         ("bench_verify", [py, "benchmarks/bench_verify.py", "--model", "llama-3-8b", "--out", out], real, 60),
         # issue 26's GPU half: 15 (batch, context) points x plain + 5 budgets, graph-replayed (~2 min)
         ("scaling", [py, "benchmarks/bench_scaling_gpu.py", "--model", "llama-3-8b", "--out", out], real, 240),
+        # generate() end to end, every decoder interleaved: ours plain / n-gram beside transformers' (~1 min)
+        ("generate end to end", [py, "benchmarks/bench_generate_device.py", "--reps", "2", "--prompts", "2", "--out", out],
+         real, 180),
         ("decode step + CUDA graph", [py, "benchmarks/bench_decode_step.py", "--model", "llama-3-8b", "--batch", "1", "8",
                                       "--out", out], real, 150),
     ]

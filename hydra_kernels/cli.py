@@ -15,7 +15,8 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--no-draft", action="store_true", help="plain autoregressive decoding (no drafter)")
     p.add_argument("--drafter", default=None,
-                   help="drafter directory (ours, original Hydra or original Medusa); default: the shipped heads")
+                   help="drafter directory (ours, original Hydra or original Medusa); default: the shipped drafter "
+                        "measured fastest at batch 1")
     p.add_argument("--tree", default=None, help="tree: JSON file of choices, 'default' or 'chain-N'")
     p.add_argument("--budget", default=None,
                    help="tree nodes per step: 'auto' (the drafter's searched table) or a number (1 = plain steps)")
@@ -35,6 +36,7 @@ def main(argv=None) -> None:
     import hydra_kernels as hk
 
     from .chat import TextStreamer, chat_prompt_ids
+    from .drafters.registry import default_kind
     from .generate import GenerationError, generate
 
     args = parse_args(argv)
@@ -44,7 +46,9 @@ def main(argv=None) -> None:
     drafter = None
     if not args.no_draft:
         try:
-            drafter = hk.load_drafter(args.drafter, model=model)
+            # one prompt at a time: the shipped kind measured fastest at batch 1 (default.json's batch_1)
+            kind = None if args.drafter is not None else default_kind(batch_1=True)
+            drafter = hk.load_drafter(args.drafter, model=model, kind=kind)
         except FileNotFoundError as e:
             if args.drafter is not None:
                 raise

@@ -47,8 +47,11 @@ def main(argv=None):
             ap.error("--default needs --measured: the figure, machine, date and command that make it the fastest")
         if args.default not in shipped_drafters():
             ap.error(f"--default {args.default!r} is not shipped ({sorted(shipped_drafters())}): package it first")
-        (SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE).write_text(
-            json.dumps({"kind": args.default, "measured": args.measured}, indent=1) + "\n")
+        f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
+        entry = {"kind": args.default, "measured": args.measured}
+        if f.exists() and "batch_1" in json.loads(f.read_text()):  # the batch-1 choice rests on its own measurement
+            entry["batch_1"] = json.loads(f.read_text())["batch_1"]
+        f.write_text(json.dumps(entry, indent=1) + "\n")
         print(f"load_drafter() now returns {args.default!r}")
         return
     src = Path(args.src)

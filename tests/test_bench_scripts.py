@@ -114,3 +114,14 @@ def test_bench_first_pass_runs(tmp_path):
     assert [r["drafter"] for r in rows] == ["base prefill", "new:amphista", "new:eagle", "new:hydra++"]
     assert all(r["median_s"] > 0 for r in rows) and len(_rows(tmp_path / "first_pass.csv")) == 4
     assert (tmp_path / "first_pass.png").exists()
+
+
+def test_bench_drafters_runs(tmp_path):
+    """The results table's script at its smallest: 2 MT-Bench prompts, 8 tokens, the shipped Hydra heads, n-gram
+    and the combined drafter beside plain (no transformers peers), every row lossless."""
+    _run("bench_drafters", ["--mtbench", "2", "--new-tokens", "8", "--batch", "2", "--kinds", "hydra",
+                            "--no-transformers", "--batch1-every", "1", "--out", str(tmp_path)])
+    rows = {r["decoding"]: r for r in _rows(tmp_path / "drafters.csv")}
+    assert list(rows) == ["plain", "hydra", "ngram", "combined (ngram + hydra)"]
+    assert all(r["identical"] in ("definition", "2/2") and float(r["tokens_per_s"]) > 0 for r in rows.values())
+    assert float(rows["combined (ngram + hydra)"]["tokens_per_step"]) >= 1

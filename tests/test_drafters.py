@@ -320,3 +320,54 @@ def test_default_kind_is_the_one_default_json_names(tmp_path, monkeypatch):
         (root / "default.json").write_text(bad)
         with pytest.raises(ValueError, match=why):
             hk.load_drafter()
+
+
+def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
+    """default.json's optional batch_1 entry names the kind for one sequence at a time (the CLI's and the demo's):
+    "combined" is composed at load time from the n-gram drafter and the default shipped kind, with no files of
+    its own; without the entry batch 1 takes the default; a batch_1 entry without a kind, or naming a kind
+    neither shipped nor composed, is refused as a corrupt package."""
+    import hydra_kernels.drafters.registry as drafters
+    from hydra_kernels.drafters import CombinedDrafter, NgramDrafter
+
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
+    monkeypatch.setattr(drafters, "SHIPPED_SHAPE", (model.config.vocab_size, model.config.hidden_size))
+    root = tmp_path / drafters.SHIPPED_MODEL
+    for kind in ("medusa", "hydra"):
+        hk.new_drafter(model, kind, num_heads=2).save(root / kind, dtype=torch.bfloat16)
+    (root / "default.json").write_text('{"kind": "medusa", "measured": "a test"}')
+    assert drafters.default_kind(batch_1=True) == "medusa"  # no batch_1 entry: the default
+    (root / "default.json").write_text('{"kind": "medusa", "measured": "a", "batch_1": {"kind": "combined", "measured": "b"}}')
+    assert drafters.default_kind() == "medusa" and drafters.default_kind(batch_1=True) == "combined"
+    d = hk.load_drafter(model=model, kind=drafters.default_kind(batch_1=True))
+    assert isinstance(d, CombinedDrafter) and isinstance(d.ngram, NgramDrafter) and d.heads.kind == "medusa"
+    assert d.node_budget is None and not d.budget_tables
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3]]
+    ref = generate(model, prompts, max_new_tokens=12, eos_token_id=[])
+    assert generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[]).sequences == ref.sequences
+    for bad, why in (('{"kind": "medusa", "batch_1": {}}', "must be JSON"),
+                     ('{"kind": "medusa", "batch_1": {"kind": "eagle"}}', "names 'eagle', which is not shipped")):
+        (root / "default.json").write_text(bad)
+        with pytest.raises(ValueError, match=why):
+            drafters.default_kind(batch_1=True)
+
+
+def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
+    """python/ship_heads.py --default rewrites default.json's kind and measurement and keeps its batch_1 entry
+    (a separate measurement); it refuses a kind that is not shipped."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("ship_heads", Path(__file__).resolve().parents[1] / "python" / "ship_heads.py")
+    ship = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ship)
+    monkeypatch.setattr(ship, "SHIPPED_DIR", tmp_path)
+    monkeypatch.setattr(ship, "shipped_drafters", lambda: {"hydra": tmp_path, "medusa": tmp_path})
+    f = tmp_path / ship.SHIPPED_MODEL / ship.DEFAULT_FILE
+    f.parent.mkdir(parents=True)
+    f.write_text(json.dumps({"kind": "medusa", "measured": "old", "batch_1": {"kind": "combined", "measured": "b1"}}))
+    ship.main(["--default", "hydra", "--measured", "new"])
+    assert json.loads(f.read_text()) == {"kind": "hydra", "measured": "new", "batch_1": {"kind": "combined", "measured": "b1"}}
+    with pytest.raises(SystemExit):
+        ship.main(["--default", "eagle", "--measured", "x"])

@@ -46,6 +46,20 @@ def test_decode_step_bench_cpu(tmp_path):
     assert (tmp_path / "decode_step_smollm2-135m_cpu.csv").exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU smoke run")
+def test_generate_device_bench_cpu(tmp_path):
+    """generate() end to end beside transformers at a one-layer SmolLM2 slice: every decoder timed, n-gram
+    lossless (the script asserts it), a tokens-per-step figure for the drafted row only."""
+    rows = _load("bench_generate_device").main(["--layers", "1", "--prompt-tokens", "16", "--new-tokens", "8",
+                                                "--reps", "1", "--prompts", "2", "--dtype", "float32",
+                                                "--out", str(tmp_path)])
+    assert [r["decoder"] for r in rows] == ["ours plain", "ours n-gram", "transformers generate",
+                                            "transformers prompt lookup"]
+    assert all(r["median_tok_s"] > 0 and r["runs"] == 2 for r in rows) and rows[0]["vs_ours_plain"] == 1.0
+    assert rows[1]["tokens_per_step"] >= 1 and rows[0]["tokens_per_step"] == ""
+    assert (tmp_path / "generate_device_smollm2-135m.csv").exists()
+
+
 def test_gpu_suite_runs_its_steps_and_kills_a_step_that_runs_over(monkeypatch, tmp_path, capsys):
     """The suite's loop without a GPU: steps run in order, a failing step does not stop the next, a step over
     its limit is killed with the processes it started (its process group), --only and --deadline-s apply."""

@@ -134,6 +134,21 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
         assert full.mean_accepted_tokens > 1.2, f"shipped {kind} heads accept {full.mean_accepted_tokens:.2f} tokens/step"
 
 
+def test_batch_1_default_is_lossless_one_prompt_at_a_time(smollm2, prompts, plain):
+    """What the CLI and `make demo` decode with: default.json's batch_1 kind (the combined drafter composed of
+    the n-gram drafter and the shipped default heads), one prompt at a time, as they run it."""
+    from hydra_kernels.drafters.registry import default_kind
+
+    model, _ = smollm2
+    d = hk.load_drafter(model=model, kind=default_kind(batch_1=True))
+    steps = tokens = 0
+    for p, ref in zip(prompts, plain):
+        out = generate(model, [p], drafter=d, max_new_tokens=N_NEW)
+        assert out.sequences[0] == ref, f"{d.kind}: first difference at token {first_diff(out.sequences[0], ref)}"
+        steps, tokens = steps + out.num_steps, tokens + len(ref) - 1
+    assert tokens / steps > 1.2, f"the batch-1 default drafts {tokens / steps:.2f} tokens/step"
+
+
 def test_cpu_verify_step_is_bit_identical_to_single_token_steps(smollm2, prompts):
     """Exact by construction on the CPU default path (packed linears + the fp32 native tree attention):
     a 7-token chain verified in one step gives bit-for-bit the hidden states and greedy tokens of 7

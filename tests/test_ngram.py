@@ -26,7 +26,10 @@ def brute_lookup(text, min_n, max_n, num_tokens, num_branches):
             continue
         found = []
         for e in reversed(ends[-_MAX_SCAN:]):
-            c = text[e:e + num_tokens]
+            ext = list(text)  # the copy runs on past the end: the future repeats what followed e
+            for m in range(num_tokens):
+                ext.append(ext[e + m])
+            c = ext[L:]
             if c not in found:
                 found.append(c)
             if len(found) == num_branches:
@@ -44,6 +47,18 @@ def test_index_matches_brute_force_rescan(min_n, max_n, k, branches):
         while len(idx.text) < 150:
             idx.extend([rng.randrange(vocab) for _ in range(rng.randint(1, 6))])  # steps of varying size
             assert idx.lookup(k, branches) == brute_lookup(idx.text, min_n, max_n, k, branches), idx.text
+
+
+@pytest.mark.parametrize("period", [1, 2, 3, 7])
+def test_a_loop_drafts_num_tokens_of_the_loop(period):
+    """The most recent occurrence of the suffix ends `period` tokens back: its continuation runs into the
+    text's end and goes on copying the loop (as the text will go on if the loop holds), num_tokens long."""
+    loop = [11, 12, 13, 14, 15, 16, 17][:period]
+    idx = NgramIndex(1, 4)
+    idx.extend([1, 2, 3] + loop * (12 // period + 2))
+    n, (c,) = idx.lookup(10, 1)
+    assert n == 4 and len(c) == 10
+    assert idx.text[-period:] == loop and c == (loop * 20)[:10]  # the text ends with a whole loop
 
 
 def test_trie_shares_prefixes_and_keeps_parents_first():

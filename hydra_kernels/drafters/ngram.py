@@ -3,7 +3,8 @@
 Per sequence, the longest suffix of the text (n tokens, n from max_ngram down to min_ngram) is looked
 up among its earlier occurrences in the prompt and the text generated so far; the tokens that followed
 the most recent occurrences are the draft: one chain (num_branches=1) or several distinct
-continuations merged into a per-sequence tree (a trie: shared prefixes are one node). Verification is
+continuations merged into a per-sequence tree (a trie: shared prefixes are one node). A continuation that
+reaches the text's end goes on copying its own tokens (`continuation`): a loop drafts num_tokens tokens. Verification is
 the base model's, so greedy output is exactly plain greedy decoding's.
 
 The lookup goes through an index kept as the text grows (n-gram -> end positions of its occurrences),
@@ -76,7 +77,7 @@ class NgramIndex:
             found: list[list[int]] = []
             seen: set[tuple[int, ...]] = set()
             for e in reversed(ends[-_MAX_SCAN - 1:-1]):
-                c = tuple(text[e:e + num_tokens])
+                c = tuple(continuation(text, e, num_tokens))
                 if c not in seen:
                     seen.add(c)
                     found.append(list(c))
@@ -84,6 +85,19 @@ class NgramIndex:
                         break
             return n, found
         return 0, []
+
+
+def continuation(text: list[int], e: int, k: int) -> list[int]:
+    """The k tokens that followed the occurrence ending at e (< len(text)), the copy running on past the
+    text's end into its own tokens (LZ77's overlapping copy): text' = text + draft and draft[m] =
+    text'[e + m]; where e + m >= L that is draft[e + m - L], already copied since e < L. So a loop of
+    period p (the suffix's most recent occurrence ends p tokens back) drafts k tokens of the loop, where
+    text[e:e + k] alone would stop after p."""
+    out = text[e:e + k]
+    L = len(text)
+    while len(out) < k:
+        out.append(out[e + len(out) - L])
+    return out
 
 
 def trie(root: int, continuations: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -17,7 +17,7 @@ from .hydra import HydraDrafter
 from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .mlp_speculator import MLPSpeculatorDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramConfig, NgramDrafter
 from ..budget import load_tables
 from .protocol import Drafter
 
@@ -29,10 +29,14 @@ _EXTRA_KINDS = {"medusa+prefix": MedusaDrafter}
 
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "heads"
 SHIPPED_MODEL = "smollm2-135m-instruct"  # the embedded default (hk.load_model())
+SHIPPED_SHAPE = (49152, 576)  # its (vocab_size, hidden_size): a model of other shapes cannot take the shipped drafters
 # load_drafter() takes the kind named in <SHIPPED_DIR>/<SHIPPED_MODEL>/default.json, the fastest measured
 # (python/ship_heads.py --default KIND --measured "..." writes it); without that file, the first shipped
 # kind in this order
 SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
+# kinds load_drafter(kind=...) builds from shipped parts (no directory of their own): "combined" is the n-gram
+# drafter beside the default shipped kind (_shipped_combined)
+COMPOSED = ("combined",)
 DEFAULT_FILE = "default.json"
 # the recipe that trains each family (named when a kind is asked for but not shipped)
 RECIPES = {"medusa": "python/train_heads.py", "hydra": "python/train_heads.py", "hydra++": "python/train_heads.py",
@@ -86,21 +90,38 @@ def shipped_drafters() -> dict[str, Path]:
     return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").exists()} if root.is_dir() else {}
 
 
-def default_kind() -> str:
+def default_kind(batch_1: bool = False) -> str:
     """The kind load_drafter() returns: the one default.json names (the fastest measured on the embedded
-    model, with the measurement it rests on), else the first shipped kind of SHIPPED_PREFERENCE."""
+    model, with the measurement it rests on), else the first shipped kind of SHIPPED_PREFERENCE.
+    batch_1=True: the kind default.json's optional "batch_1" entry names for decoding one sequence at a time
+    (what the CLI and `make demo` use; it may be a COMPOSED kind), else that same default."""
     shipped = shipped_drafters()
     f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
     if f.exists():
         try:
-            kind = json.loads(f.read_text())["kind"]
+            entry = json.loads(f.read_text())
+            kind = entry["kind"]
+            if batch_1 and "batch_1" in entry:
+                kind = entry["batch_1"]["kind"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{f} must be JSON with a 'kind' ({e!r}); the package is corrupt: reinstall it") from e
-        if kind not in shipped:
+            raise ValueError(f"{f} must be JSON with a 'kind' (and, if it has a 'batch_1' entry, a 'kind' there) "
+                             f"({e!r}); the package is corrupt: reinstall it") from e
+        if kind not in shipped and kind not in COMPOSED:
             raise ValueError(f"{f} names {kind!r}, which is not shipped ({sorted(shipped)}); the package is corrupt: "
                              "reinstall it")
         return kind
     return next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
+
+
+def _shipped_combined(model) -> CombinedDrafter:
+    """COMPOSED["combined"]: the n-gram drafter (its defaults) and the default shipped kind's heads, one tree
+    per step (CombinedDrafter). No budget table of its own yet: every step drafts both parts whole, which is
+    what was measured at batch 1 (default.json); at batch 4 and over the heads' own table runs plain steps
+    (budget_cpu.json), so a batched engine should take load_drafter() (the default kind) instead."""
+    heads = load_drafter(model=model)
+    if isinstance(heads, (EagleDrafter, MLPSpeculatorDrafter)):
+        raise ValueError(f"the combined drafter needs heads with a static tree; the default kind is {heads.kind!r}")
+    return CombinedDrafter(NgramDrafter(NgramConfig()), heads)
 
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
@@ -109,18 +130,21 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     original EAGLE-1/EAGLE-3 checkpoint (needs model). model (optional): moves the drafter to its
     device/dtype and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter
     shipped for the embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters()
-    (default: the best measured one). A head drafter's `trees` holds the tree searched per device class;
+    (default: the best measured one) or "combined" (the n-gram drafter beside that one; fastest at batch 1:
+    default_kind(batch_1=True)). A head drafter's `trees` holds the tree searched per device class;
     generate(tree=None) uses it."""
     if path is None:
         shipped = shipped_drafters()
         kind = kind or default_kind()
+        if kind in COMPOSED and kind not in shipped:
+            return _shipped_combined(model)
         if kind not in shipped:
             recipe = RECIPES.get(kind)
             how = f"train your own with {recipe}, or pass" if recipe else "pass"
             raise FileNotFoundError(f"no shipped {kind!r} drafter; shipped: {sorted(shipped) or 'none'} "
                                     f"({how} a checkpoint directory)")
         path = shipped[kind]
-        if model is not None and (model.config.vocab_size, model.config.hidden_size) != (49152, 576):
+        if model is not None and (model.config.vocab_size, model.config.hidden_size) != SHIPPED_SHAPE:
             raise ValueError("the shipped drafters are for the embedded SmolLM2-135M-Instruct (vocab 49152, hidden 576); "
                              "pass the path of a drafter trained for this model")
     elif kind is not None:
