@@ -85,6 +85,11 @@ def main(argv=None):
     ap.add_argument("--batch1-every", type=int, default=8, help="time every Nth prompt at batch 1 (8: all 8 categories)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
+    shipped = hk.drafters.shipped_drafters()
+    if args.kinds is not None and set(args.kinds) - set(shipped):
+        ap.error(f"--kinds {sorted(set(args.kinds) - set(shipped))} not shipped; shipped: {sorted(shipped)}")
+    if args.batch1_every < 1:
+        ap.error("--batch1-every must be >= 1")
     torch.set_grad_enabled(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +105,6 @@ def main(argv=None):
         small.config = dataclasses.replace(d.config, top_k_tokens_per_head=ks, n_candidates=2)
         drafters[f"mlp_speculator (2 candidates, top-k {'/'.join(map(str, ks))})"] = (small, None)
 
-    shipped = hk.drafters.shipped_drafters()
     for kind in sorted(shipped, key=lambda k: (FAMILY_ORDER.index(k) if k in FAMILY_ORDER else len(FAMILY_ORDER), k)):
         if args.kinds is not None and kind not in args.kinds:
             continue

@@ -43,10 +43,11 @@ def hf_model(name: str, layers: int | None, device, dtype):
                    num_hidden_layers=layers or c.num_layers, num_attention_heads=c.num_heads,
                    num_key_value_heads=c.num_kv_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
                    max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-                   bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+                   bos_token_id=c.bos_token_id, eos_token_id=None)
     torch.manual_seed(0)
     with torch.device(device):
         hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    hf.generation_config.eos_token_id = None  # exactly max_new_tokens, as ours with eos_token_id=[]
     return hf
 
 
@@ -100,9 +101,11 @@ def main(argv=None) -> list[dict]:
         kw = dict(prompt_lookup_num_tokens=10) if lookup else {}
         sync()
         t = time.perf_counter()
-        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                        pad_token_id=0, **kw)
+        # no EOS on either side (ours: eos_token_id=[]): min_new_tokens would mask EOS logits instead, which
+        # changes the argmax where EOS wins and so the token comparison below
+        y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
         sync()
+        assert y.shape[1] == len(ids) + n, "transformers stopped early: the work would not be equal"
         return time.perf_counter() - t, y[0, len(ids):].tolist(), float("nan")
 
     decoders = {"ours plain": lambda p: run_ours(p, None), "ours n-gram": lambda p: run_ours(p, ngram),

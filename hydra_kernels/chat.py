@@ -16,8 +16,9 @@ class TextStreamer:
     """Prints the text of one sequence as its tokens arrive (decodes the whole sequence each time and
     prints the new suffix, holding back an incomplete multi-byte character)."""
 
-    def __init__(self, tokenizer, out=sys.stdout, skip_special_tokens: bool = True):
-        self.tokenizer, self.out, self.skip = tokenizer, out, skip_special_tokens
+    def __init__(self, tokenizer, out=None, skip_special_tokens: bool = True):
+        # out=None: the sys.stdout of now, not of import time (a redirected stdout, e.g. contextlib's, is honoured)
+        self.tokenizer, self.out, self.skip = tokenizer, out if out is not None else sys.stdout, skip_special_tokens
         self.ids: list[int] = []
         self.printed = 0
 

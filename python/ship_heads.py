@@ -49,8 +49,13 @@ def main(argv=None):
             ap.error(f"--default {args.default!r} is not shipped ({sorted(shipped_drafters())}): package it first")
         f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
         entry = {"kind": args.default, "measured": args.measured}
-        if f.exists() and "batch_1" in json.loads(f.read_text()):  # the batch-1 choice rests on its own measurement
-            entry["batch_1"] = json.loads(f.read_text())["batch_1"]
+        old = json.loads(f.read_text()) if f.exists() else {}
+        if "batch_1" in old:  # the batch-1 choice was measured over the old default kind (combined's heads)
+            if old.get("kind") == args.default:
+                entry["batch_1"] = old["batch_1"]
+            else:
+                print(f"dropped default.json's batch_1 entry ({old['batch_1'].get('kind')!r}): it was measured with "
+                      f"{old.get('kind')!r}; measure again (benchmarks/bench_drafters.py) and write it back")
         f.write_text(json.dumps(entry, indent=1) + "\n")
         print(f"load_drafter() now returns {args.default!r}")
         return

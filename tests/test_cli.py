@@ -16,6 +16,11 @@ def test_default_drafter_is_the_batch_1_kind(capsys):
     assert f"| {default_kind(batch_1=True)} drafter |" in out and "tokens/step" in out
 
 
+def test_budget_auto_takes_the_default_kind_which_has_a_table(capsys):
+    """--budget auto asks for a searched table: the default kind has one (the batch-1 kind may be composed)."""
+    assert f"| {default_kind()} drafter |" in run(capsys, "--budget", "auto")
+
+
 def test_no_draft_and_a_drafter_directory(capsys):
     from hydra_kernels.drafters import shipped_drafters
 

@@ -347,15 +347,24 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     ref = generate(model, prompts, max_new_tokens=12, eos_token_id=[])
     assert generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[]).sequences == ref.sequences
     for bad, why in (('{"kind": "medusa", "batch_1": {}}', "must be JSON"),
-                     ('{"kind": "medusa", "batch_1": {"kind": "eagle"}}', "names 'eagle', which is not shipped")):
+                     ('{"kind": "medusa", "batch_1": {"kind": "eagle"}}', "names 'eagle' for batch 1, which is neither"),
+                     ('{"kind": "combined"}', "names 'combined', which is not shipped")):  # composed: batch 1 only
         (root / "default.json").write_text(bad)
         with pytest.raises(ValueError, match=why):
             drafters.default_kind(batch_1=True)
+    # the composed drafter's heads are the default kind: one that drafts no static tree is refused before loading
+    (root / "default.json").write_text('{"kind": "medusa", "batch_1": {"kind": "combined"}}')
+    monkeypatch.setattr(drafters, "STATIC_TREE_KINDS", ("hydra",))
+    with pytest.raises(ValueError, match="drafts no static tree"):
+        drafters.default_kind(batch_1=True)
+    with pytest.raises(ValueError, match="needs heads drafting a static tree"):
+        hk.load_drafter(model=model, kind="combined")
 
 
 def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
-    """python/ship_heads.py --default rewrites default.json's kind and measurement and keeps its batch_1 entry
-    (a separate measurement); it refuses a kind that is not shipped."""
+    """python/ship_heads.py --default rewrites default.json's kind and measurement, keeps its batch_1 entry (a
+    separate measurement) while the default kind stays, drops it when the default kind (combined's heads) changes,
+    and refuses a kind that is not shipped."""
     import importlib.util
     from pathlib import Path
 
@@ -367,7 +376,9 @@ def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
     f = tmp_path / ship.SHIPPED_MODEL / ship.DEFAULT_FILE
     f.parent.mkdir(parents=True)
     f.write_text(json.dumps({"kind": "medusa", "measured": "old", "batch_1": {"kind": "combined", "measured": "b1"}}))
-    ship.main(["--default", "hydra", "--measured", "new"])
-    assert json.loads(f.read_text()) == {"kind": "hydra", "measured": "new", "batch_1": {"kind": "combined", "measured": "b1"}}
+    ship.main(["--default", "medusa", "--measured", "new"])  # the same default kind: the batch-1 entry stands
+    assert json.loads(f.read_text()) == {"kind": "medusa", "measured": "new", "batch_1": {"kind": "combined", "measured": "b1"}}
+    ship.main(["--default", "hydra", "--measured", "newer"])  # another: batch 1 was measured over medusa, dropped
+    assert json.loads(f.read_text()) == {"kind": "hydra", "measured": "newer"}
     with pytest.raises(SystemExit):
         ship.main(["--default", "eagle", "--measured", "x"])

@@ -9,7 +9,9 @@ generate() with each kind of drafter on a model that lives on the device, its ke
 - sampling: rejection sampling over Hydra's tree on the device draws the next 3 tokens from the exact base
   law (test_sampling_exactness's enumerable model and G-test), and the same harness refuses typical
   acceptance (the negative control), so the check has power on the device too.
-Drafters carry random weights (drafts away from the base argmax: acceptance and rejection both happen).
+Head drafters (Medusa, Hydra, Hydra++, the combined drafter's) are fresh (their tied LM head proposes what this
+small model often repeats: long accepted paths), the others carry random weights; every kind but MLPSpeculator
+must get drafts accepted (checked).
 """
 from __future__ import annotations
 
@@ -90,7 +92,9 @@ def test_greedy_speculative_equals_plain_on_the_device(model, plain, kind):
     out = generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW, eos_token_id=[])
     assert out.sequences == plain, f"{kind} on {DEV} ({model.dtype}) differs from plain greedy"
     assert all(sum(a) + 1 == NEW for a in out.accept_lengths)  # the prefill's token, then each step's
-    print(kind, DEV, model.dtype, 'tokens/step', round(out.mean_accepted_tokens, 2))
+    if kind != "mlp_speculator":  # random MLP stages over 101 tokens almost never guess (1.00-1.02 tokens/step
+        # on the CPU); its per-sequence trees are the path n-gram and lookahead accept through
+        assert out.mean_accepted_tokens > 1, f"{kind}: no draft accepted, so the accept path went untested"
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,9 @@ def sampled_p_value(law_model, acceptance: str) -> float:
     prompt = exact.PROMPTS[0]
     out = generate(dev, [prompt] * exact.N, drafter=d, tree=exact.TREE, max_new_tokens=exact.NEW, temperature=0.8,
                    seed=0, acceptance=acceptance, eos_token_id=[])
-    assert max(max(a) for a in out.accept_lengths) >= 1, "no draft was ever accepted: the test has no power"
+    if acceptance == "rejection":  # the positive setting has power only where drafts are both accepted and rejected
+        lens = torch.tensor([a for r in out.accept_lengths for a in r])  # tokens emitted per step: 1 = all rejected
+        assert (lens > 1).float().mean() > 0.05 and (lens == 1).float().mean() > 0.05, "acceptance and rejection both needed"
     return exact.g_test(exact.histogram(out.sequences, range(exact.N)), exact.exact_law(cpu, prompt, 0.8, 0, 1.0))
 
 

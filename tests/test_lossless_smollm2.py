@@ -112,7 +112,8 @@ def test_triton_backend_equals_reference_on_smollm2(smollm2, prompts, plain, tra
 
 def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain):
     """The heads inside the package (python/train_heads.py + eval_heads.py + ship_heads.py) with the
-    tree searched for the CPU: what `make demo` and hk.load_drafter() give a user."""
+    tree searched for the CPU: what hk.load_drafter(kind=...) gives a user (the CLI and `make demo` take the
+    batch-1 kind: the next test)."""
     model, _ = smollm2
     shipped = hk.drafters.shipped_drafters()
     assert shipped, "no heads shipped in hydra_kernels/heads/"

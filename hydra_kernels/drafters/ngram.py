@@ -68,7 +68,7 @@ class NgramIndex:
 
     def lookup(self, num_tokens: int, num_branches: int) -> tuple[int, list[list[int]]]:
         """(n of the longest suffix with an earlier occurrence, 0 if none; up to num_branches distinct
-        continuations of at most num_tokens tokens, from the most recent occurrences first)."""
+        continuations of num_tokens tokens (`continuation`), from the most recent occurrences first)."""
         text, L = self.text, len(self.text)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             ends = self.ends.get(tuple(text[L - n:]))

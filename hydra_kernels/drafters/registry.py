@@ -35,8 +35,9 @@ SHIPPED_SHAPE = (49152, 576)  # its (vocab_size, hidden_size): a model of other 
 # kind in this order
 SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
 # kinds load_drafter(kind=...) builds from shipped parts (no directory of their own): "combined" is the n-gram
-# drafter beside the default shipped kind (_shipped_combined)
+# drafter beside the default shipped kind (_shipped_combined), which must then be one of STATIC_TREE_KINDS
 COMPOSED = ("combined",)
+STATIC_TREE_KINDS = ("medusa", "hydra", "hydra++", "amphista")  # one Tree per step (CombinedDrafter's heads)
 DEFAULT_FILE = "default.json"
 # the recipe that trains each family (named when a kind is asked for but not shipped)
 RECIPES = {"medusa": "python/train_heads.py", "hydra": "python/train_heads.py", "hydra++": "python/train_heads.py",
@@ -94,21 +95,29 @@ def default_kind(batch_1: bool = False) -> str:
     """The kind load_drafter() returns: the one default.json names (the fastest measured on the embedded
     model, with the measurement it rests on), else the first shipped kind of SHIPPED_PREFERENCE.
     batch_1=True: the kind default.json's optional "batch_1" entry names for decoding one sequence at a time
-    (what the CLI and `make demo` use; it may be a COMPOSED kind), else that same default."""
+    (what the CLI and `make demo` use; it may be a COMPOSED kind, whose heads are the default kind, which must
+    then draft a static tree: STATIC_TREE_KINDS), else that same default."""
     shipped = shipped_drafters()
     f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
     if f.exists():
         try:
             entry = json.loads(f.read_text())
             kind = entry["kind"]
-            if batch_1 and "batch_1" in entry:
-                kind = entry["batch_1"]["kind"]
+            one = entry["batch_1"]["kind"] if "batch_1" in entry else kind
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{f} must be JSON with a 'kind' (and, if it has a 'batch_1' entry, a 'kind' there) "
                              f"({e!r}); the package is corrupt: reinstall it") from e
-        if kind not in shipped and kind not in COMPOSED:
+        if kind not in shipped:
             raise ValueError(f"{f} names {kind!r}, which is not shipped ({sorted(shipped)}); the package is corrupt: "
                              "reinstall it")
+        if batch_1:
+            if one not in shipped and one not in COMPOSED:
+                raise ValueError(f"{f} names {one!r} for batch 1, which is neither shipped ({sorted(shipped)}) nor "
+                                 f"composed {COMPOSED}; the package is corrupt: reinstall it")
+            if one in COMPOSED and kind not in STATIC_TREE_KINDS:
+                raise ValueError(f"{f} names {one!r} for batch 1 over the default kind {kind!r}, which drafts no static "
+                                 f"tree (needed: one of {STATIC_TREE_KINDS}); the package is corrupt: reinstall it")
+            return one
         return kind
     return next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
 
@@ -118,10 +127,11 @@ def _shipped_combined(model) -> CombinedDrafter:
     per step (CombinedDrafter). No budget table of its own yet: every step drafts both parts whole, which is
     what was measured at batch 1 (default.json); at batch 4 and over the heads' own table runs plain steps
     (budget_cpu.json), so a batched engine should take load_drafter() (the default kind) instead."""
-    heads = load_drafter(model=model)
-    if isinstance(heads, (EagleDrafter, MLPSpeculatorDrafter)):
-        raise ValueError(f"the combined drafter needs heads with a static tree; the default kind is {heads.kind!r}")
-    return CombinedDrafter(NgramDrafter(NgramConfig()), heads)
+    kind = default_kind()
+    if kind not in STATIC_TREE_KINDS:
+        raise ValueError(f"the combined drafter needs heads drafting a static tree {STATIC_TREE_KINDS}; the default "
+                         f"shipped kind is {kind!r}: pass drafters=[...] to hk.new_drafter(kind='combined') instead")
+    return CombinedDrafter(NgramDrafter(NgramConfig()), load_drafter(model=model, kind=kind))
 
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
