@@ -155,5 +155,8 @@ def choose(budget, drafter, tree, tree_arg, device_type: str) -> StepBudget:
 def whole_tree_budget(drafter, tree, device_type: str) -> int | None:
     """generate()'s budget that runs the drafter's whole tree every step, its budget table off: what a
     tokens/step figure of the drafter itself (not of the batch-size policy) must be measured with. None
-    where a tree is passed (a pinned tree already runs whole)."""
-    return drafter.resolve_tree(None, device_type).num_nodes if tree is None else None
+    where a tree is passed (a pinned tree already runs whole). A drafter held to fewer nodes than its bound
+    (the combined drafter's node_budget) runs its largest budget level."""
+    if tree is not None:
+        return None
+    return max(drafter.budget_levels(drafter.resolve_tree(None, device_type)))

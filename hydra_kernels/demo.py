@@ -35,7 +35,8 @@ def main() -> None:
         tree_desc = f"dynamic {dynamic.total_tokens}-node trees" if dynamic else f"{bound.num_nodes}-node tree"
         if drafter.kind == "combined":  # its bound holds both parts side by side
             tree_desc = (f"n-gram chains of up to {drafter.ngram.config.num_tokens} tokens beside the "
-                         f"{bound.heads_tree.num_nodes}-node {drafter.heads.kind} tree")
+                         f"{bound.heads_tree.num_nodes}-node {drafter.heads.kind} tree, "
+                         f"{drafter.node_budget or bound.num_nodes} nodes a step at most")
         # one short run of each path first, so neither timing below includes one-time costs (first-call
         # dispatch, buffers, packing the draft heads for the CPU kernel)
         generate(model, [ids], drafter=drafter, max_new_tokens=8)

@@ -125,3 +125,12 @@ def test_bench_drafters_runs(tmp_path):
     assert list(rows) == ["plain", "hydra", "ngram", "combined (ngram + hydra)"]
     assert all(r["identical"] in ("definition", "2/2") and float(r["tokens_per_s"]) > 0 for r in rows.values())
     assert float(rows["combined (ngram + hydra)"]["tokens_per_step"]) >= 1
+
+
+def test_bench_one_prompt_runs(tmp_path):
+    """make demo's prompt through plain, the shipped Hydra heads and the composed combined drafter, one round."""
+    rows = _run_returning("bench_one_prompt", ["--drafters", "hydra", "combined", "--reps", "1", "--new-tokens", "8",
+                                               "--out", str(tmp_path)])
+    assert [r["decoder"] for r in rows] == ["plain", "hydra", "combined"]
+    assert all(r["identical"] and r["tok_s"] > 0 and r["tokens_per_step"] >= 1 for r in rows)
+    assert len(_rows(tmp_path / "one_prompt.csv")) == 3

@@ -361,3 +361,15 @@ def test_combined_budget_caps_the_merged_draft(model):
         out = generate(model, prompts, drafter=d, tree=tree, budget=n, max_new_tokens=12, eos_token_id=[])
         assert out.sequences == plain and set(out.step_nodes) == {n}
         assert sizes and max(p.tokens.shape[1] for p in sizes) == n
+
+
+def test_whole_tree_budget_of_a_drafter_held_to_fewer_nodes(model):
+    """A combined drafter with node_budget runs at most that many nodes: its whole-tree budget is that, not its
+    bound's size (which generate() would refuse as a budget it cannot run)."""
+    heads = hk.new_drafter(model, kind="hydra", num_heads=2)
+    d = hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads], node_budget=4)
+    assert d.resolve_tree(None, "cpu").num_nodes > 4 and whole_tree_budget(d, None, "cpu") == 4
+    out = generate(model, PROMPTS, drafter=d, budget=whole_tree_budget(d, None, "cpu"), max_new_tokens=12,
+                   eos_token_id=[])
+    assert out.sequences == generate(model, PROMPTS, max_new_tokens=12, eos_token_id=[]).sequences
+    assert set(out.step_nodes) == {4}

@@ -342,7 +342,7 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     assert drafters.default_kind() == "medusa" and drafters.default_kind(batch_1=True) == "combined"
     d = hk.load_drafter(model=model, kind=drafters.default_kind(batch_1=True))
     assert isinstance(d, CombinedDrafter) and isinstance(d.ngram, NgramDrafter) and d.heads.kind == "medusa"
-    assert d.node_budget is None and not d.budget_tables
+    assert d.node_budget == drafters.COMBINED_NODE_BUDGET and not d.budget_tables
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3]]
     ref = generate(model, prompts, max_new_tokens=12, eos_token_id=[])
     assert generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[]).sequences == ref.sequences

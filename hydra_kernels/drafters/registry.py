@@ -38,6 +38,11 @@ SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
 # drafter beside the default shipped kind (_shipped_combined), which must then be one of STATIC_TREE_KINDS
 COMPOSED = ("combined",)
 STATIC_TREE_KINDS = ("medusa", "hydra", "hydra++", "amphista")  # one Tree per step (CombinedDrafter's heads)
+# the composed combined drafter's nodes per step, root included: on the CPU a verify costs more per node, and
+# whole parts (3 + 10 nodes) lost on answers with little to copy: make demo's prompt, batch 1, Xeon VM,
+# 2026-11-27 (benchmarks/bench_one_prompt.py): 0.99x plain whole, 1.08x at 6 nodes (Hydra alone 1.14x); on
+# MT-Bench both ~1.8x plain (benchmarks/results/README.md)
+COMBINED_NODE_BUDGET = 6
 DEFAULT_FILE = "default.json"
 # the recipe that trains each family (named when a kind is asked for but not shipped)
 RECIPES = {"medusa": "python/train_heads.py", "hydra": "python/train_heads.py", "hydra++": "python/train_heads.py",
@@ -124,14 +129,15 @@ def default_kind(batch_1: bool = False) -> str:
 
 def _shipped_combined(model) -> CombinedDrafter:
     """COMPOSED["combined"]: the n-gram drafter (its defaults) and the default shipped kind's heads, one tree
-    per step (CombinedDrafter). No budget table of its own yet: every step drafts both parts whole, which is
-    what was measured at batch 1 (default.json); at batch 4 and over the heads' own table runs plain steps
-    (budget_cpu.json), so a batched engine should take load_drafter() (the default kind) instead."""
+    of at most COMBINED_NODE_BUDGET nodes per step (CombinedDrafter: a long n-gram match is served first). No
+    budget table of its own yet: every step drafts, which is what was measured at batch 1 (default.json); at
+    batch 4 and over the heads' own table runs plain steps (budget_cpu.json), so a batched engine should take
+    load_drafter() (the default kind) instead."""
     kind = default_kind()
     if kind not in STATIC_TREE_KINDS:
         raise ValueError(f"the combined drafter needs heads drafting a static tree {STATIC_TREE_KINDS}; the default "
                          f"shipped kind is {kind!r}: pass drafters=[...] to hk.new_drafter(kind='combined') instead")
-    return CombinedDrafter(NgramDrafter(NgramConfig()), load_drafter(model=model, kind=kind))
+    return CombinedDrafter(NgramDrafter(NgramConfig()), load_drafter(model=model, kind=kind), COMBINED_NODE_BUDGET)
 
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
