@@ -39,11 +39,7 @@ def hf_model(name: str, layers: int | None, device, dtype):
     from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
 
     c = hk.NAMED_CONFIGS[name]
-    cfg = HFConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                   num_hidden_layers=layers or c.num_layers, num_attention_heads=c.num_heads,
-                   num_key_value_heads=c.num_kv_heads, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-                   max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-                   bos_token_id=c.bos_token_id, eos_token_id=None)
+    cfg = HFConfig(**{**c.to_hf_dict(), "num_hidden_layers": layers or c.num_layers, "eos_token_id": None})
     torch.manual_seed(0)
     with torch.device(device):
         hf = LlamaForCausalLM(cfg).to(dtype).eval()

@@ -21,6 +21,7 @@ import torch
 import hydra_kernels as hk
 from hydra_kernels.generate import generate
 from helpers import DEV
+from test_budget import randomised  # random weights in place, norms near 1 (copy_ casts to the device / dtype)
 from test_llama_vs_transformers import make_hf
 import test_sampling_exactness as exact
 
@@ -33,16 +34,6 @@ HEAD_TREE = hk.tree.default_tree(12, depth=3)
 @pytest.fixture(scope="module", params=DTYPES, ids=lambda d: str(d).split(".")[-1])
 def model(request):
     return hk.Llama.from_hf(make_hf("gqa3-tied", seed=5)).to(DEV, request.param)
-
-
-def randomised(d, seed: int):
-    """Random weights in place (norms near 1): drafts that the base model sometimes accepts, often not."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in d.named_parameters():
-            r = torch.randn(p.shape, generator=g) * (0.3 if p.ndim > 1 else 0.2) + (1.0 if "norm" in name else 0.0)
-            p.copy_(r.to(p.device, p.dtype))
-    return d
 
 
 def make(model, kind: str):
