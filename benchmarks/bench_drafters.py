@@ -13,7 +13,7 @@ Same model (the embedded SmolLM2-135M-Instruct, fp32, this machine's CPU), same 
 - --search: the dynamic tree (total_tokens, depth, top_k) that decodes fastest here, by real decoding
   of --search-prompts held-out ShareGPT turns at batch 1, written as dynamic_cpu.json into --eagle.
 
-Rows: every shipped kind (--kinds: some), n-gram, and the combined drafter (n-gram + the default shipped kind).
+Rows: every shipped kind (--kinds: some), n-gram, and the combined drafter (the shipped composition: n-gram + the default heads, hk.load_drafter(kind="combined")).
 
     python benchmarks/bench_drafters.py --eagle runs/eagle/eagle [--search] [--new-tokens 256] [--kinds K ...] [--out DIR]
 """
@@ -38,7 +38,7 @@ import hydra_kernels as hk
 from hydra_kernels.budget import whole_tree_budget
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.drafters.eagle import DynamicTree
-from hydra_kernels.drafters.registry import default_kind
+from hydra_kernels.drafters.registry import default_heads_kind
 from hydra_kernels.generate import generate
 from hydra_kernels.training import mtbench_questions
 from hydra_kernels.training.data import heldout_chat_prompts
@@ -136,10 +136,8 @@ def main(argv=None):
         if d.kind == "mlp_speculator" and "mlp_speculator" not in shipped:
             add_small_speculator(d)
     drafters["ngram"] = (hk.new_drafter(model, kind="ngram"), None)
-    if shipped:  # n-gram chains beside the default shipped drafter's tree, in one verify (CombinedDrafter)
-        default = default_kind()
-        both = [hk.new_drafter(model, kind="ngram"), hk.load_drafter(kind=default, model=model)]
-        drafters[f"combined (ngram + {default})"] = (hk.new_drafter(model, kind="combined", drafters=both), None)
+    if shipped:  # n-gram chains beside the default heads' tree, in one verify: the shipped composition
+        drafters[f"combined (ngram + {default_heads_kind()})"] = (hk.load_drafter(kind="combined", model=model), None)
 
     # 1. tokens per step and lossless count, batched
     def batched(drafter=None, tree=None):

@@ -103,7 +103,7 @@ def main(argv=None) -> list[dict]:
     prompts += [("editing", ids) for ids in editing_prompts(tok, args.editing)]
     print(f"{len(qs)} MT-Bench prompts, {sum(c == 'editing' for c, _ in prompts)} editing prompts")
 
-    shipped = hk.load_drafter(model=model)
+    shipped = hk.load_drafter(model=model, kind="hydra")
     parts = [hk.new_drafter(model, kind="ngram", min_ngram=args.combined_min_ngram), shipped]
     drafters = {"hydra (shipped)": shipped, "ngram": hk.new_drafter(model, kind="ngram"),
                 "combined": hk.new_drafter(model, kind="combined", drafters=parts, node_budget=args.node_budget)}

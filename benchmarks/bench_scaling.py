@@ -11,14 +11,18 @@ in a rotating order, each call back to back, --reps rounds (each round rotates t
 figures are the medians over rounds, the ratios the medians of each round's ratio to plain (a round's
 variants ran back to back, so this VM's drift between rounds cancels). tok/s counts decode time only
 (prefill excluded), all sequences. Every speculative output is checked against plain decoding token for
-token (identical), in every round. --no-full-tree drops the third variant.
+token (identical), in every round. --no-full-tree drops the third variant. --compare KIND... adds other
+drafters (shipped or composed kinds, or directories) at their default budgets to the same rotation, so
+drafters are compared in one interleaved run; --kind picks the main drafter among the shipped and composed
+kinds (default: hk.load_drafter()'s).
 
 Memory rates, plain decoding: weight GB/s = bytes of the weights one step reads / (step time - the
 attention's time), attention GB/s = K/V bytes one step reads / the attention's time, the latter timed
 alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, context C, one query row).
 
-    python benchmarks/bench_scaling.py [--drafter DIR] [--batches 1 2 4 8 16] [--contexts short 2048 8000]
-        [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--no-full-tree] [--ratio-reps 5] [--out DIR]
+    python benchmarks/bench_scaling.py [--drafter DIR | --kind KIND] [--compare KIND|DIR ...] [--batches 1 2 4 8 16]
+        [--contexts short 2048 8000] [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--no-full-tree]
+        [--ratio-reps 5] [--out DIR]
 
 Last, plain batch-1 decoding of a short and a 2048-token prompt, interleaved --ratio-reps times: the
 share of its short-context speed decoding keeps at 2k context (medians).
@@ -41,6 +45,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels import ops  # noqa: E402
+from hydra_kernels.budget import whole_tree_budget  # noqa: E402
 from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
 from hydra_kernels.generate import generate  # noqa: E402
 from hydra_kernels.model.packed_linear import Linear  # noqa: E402
@@ -122,6 +127,8 @@ def plain_context_ratio(model, tok, questions, context: int, reps: int, new_toke
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", default=None, help="a drafter directory (default: the shipped one)")
+    ap.add_argument("--kind", default=None, help="a shipped or composed kind (default: hk.load_drafter()'s)")
+    ap.add_argument("--compare", nargs="*", default=[], help="more drafters (kinds or directories), default budgets")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--contexts", nargs="+", default=["short", "2048", "8000"])
     ap.add_argument("--max-batch-long", type=int, default=4)
@@ -136,7 +143,13 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     model, tok = hk.load_model(device="cpu")
-    drafter = hk.load_drafter(args.drafter, model=model) if args.drafter else hk.load_drafter(model=model)
+    if args.drafter and args.kind:
+        ap.error("--drafter and --kind both pick the main drafter: give one")
+    load = lambda name: (hk.load_drafter(name, model=model) if Path(name).is_dir()  # noqa: E731
+                         else hk.load_drafter(model=model, kind=name))
+    drafter = hk.load_drafter(model=model, kind=args.kind) if args.kind else (
+        load(args.drafter) if args.drafter else hk.load_drafter(model=model))
+    others = {f"{Path(n).name} (default budget)": load(n) for n in args.compare}
     questions = [q["turns"][0] for q in mtbench_questions()]
     W, kvt = weight_bytes_per_step(model), kv_bytes_per_token(model)
     tables = drafter.budget_tables
@@ -148,9 +161,10 @@ def main(argv=None) -> list[dict]:
     rows = []
     for i, (B, C) in enumerate(tqdm(points, desc="batch x context")):
         prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions)
-        full = drafter.resolve_tree(None, "cpu").num_nodes
-        kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full)}
-        variants = VARIANTS[:2] if args.no_full_tree else VARIANTS
+        full = whole_tree_budget(drafter, None, "cpu")  # a drafter held to fewer nodes than its bound: its most
+        kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full),
+              **{v: dict(drafter=d) for v, d in others.items()}}
+        variants = (VARIANTS[:2] if args.no_full_tree else VARIANTS) + tuple(others)
         runs = {v: [] for v in variants}  # variant -> one GenerateOutput per round
         for rep in range(args.reps):
             k = (i + rep) % len(variants)
@@ -163,7 +177,7 @@ def main(argv=None) -> list[dict]:
         kv = B * (ctx + args.new_tokens / 2) * kvt
         row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps,
                "plain_tok_s": statistics.median(o.tokens_per_second for o in plain)}
-        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full")):
+        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), *((v, v.split()[0]) for v in others)):
             if v not in runs:
                 continue
             outs = runs[v]
@@ -184,19 +198,22 @@ def main(argv=None) -> list[dict]:
         print(f"plain decoding, batch 1, interleaved x{args.ratio_reps} (medians): short prompt {a:.1f} tok/s, "
               f"{args.ratio_context}-token prompt {b:.1f} tok/s: {b / a:.1%} of the short-context speed")
         rows[0]["plain_long_over_short"] = b / a  # kept in the CSV (first row)
+    names = ("default", "full", *(v.split()[0] for v in others))
     bad = [r for r in rows if any(r.get(f"{n}_identical", r["batch"] * r["reps"]) != r["batch"] * r["reps"]
-                                  for n in ("default", "full"))]
+                                  for n in names)]
     if bad:
         print(f"NOT LOSSLESS at {[(r['batch'], r['context']) for r in bad]}")
     if args.out:
-        write_results(rows, args.out, "scaling", plot=lambda ax: plot(ax, rows))
+        write_results(rows, args.out, "scaling", plot=lambda ax: plot(ax, rows, [v.split()[0] for v in others]))
     return rows
 
 
-def plot(ax, rows):
+def plot(ax, rows, others=()):
     series = {"default budget": lambda r: r["default_ratio"]}
     if "full_ratio" in rows[0]:
         series["full tree"] = lambda r: r["full_ratio"]
+    for name in others:
+        series[f"{name}, default budget"] = lambda r, name=name: r[f"{name}_ratio"]
     plot_ratio_by_batch(ax, rows, series, "tokens/s / plain decoding\n(median of rounds)")
 
 

@@ -4,6 +4,7 @@
     .venv/bin/python python/ship_heads.py --src runs/ship --package hydra++ medusa    # into the package
     .venv/bin/python python/ship_heads.py --src runs/eagle --kinds eagle --draft-vocab 8192  # fewer LM-head rows
     .venv/bin/python python/ship_heads.py --default hydra --measured "1.21x plain, batch 1 (results README, date)"
+    .venv/bin/python python/ship_heads.py --default combined --heads hydra --measured "..."
 
 --package copies the named kinds (with their tree_cpu.json / budget_cpu.json) into
 hydra_kernels/heads/smollm2-135m-instruct/, replacing those kinds and keeping the others, and refuses more
@@ -11,7 +12,8 @@ than 64 MB in total (Amphista's three decoder blocks alone are 25.5 MB in bf16: 
 shrink them). --draft-vocab N keeps the first N (most frequent) ids of each drafter's draft
 vocabulary (drafters/fit.draft_vocab_prefix: for drafters that rank with the base model's LM head). Any
 drafter kind in our format ships this way (e.g. --kinds mlp_speculator). --default KIND names the shipped
-kind hk.load_drafter() returns (the fastest measured; --measured says by which measurement), in default.json.
+kind hk.load_drafter() returns (the fastest measured; --measured says by which measurement), in default.json;
+a composed kind (--default combined) names the shipped heads it is built over (--heads hydra).
 """
 from __future__ import annotations
 
@@ -26,10 +28,43 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.drafters import SHIPPED_DIR, SHIPPED_MODEL  # noqa: E402
-from hydra_kernels.drafters.registry import DEFAULT_FILE, shipped_drafters  # noqa: E402
+from hydra_kernels.drafters.registry import (COMPOSED, DEFAULT_FILE, STATIC_TREE_KINDS,  # noqa: E402
+                                             shipped_drafters)
 from hydra_kernels.drafters.fit import draft_vocab_prefix  # noqa: E402
 
 LIMIT_MB = 64
+
+
+def write_default(ap, kind: str, measured: str | None, heads: str | None) -> None:
+    """default.json := kind (shipped, or COMPOSED over the shipped static-tree kind `heads`) and its
+    measurement; the old batch_1 entry stays only where it was measured over the same heads and names
+    another kind than the new default."""
+    shipped = shipped_drafters()
+    if not measured:
+        ap.error("--default needs --measured: the figure, machine, date and command that make it the fastest")
+    f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
+    old = json.loads(f.read_text()) if f.exists() else {}
+    old_heads = old.get("heads", old.get("kind"))
+    entry = {"kind": kind, "measured": measured}
+    if kind in COMPOSED:
+        heads = heads or old_heads
+        if heads not in shipped or heads not in STATIC_TREE_KINDS:
+            ap.error(f"--default {kind!r} is built over a shipped static-tree kind: --heads one of "
+                     f"{sorted(set(shipped) & set(STATIC_TREE_KINDS))}, got {heads!r}")
+        entry["heads"] = heads
+    elif kind not in shipped:
+        ap.error(f"--default {kind!r} is neither shipped ({sorted(shipped)}) nor composed {COMPOSED}: package it first")
+    elif heads is not None:
+        ap.error(f"--heads goes with a composed --default {COMPOSED}, not {kind!r}")
+    new_heads = entry.get("heads", kind)
+    if "batch_1" in old:  # the batch-1 choice was measured over the old heads (a combined drafter's)
+        if old_heads == new_heads and old["batch_1"].get("kind") != kind:
+            entry["batch_1"] = old["batch_1"]
+        else:
+            print(f"dropped default.json's batch_1 entry ({old['batch_1'].get('kind')!r}): it was measured over "
+                  f"{old_heads!r} or names the new default; measure again (benchmarks/bench_drafters.py) if it differs")
+    f.write_text(json.dumps(entry, indent=1) + "\n")
+    print(f"load_drafter() now returns {kind!r}" + (f" over {new_heads!r}" if kind in COMPOSED else ""))
 
 
 def main(argv=None):
@@ -41,23 +76,12 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=None, help="keep this many ids of the draft vocabulary")
     ap.add_argument("--default", default=None, help="the shipped kind hk.load_drafter() returns (default.json)")
     ap.add_argument("--measured", default=None, help="with --default: the measurement that makes it the fastest")
+    ap.add_argument("--heads", default=None,
+                    help="with a composed --default (combined): the shipped static-tree kind it is built over "
+                         "(default: default.json's current heads)")
     args = ap.parse_args(argv)
     if args.default is not None:
-        if not args.measured:
-            ap.error("--default needs --measured: the figure, machine, date and command that make it the fastest")
-        if args.default not in shipped_drafters():
-            ap.error(f"--default {args.default!r} is not shipped ({sorted(shipped_drafters())}): package it first")
-        f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
-        entry = {"kind": args.default, "measured": args.measured}
-        old = json.loads(f.read_text()) if f.exists() else {}
-        if "batch_1" in old:  # the batch-1 choice was measured over the old default kind (combined's heads)
-            if old.get("kind") == args.default:
-                entry["batch_1"] = old["batch_1"]
-            else:
-                print(f"dropped default.json's batch_1 entry ({old['batch_1'].get('kind')!r}): it was measured with "
-                      f"{old.get('kind')!r}; measure again (benchmarks/bench_drafters.py) and write it back")
-        f.write_text(json.dumps(entry, indent=1) + "\n")
-        print(f"load_drafter() now returns {args.default!r}")
+        write_default(ap, args.default, args.measured, args.heads)
         return
     src = Path(args.src)
     if args.package is None:

@@ -106,7 +106,7 @@ def test_tree_rank_beyond_lm_head_topk_is_refused_on_every_backend(model, heads,
 
 def test_shipped_heads_refuse_a_rank_beyond_their_draft_vocabulary(smollm2, monkeypatch):  # 2, the report's case
     model, _ = smollm2
-    drafter = hk.load_drafter(model=model)
+    drafter = hk.load_drafter(model=model, kind="hydra")
     no_work(model, monkeypatch)
     with pytest.raises(ValueError, match="rank 20000"):
         generate(model, P, drafter=drafter, tree=[[20000]], max_new_tokens=4)

@@ -363,6 +363,34 @@ def test_combined_budget_caps_the_merged_draft(model):
         assert sizes and max(p.tokens.shape[1] for p in sizes) == n
 
 
+def test_step_timing_drafts_an_ngram_part_at_its_whole_budget(model, monkeypatch):
+    """The search times steps from a synthetic state whose random text the n-gram lookup (almost) never matches
+    at the real vocabulary (here: the lookup made to find nothing): the real combined (or n-gram) drafter would
+    be timed at the heads' nodes alone (or none). The timed copy (timed_as_costliest) drafts its whole budget
+    every step, the n-gram part first as for a long match."""
+    from hydra_kernels.drafters import CombinedDrafter, NgramDrafter
+    from hydra_kernels.drafters.ngram import NgramIndex
+    from hydra_kernels.training.budget_search import _synthetic_run, timed_as_costliest
+
+    monkeypatch.setattr(NgramIndex, "lookup", lambda self, num_tokens, num_branches: (0, []))
+    heads = randomised(hk.new_drafter(model, kind="hydra", num_heads=2), seed=3)
+    combined = hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads], node_budget=6)
+    ngram = hk.new_drafter(model, kind="ngram", num_tokens=5)
+    backends = model.backend_plan("reference")
+    for d, tree_arg, budget, heads_only in ((combined, [[0], [0, 0]], 6, 3), (ngram, None, 6, 1)):
+        tree = d.resolve_tree(tree_arg, "cpu")
+        sizes = {}
+        for name, timed in (("real", d), ("timed", timed_as_costliest(d))):
+            seen, orig = [], timed.propose
+            timed.propose = lambda state, root, seqlens, orig=orig, seen=seen: seen.append(orig(state, root, seqlens)) or seen[-1]
+            _synthetic_run(model, timed, tree, 2, 24, budget, 5, backends, seed=0)
+            sizes[name] = {p.tokens.shape[1] for p in seen}
+        assert sizes["real"] == {heads_only} and sizes["timed"] == {budget}
+        if isinstance(d, CombinedDrafter):
+            assert isinstance(timed_as_costliest(d).ngram, NgramDrafter) and timed_as_costliest(d).heads is d.heads
+    assert timed_as_costliest(heads) is heads  # no n-gram part: timed as it is
+
+
 def test_whole_tree_budget_of_a_drafter_held_to_fewer_nodes(model):
     """A combined drafter with node_budget runs at most that many nodes: its whole-tree budget is that, not its
     bound's size (which generate() would refuse as a budget it cannot run)."""

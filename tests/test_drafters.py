@@ -348,7 +348,9 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     assert generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[]).sequences == ref.sequences
     for bad, why in (('{"kind": "medusa", "batch_1": {}}', "must be JSON"),
                      ('{"kind": "medusa", "batch_1": {"kind": "eagle"}}', "names 'eagle' for batch 1, which is neither"),
-                     ('{"kind": "combined"}', "names 'combined', which is not shipped")):  # composed: batch 1 only
+                     ('{"kind": "combined"}', "also 'heads'"),  # a composed default names its heads
+                     ('{"kind": "combined", "heads": "eagle"}', "names 'eagle' as the heads of 'combined', which is not"),
+                     ('{"kind": "combined", "heads": "combined"}', "names 'combined' as the heads")):
         (root / "default.json").write_text(bad)
         with pytest.raises(ValueError, match=why):
             drafters.default_kind(batch_1=True)
@@ -357,8 +359,49 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     monkeypatch.setattr(drafters, "STATIC_TREE_KINDS", ("hydra",))
     with pytest.raises(ValueError, match="drafts no static tree"):
         drafters.default_kind(batch_1=True)
-    with pytest.raises(ValueError, match="needs heads drafting a static tree"):
+    with pytest.raises(ValueError, match="drafts no static tree"):
         hk.load_drafter(model=model, kind="combined")
+
+
+def test_combined_default_with_its_budget_table(tmp_path, monkeypatch):
+    """default.json may name the composed combined drafter as load_drafter()'s default, over the shipped heads its
+    "heads" names; its budget tables come from composed_tables_dir and steer generate() (a plain step where the
+    table says so) while a table searched over other heads (another tree) is not used."""
+    import hydra_kernels.drafters.registry as drafters
+    from hydra_kernels.budget import BudgetTable, tree_key
+    from hydra_kernels.drafters import CombinedDrafter
+
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
+    monkeypatch.setattr(drafters, "SHIPPED_SHAPE", (model.config.vocab_size, model.config.hidden_size))
+    root = tmp_path / drafters.SHIPPED_MODEL
+    for kind in ("medusa", "hydra"):
+        hk.new_drafter(model, kind, num_heads=2).save(root / kind, dtype=torch.bfloat16)
+    (root / "default.json").write_text('{"kind": "combined", "heads": "medusa", "measured": "a test"}')
+    assert drafters.default_kind() == "combined" == drafters.default_kind(batch_1=True)
+    assert "combined" not in drafters.shipped_drafters()  # its directory holds tables only
+    d = hk.load_drafter(model=model)
+    assert isinstance(d, CombinedDrafter) and d.heads.kind == "medusa" and not d.budget_tables
+    bound = d.resolve_tree(None, "cpu")
+    # batch 1 drafts 4 nodes, batch 2 runs plain steps
+    table = BudgetTable(device="cpu", tree=tree_key(bound), full=bound.num_nodes, batch_sizes=[1, 2], contexts=[128],
+                        nodes=[[4], [1]])
+    drafters.composed_tables_dir("combined", "medusa").mkdir(parents=True)
+    table.save(drafters.composed_tables_dir("combined", "medusa"))
+    d = hk.load_drafter(model=model)
+    assert d.budget_tables["cpu"].nodes == [[4], [1]]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9]]
+    for batch, nodes in (([prompts[0]], {4}), (prompts, {1})):  # batch 2: plain steps (or plain decoding)
+        out = generate(model, batch, drafter=d, max_new_tokens=16, eos_token_id=[])
+        assert out.sequences == generate(model, batch, max_new_tokens=16, eos_token_id=[]).sequences
+        assert set(out.step_nodes) <= nodes and (len(batch) > 1 or out.step_nodes)
+    # heads changed (hydra): the table was searched over medusa's heads (here the same tree), so it is not taken
+    (root / "default.json").write_text('{"kind": "combined", "heads": "hydra", "measured": "a test"}')
+    d = hk.load_drafter(model=model)
+    assert d.heads.kind == "hydra" and not d.budget_tables
+    out = generate(model, prompts, drafter=d, max_new_tokens=16, eos_token_id=[])
+    assert out.sequences == generate(model, prompts, max_new_tokens=16, eos_token_id=[]).sequences
+    assert out.step_nodes and min(out.step_nodes) > 1  # no table: every step drafts
 
 
 def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
@@ -382,3 +425,13 @@ def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
     assert json.loads(f.read_text()) == {"kind": "hydra", "measured": "newer"}
     with pytest.raises(SystemExit):
         ship.main(["--default", "eagle", "--measured", "x"])
+    # a composed default names its heads (default.json's current ones unless --heads); a batch_1 entry naming the
+    # new default is dropped as redundant
+    f.write_text(json.dumps({"kind": "hydra", "measured": "a", "batch_1": {"kind": "combined", "measured": "b1"}}))
+    ship.main(["--default", "combined", "--measured", "c"])
+    assert json.loads(f.read_text()) == {"kind": "combined", "measured": "c", "heads": "hydra"}
+    ship.main(["--default", "combined", "--heads", "medusa", "--measured", "d"])
+    assert json.loads(f.read_text()) == {"kind": "combined", "measured": "d", "heads": "medusa"}
+    for bad in (["--default", "combined", "--heads", "eagle"], ["--default", "hydra", "--heads", "medusa"]):
+        with pytest.raises(SystemExit):
+            ship.main([*bad, "--measured", "x"])

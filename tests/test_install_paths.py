@@ -131,6 +131,10 @@ def test_pure_python_install_imports_and_generates(project, base, tmp_path):
     (info,) = (venv / SITE).glob("hydra_kernels-*.dist-info")
     assert "Tag: py3-none-any" in (info / "WHEEL").read_text()
     assert list(pkg.glob("heads/*/*/model.safetensors")), "the shipped heads are package data"
+    heads = ROOT / "hydra_kernels" / "heads"  # every shipped file, the composed drafter's table too
+    missing = {str(p.relative_to(heads)) for p in heads.rglob("*") if p.is_file() and p.suffix in (".json", ".safetensors")
+               and not (pkg / "heads" / p.relative_to(heads)).is_file()}
+    assert not missing, f"shipped files not installed as package data: {sorted(missing)}"
     result = _generate(venv, base)
     assert not result["native"] and result["tree_attention"] == "reference", result
 

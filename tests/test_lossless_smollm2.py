@@ -137,11 +137,17 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
 
 def test_batch_1_default_is_lossless_one_prompt_at_a_time(smollm2, prompts, plain):
     """What the CLI and `make demo` decode with: default.json's batch_1 kind (the combined drafter composed of
-    the n-gram drafter and the shipped default heads), one prompt at a time, as they run it."""
-    from hydra_kernels.drafters.registry import default_kind
+    the n-gram drafter and the shipped heads), one prompt at a time, as they run it. A composed kind ships a
+    CPU budget table searched over those heads (python/search_budget.py --kind combined), which this run uses."""
+    from hydra_kernels.budget import tree_key
+    from hydra_kernels.drafters.registry import COMPOSED, default_kind
 
     model, _ = smollm2
     d = hk.load_drafter(model=model, kind=default_kind(batch_1=True))
+    if d.kind in COMPOSED:
+        table = d.budget_tables.get("cpu")
+        assert table is not None and table.tree == tree_key(d.resolve_tree(None, "cpu")), \
+            f"the composed {d.kind} drafter has no CPU budget table searched over its heads"
     steps = tokens = 0
     for p, ref in zip(prompts, plain):
         out = generate(model, [p], drafter=d, max_new_tokens=N_NEW)

@@ -126,7 +126,7 @@ def test_ngram_and_combined_lossless_real_model(smollm2, backend):
     ng = generate(model, prompts, drafter=hk.new_drafter(model, kind="ngram"), max_new_tokens=32, backend=backend)
     assert ng.sequences == plain.sequences
     assert ng.mean_accepted_tokens > 1.5  # the repeated text is drafted from the prompt
-    parts = [hk.new_drafter(model, kind="ngram"), hk.load_drafter(model=model)]
+    parts = [hk.new_drafter(model, kind="ngram"), hk.load_drafter(model=model, kind="hydra")]
     comb = generate(model, prompts, drafter=hk.new_drafter(model, kind="combined", drafters=parts, node_budget=8),
                     max_new_tokens=32, backend=backend)
     assert comb.sequences == plain.sequences and comb.mean_accepted_tokens > 1.5

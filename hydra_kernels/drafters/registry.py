@@ -96,48 +96,71 @@ def shipped_drafters() -> dict[str, Path]:
     return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").exists()} if root.is_dir() else {}
 
 
-def default_kind(batch_1: bool = False) -> str:
-    """The kind load_drafter() returns: the one default.json names (the fastest measured on the embedded
-    model, with the measurement it rests on), else the first shipped kind of SHIPPED_PREFERENCE.
-    batch_1=True: the kind default.json's optional "batch_1" entry names for decoding one sequence at a time
-    (what the CLI and `make demo` use; it may be a COMPOSED kind, whose heads are the default kind, which must
-    then draft a static tree: STATIC_TREE_KINDS), else that same default."""
+def _default_entry() -> tuple[str, str, str]:
+    """default.json read and checked -> (default kind, batch-1 kind, heads kind: the static-tree kind a composed
+    kind is built over). Without the file: the first shipped kind of SHIPPED_PREFERENCE for all three."""
     shipped = shipped_drafters()
     f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
-    if f.exists():
-        try:
-            entry = json.loads(f.read_text())
-            kind = entry["kind"]
-            one = entry["batch_1"]["kind"] if "batch_1" in entry else kind
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{f} must be JSON with a 'kind' (and, if it has a 'batch_1' entry, a 'kind' there) "
-                             f"({e!r}); the package is corrupt: reinstall it") from e
-        if kind not in shipped:
-            raise ValueError(f"{f} names {kind!r}, which is not shipped ({sorted(shipped)}); the package is corrupt: "
-                             "reinstall it")
-        if batch_1:
-            if one not in shipped and one not in COMPOSED:
-                raise ValueError(f"{f} names {one!r} for batch 1, which is neither shipped ({sorted(shipped)}) nor "
-                                 f"composed {COMPOSED}; the package is corrupt: reinstall it")
-            if one in COMPOSED and kind not in STATIC_TREE_KINDS:
-                raise ValueError(f"{f} names {one!r} for batch 1 over the default kind {kind!r}, which drafts no static "
-                                 f"tree (needed: one of {STATIC_TREE_KINDS}); the package is corrupt: reinstall it")
-            return one
-        return kind
-    return next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
+    if not f.exists():
+        kind = next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
+        return kind, kind, kind
+    corrupt = "the package is corrupt: reinstall it"
+    try:
+        entry = json.loads(f.read_text())
+        kind = entry["kind"]
+        one = entry["batch_1"]["kind"] if "batch_1" in entry else kind
+        heads = entry["heads"] if kind in COMPOSED else kind
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{f} must be JSON with a 'kind' (a composed kind {COMPOSED} also 'heads'; a 'batch_1' entry "
+                         f"its own 'kind') ({e!r}); {corrupt}") from e
+    if heads not in shipped:
+        what = f" as the heads of {kind!r}" if kind in COMPOSED else ""
+        raise ValueError(f"{f} names {heads!r}{what}, which is not shipped ({sorted(shipped)}); {corrupt}")
+    if one not in shipped and one not in COMPOSED:
+        raise ValueError(f"{f} names {one!r} for batch 1, which is neither shipped ({sorted(shipped)}) nor "
+                         f"composed {COMPOSED}; {corrupt}")
+    if (kind in COMPOSED or one in COMPOSED) and heads not in STATIC_TREE_KINDS:
+        raise ValueError(f"{f} composes {COMPOSED} over {heads!r}, which drafts no static tree (needed: one of "
+                         f"{STATIC_TREE_KINDS}); {corrupt}")
+    return kind, one, heads
+
+
+def default_kind(batch_1: bool = False) -> str:
+    """The kind load_drafter() returns: the one default.json names (the fastest measured on the embedded
+    model, with the measurement it rests on; it may be a COMPOSED kind, built over the shipped kind its
+    "heads" names, which must draft a static tree: STATIC_TREE_KINDS), else the first shipped kind of
+    SHIPPED_PREFERENCE. batch_1=True: the kind default.json's optional "batch_1" entry names for decoding one
+    sequence at a time (what the CLI and `make demo` use; it may be composed too), else that same default."""
+    kind, one, _ = _default_entry()
+    return one if batch_1 else kind
+
+
+def default_heads_kind() -> str:
+    """The shipped kind whose weights the default drafter drafts with: default.json's "heads" when its kind is
+    composed (the combined drafter's static-tree heads), else the default kind itself."""
+    return _default_entry()[2]
+
+
+def composed_tables_dir(kind: str, heads: str) -> Path:
+    """Where a COMPOSED kind's budget tables over the shipped `heads` live: it has no weights, only
+    budget_<device>.json, searched with python/search_budget.py --kind KIND (over default_heads_kind()). One
+    directory per heads kind: two kinds' trees can coincide (untrained heads' default tree) while their drafts
+    cost differently."""
+    return SHIPPED_DIR / SHIPPED_MODEL / kind / heads
 
 
 def _shipped_combined(model) -> CombinedDrafter:
-    """COMPOSED["combined"]: the n-gram drafter (its defaults) and the default shipped kind's heads, one tree
-    of at most COMBINED_NODE_BUDGET nodes per step (CombinedDrafter: a long n-gram match is served first). No
-    budget table of its own yet: every step drafts, which is what was measured at batch 1 (default.json); at
-    batch 4 and over the heads' own table runs plain steps (budget_cpu.json), so a batched engine should take
-    load_drafter() (the default kind) instead."""
-    kind = default_kind()
-    if kind not in STATIC_TREE_KINDS:
+    """COMPOSED["combined"]: the n-gram drafter (its defaults) and the shipped heads default.json names (its
+    default kind, or its "heads" when the default is combined), one tree of at most COMBINED_NODE_BUDGET nodes
+    per step (CombinedDrafter: a long n-gram match is served first), with the budget tables searched for that
+    composition (composed_tables_dir)."""
+    heads = default_heads_kind()
+    if heads not in STATIC_TREE_KINDS:
         raise ValueError(f"the combined drafter needs heads drafting a static tree {STATIC_TREE_KINDS}; the default "
-                         f"shipped kind is {kind!r}: pass drafters=[...] to hk.new_drafter(kind='combined') instead")
-    return CombinedDrafter(NgramDrafter(NgramConfig()), load_drafter(model=model, kind=kind), COMBINED_NODE_BUDGET)
+                         f"shipped kind is {heads!r}: pass drafters=[...] to hk.new_drafter(kind='combined') instead")
+    drafter = CombinedDrafter(NgramDrafter(NgramConfig()), load_drafter(model=model, kind=heads), COMBINED_NODE_BUDGET)
+    drafter.budget_tables.update(load_tables(composed_tables_dir("combined", heads)))
+    return drafter
 
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:

@@ -5,7 +5,8 @@ tokens/s of a budget n at batch B and context C is predicted as B * a(n) / s(B, 
 - a(n): tokens per step with n nodes, measured by real greedy decoding of held-out prompts at that budget
   (one batched run per budget; acceptance does not depend on the batch size).
 - s(B, C, n): seconds per step, measured by the real decoding loop (speculative.py, the drafter's real
-  propose / skip_step, verify, commit) from a synthetic state: a KV buffer whose first C rows count as the
+  propose / skip_step, verify, commit; an n-gram part made to draft every step, timed_as_costliest) from a
+  synthetic state: a KV buffer whose first C rows count as the
   committed context (their values do not change the time) and random hidden states, so no C-token
   prefill is paid per point (16 x 8k tokens would take minutes on a CPU). Per-step time = the difference
   of two runs of different lengths / their difference in steps, which drops one-off work (a drafter's
@@ -31,6 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..budget import BudgetTable, StepBudget, tree_key
+from ..drafters.combined import CombinedDrafter
+from ..drafters.ngram import NgramDrafter
 from ..emit import Emitter
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -103,6 +106,38 @@ def _synthetic_run(model, drafter, tree, B: int, C: int, nodes: int | None, step
         return time.perf_counter() - t, stats.num_steps
 
 
+class _MatchingEveryStep(NgramDrafter):
+    """The n-gram drafter as the step timing needs it: the synthetic state's random text matches nothing,
+    so the real drafter would draft no n-gram node and a budget's step would be timed at the heads' nodes
+    alone. This one runs the same lookup (its cost included) and, where it finds nothing, drafts a
+    continuation anyway (the text's last tokens, as a match of max_ngram tokens: the long match a
+    CombinedDrafter serves first), so every step drafts its whole budget: the costliest case of each
+    budget, which the table must afford."""
+
+    def draft_lists(self, state):
+        parents, tokens = super().draft_lists(state)
+        k = state.num_tokens
+        for b, p in enumerate(parents):
+            text = state.indexes[b].text
+            if len(p) == 1 and not state.finished[b] and text:
+                cont = [text[-1 - (i % len(text))] for i in range(1, k + 1)]
+                parents[b] = list(range(-1, k))
+                tokens[b] = [text[-1], *cont]
+                state.matched[b] = self.config.max_ngram
+        return parents, tokens
+
+
+def timed_as_costliest(drafter):
+    """The drafter whose steps the search times: an n-gram part made to draft every step
+    (_MatchingEveryStep), the rest as it is; acceptance is measured with the real drafter."""
+    if isinstance(drafter, CombinedDrafter):
+        return CombinedDrafter(_MatchingEveryStep(drafter.ngram.config), drafter.heads, drafter.node_budget,
+                               drafter.strong_match)
+    if isinstance(drafter, NgramDrafter):
+        return _MatchingEveryStep(drafter.config)
+    return drafter
+
+
 def implausible_steps(plain_s: float, spec_s: dict[int, float], slack: float = 0.9) -> dict[int, float]:
     """The budgets whose measured step time is under `slack` x the plain step's, or not positive (every
     budget, when the plain step's is not): a speculative step does the plain step's work and more, so such a
@@ -123,21 +158,28 @@ def step_seconds(model, drafter, tree, B: int, C: int, nodes: int | None, backen
 
 def search_budget_table(model, drafter, prompts: list[list[int]], *, tree_arg=None, batch_sizes=BATCH_SIZES,
                         contexts=CONTEXTS, new_tokens: int = 64, margin: float | None = None, backend: str = "auto",
-                        reps: int = 5) -> BudgetTable:
+                        reps: int = 5, budgets: list[int] | None = None) -> BudgetTable:
     """The table for `drafter` with the tree generate(tree=tree_arg) resolves to on this device; reps: timed
-    run pairs per step time (medians)."""
+    run pairs per step time (medians); budgets: the node budgets > 1 to time (default candidate_budgets)."""
     dev = model.device.type
     tree = drafter.resolve_tree(tree_arg, dev)
-    budgets = candidate_budgets(drafter.budget_levels(tree))
+    levels = drafter.budget_levels(tree)
+    if budgets is None:
+        budgets = candidate_budgets(levels)
+    elif not budgets or any(n <= 1 or n not in levels for n in budgets):
+        raise ValueError(f"budgets must be node counts > 1 this drafter and tree can run {[n for n in levels if n > 1]}, "
+                         f"got {budgets!r}")
+    budgets = sorted(set(budgets))
     acc = tokens_per_step(model, drafter, tree_arg, prompts, budgets, new_tokens)
     backends = model.backend_plan(backend)
     limit = model.config.max_position_embeddings - 16 * (tree.depth + 1) - tree.num_nodes
     contexts = [min(c, limit) for c in contexts]
     nodes, measured = [], {"tokens_per_step": {str(n): a for n, a in acc.items()}, "points": []}
     points = [(B, C) for B in batch_sizes for C in contexts]
+    timed = timed_as_costliest(drafter)
     for B, C in tqdm(points, desc="step time per batch size and context"):
-        plain_s = step_seconds(model, drafter, tree, B, C, None, backends, reps=reps)
-        spec_s = {n: step_seconds(model, drafter, tree, B, C, n, backends, reps=reps) for n in budgets}
+        plain_s = step_seconds(model, timed, tree, B, C, None, backends, reps=reps)
+        spec_s = {n: step_seconds(model, timed, tree, B, C, n, backends, reps=reps) for n in budgets}
         point = {"batch": B, "context": C, "plain_tok_s": B / plain_s if plain_s > 0 else 0.0,
                  **{f"nodes_{n}_tok_s": B * acc[n] / s if s > 0 else 0.0 for n, s in spec_s.items()}}
         invalid = implausible_steps(plain_s, spec_s)
@@ -176,4 +218,4 @@ def rechoose(table: BudgetTable, margin: float = MARGIN) -> BudgetTable:
     for i in range(1, len(grid)):  # a larger batch never drafts more than a smaller one at the same context:
         grid[i] = [min(a, b) for a, b in zip(grid[i], grid[i - 1])]  # extra rows only get costlier (noise guard)
     return BudgetTable(device=table.device, tree=table.tree, full=table.full, batch_sizes=table.batch_sizes,
-                       contexts=table.contexts, nodes=grid, measured=table.measured)
+                       contexts=table.contexts, nodes=grid, measured={**table.measured, "margin": margin})
