@@ -322,6 +322,18 @@ def test_default_kind_is_the_one_default_json_names(tmp_path, monkeypatch):
             hk.load_drafter()
 
 
+def _package_of_medusa_and_hydra(drafters, tmp_path, monkeypatch):
+    """A package dir under tmp_path shipping untrained medusa and hydra heads for a tiny model (registry patched)
+    -> (the model, the shipped model's directory)."""
+    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
+    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
+    monkeypatch.setattr(drafters, "SHIPPED_SHAPE", (model.config.vocab_size, model.config.hidden_size))
+    root = tmp_path / drafters.SHIPPED_MODEL
+    for kind in ("medusa", "hydra"):
+        hk.new_drafter(model, kind, num_heads=2).save(root / kind, dtype=torch.bfloat16)
+    return model, root
+
+
 def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     """default.json's optional batch_1 entry names the kind for one sequence at a time (the CLI's and the demo's):
     "combined" is composed at load time from the n-gram drafter and the default shipped kind, with no files of
@@ -330,12 +342,7 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     import hydra_kernels.drafters.registry as drafters
     from hydra_kernels.drafters import CombinedDrafter, NgramDrafter
 
-    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
-    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
-    monkeypatch.setattr(drafters, "SHIPPED_SHAPE", (model.config.vocab_size, model.config.hidden_size))
-    root = tmp_path / drafters.SHIPPED_MODEL
-    for kind in ("medusa", "hydra"):
-        hk.new_drafter(model, kind, num_heads=2).save(root / kind, dtype=torch.bfloat16)
+    model, root = _package_of_medusa_and_hydra(drafters, tmp_path, monkeypatch)
     (root / "default.json").write_text('{"kind": "medusa", "measured": "a test"}')
     assert drafters.default_kind(batch_1=True) == "medusa"  # no batch_1 entry: the default
     (root / "default.json").write_text('{"kind": "medusa", "measured": "a", "batch_1": {"kind": "combined", "measured": "b"}}')
@@ -366,17 +373,12 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
 def test_combined_default_with_its_budget_table(tmp_path, monkeypatch):
     """default.json may name the composed combined drafter as load_drafter()'s default, over the shipped heads its
     "heads" names; its budget tables come from composed_tables_dir and steer generate() (a plain step where the
-    table says so) while a table searched over other heads (another tree) is not used."""
+    table says so) while a table searched over other heads is not used."""
     import hydra_kernels.drafters.registry as drafters
     from hydra_kernels.budget import BudgetTable, tree_key
     from hydra_kernels.drafters import CombinedDrafter
 
-    monkeypatch.setattr(drafters, "SHIPPED_DIR", tmp_path)
-    model = hk.Llama.from_hf(make_hf("gqa3-tied", seed=2))
-    monkeypatch.setattr(drafters, "SHIPPED_SHAPE", (model.config.vocab_size, model.config.hidden_size))
-    root = tmp_path / drafters.SHIPPED_MODEL
-    for kind in ("medusa", "hydra"):
-        hk.new_drafter(model, kind, num_heads=2).save(root / kind, dtype=torch.bfloat16)
+    model, root = _package_of_medusa_and_hydra(drafters, tmp_path, monkeypatch)
     (root / "default.json").write_text('{"kind": "combined", "heads": "medusa", "measured": "a test"}')
     assert drafters.default_kind() == "combined" == drafters.default_kind(batch_1=True)
     assert "combined" not in drafters.shipped_drafters()  # its directory holds tables only
