@@ -2,7 +2,7 @@
 
 Each round runs checkout A, then B (then A, B, ...), each in a fresh process importing that checkout's
 package (PYTHONPATH; its compiled extension must be built in place): a warm-up, then for every prompt
-plain decoding and the shipped drafter's speculative decoding, batch 1, EOS ignored. Prints tokens/s
+plain decoding and the shipped Hydra heads' speculative decoding (the same kind in both checkouts), batch 1, EOS ignored. Prints tokens/s
 per checkout and mode (median over rounds of the summed tokens / summed decode time) and the ratio
 B / A; the outputs of both checkouts must be identical token for token.
 
@@ -27,7 +27,7 @@ from hydra_kernels.generate import generate
 from hydra_kernels.training.data import mtbench_questions
 n_prompts, n_new = int(sys.argv[1]), int(sys.argv[2])
 model, tok = hk.load_model(device="cpu")
-drafter = hk.load_drafter(model=model)
+drafter = hk.load_drafter(model=model, kind="hydra")  # one drafter in every checkout (the default changed)
 prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:n_prompts]]
 generate(model, [prompts[0]], max_new_tokens=8, eos_token_id=[])  # warm-up both paths
 generate(model, [prompts[0]], drafter=drafter, max_new_tokens=8, eos_token_id=[])

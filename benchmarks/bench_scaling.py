@@ -155,13 +155,14 @@ def main(argv=None) -> list[dict]:
     tables = drafter.budget_tables
     print(f"{torch.get_num_threads()} threads, torch {torch.__version__}; drafter {drafter.kind}, budget tables for "
           f"{sorted(tables) or 'no device'}; weights read per step {W / 2**20:.0f} MiB, K/V {kvt} B per token")
-    generate(model, [chat_prompt_ids(tok, questions[0])], drafter=drafter, max_new_tokens=8)  # warm-up
+    for d in (drafter, *others.values()):  # warm-up: first calls, CPU weight packing of each drafter
+        generate(model, [chat_prompt_ids(tok, questions[0])], drafter=d, max_new_tokens=8)
     points = [(B, C) for C in args.contexts for B in args.batches
               if C == "short" or int(C) < 8000 or B <= args.max_batch_long]
     rows = []
     for i, (B, C) in enumerate(tqdm(points, desc="batch x context")):
         prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions)
-        full = whole_tree_budget(drafter, None, "cpu")  # a drafter held to fewer nodes than its bound: its most
+        full = whole_tree_budget(drafter, None, "cpu")  # its largest budget (a combined drafter: node_budget)
         kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full),
               **{v: dict(drafter=d) for v, d in others.items()}}
         variants = (VARIANTS[:2] if args.no_full_tree else VARIANTS) + tuple(others)

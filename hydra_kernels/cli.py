@@ -46,8 +46,9 @@ def main(argv=None) -> None:
     drafter = None
     if not args.no_draft:
         try:
-            # one prompt at a time: the shipped kind measured fastest at batch 1 (default.json's batch_1), unless
-            # --budget asks for a table, which the default kind has and a composed one may not
+            # one prompt at a time: the kind measured fastest at batch 1 (default.json's batch_1 where it has one,
+            # else its default kind), unless --budget asks for a table, which the default kind has and a composed
+            # batch_1 kind may not
             kind = None if args.drafter is not None else default_kind(batch_1=args.budget is None)
             drafter = hk.load_drafter(args.drafter, model=model, kind=kind)
         except FileNotFoundError as e:

@@ -1,6 +1,6 @@
 """`make demo`: stream a chat answer from the embedded default with the shipped drafter measured fastest at
-batch 1 (default.json's batch_1), then the same prompt with plain greedy decoding, and print both speeds
-(the outputs are checked equal)."""
+batch 1 (default.json's batch_1 kind where it has one, else its default kind: now the combined drafter), then
+the same prompt with plain greedy decoding, and print both speeds (the outputs are checked equal)."""
 from __future__ import annotations
 
 import sys

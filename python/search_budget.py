@@ -44,12 +44,15 @@ from hydra_kernels.training.data import heldout_chat_prompts  # noqa: E402
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", default=None, help="a drafter directory (the table is written into it)")
-    ap.add_argument("--kind", default="hydra", help="a shipped drafter, when --drafter is not given")
+    ap.add_argument("--kind", default="hydra",
+                    help=f"a shipped drafter or a composed kind {COMPOSED}, when --drafter is not given")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2048, 8000])
-    ap.add_argument("--margin", type=float, default=MARGIN)
+    ap.add_argument("--margin", type=float, default=None,
+                    help=f"a budget must be predicted this much faster than plain decoding (default {MARGIN}; "
+                         "--rechoose: the margin the table was chosen with)")
     ap.add_argument("--rechoose", action="store_true", help="re-choose the saved CPU table from its predictions")
     ap.add_argument("--reps", type=int, default=5,
                     help="timed run pairs per step time (medians); 5 reps of the shipped Amphista's search "
@@ -60,6 +63,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    if args.budgets is not None and min(args.budgets) < 2:
+        raise SystemExit(f"--budgets are node counts > 1 (1 is a plain step, always compared), got {args.budgets}")
     shipped = shipped_drafters()
     if not args.drafter and args.kind not in shipped and args.kind not in COMPOSED:
         raise SystemExit(f"--kind {args.kind!r} is neither shipped {sorted(shipped)} nor composed {COMPOSED}")
@@ -67,7 +72,8 @@ def main(argv=None):
     path = Path(args.drafter) if args.drafter else (composed_tables_dir(args.kind, default_heads_kind()) if composed
                                                      else shipped[args.kind])
     if args.rechoose:
-        table = rechoose(load_tables(path)["cpu"], args.margin)
+        saved = load_tables(path)["cpu"]
+        table = rechoose(saved, args.margin or (saved.measured or {}).get("margin", MARGIN))
         print_budgets(table)
         print("written:", table.save(path))
         return

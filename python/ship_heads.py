@@ -28,17 +28,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.drafters import SHIPPED_DIR, SHIPPED_MODEL  # noqa: E402
-from hydra_kernels.drafters.registry import (COMPOSED, DEFAULT_FILE, STATIC_TREE_KINDS,  # noqa: E402
-                                             shipped_drafters)
+from hydra_kernels.drafters.registry import (COMPOSED, DEFAULT_FILE, check_default_entry,  # noqa: E402
+                                             composed_tables_dir, shipped_drafters)
 from hydra_kernels.drafters.fit import draft_vocab_prefix  # noqa: E402
 
 LIMIT_MB = 64
 
 
 def write_default(ap, kind: str, measured: str | None, heads: str | None) -> None:
-    """default.json := kind (shipped, or COMPOSED over the shipped static-tree kind `heads`) and its
-    measurement; the old batch_1 entry stays only where it was measured over the same heads and names
-    another kind than the new default."""
+    """default.json := kind (shipped, or COMPOSED over the shipped static-tree kind `heads`, which needs its
+    budget table searched: python/search_budget.py --kind KIND) and its measurement, checked as the registry
+    checks it (check_default_entry); the old batch_1 entry stays only where it was measured over the same
+    heads and names another kind than the new default."""
     shipped = shipped_drafters()
     if not measured:
         ap.error("--default needs --measured: the figure, machine, date and command that make it the fastest")
@@ -47,16 +48,16 @@ def write_default(ap, kind: str, measured: str | None, heads: str | None) -> Non
     old_heads = old.get("heads", old.get("kind"))
     entry = {"kind": kind, "measured": measured}
     if kind in COMPOSED:
-        heads = heads or old_heads
-        if heads not in shipped or heads not in STATIC_TREE_KINDS:
-            ap.error(f"--default {kind!r} is built over a shipped static-tree kind: --heads one of "
-                     f"{sorted(set(shipped) & set(STATIC_TREE_KINDS))}, got {heads!r}")
-        entry["heads"] = heads
-    elif kind not in shipped:
-        ap.error(f"--default {kind!r} is neither shipped ({sorted(shipped)}) nor composed {COMPOSED}: package it first")
+        entry["heads"] = heads or old_heads
     elif heads is not None:
         ap.error(f"--heads goes with a composed --default {COMPOSED}, not {kind!r}")
-    new_heads = entry.get("heads", kind)
+    try:
+        _, _, new_heads = check_default_entry(entry, shipped)
+    except ValueError as e:
+        ap.error(f"--default {kind!r}: {e}; package the kind first (--package), or name shipped --heads")
+    if kind in COMPOSED and not list(composed_tables_dir(kind, new_heads).glob("budget_*.json")):
+        ap.error(f"--default {kind!r} over {new_heads!r} has no budget table (it would draft at every batch size): "
+                 f"python/search_budget.py --kind {kind} first")
     if "batch_1" in old:  # the batch-1 choice was measured over the old heads (a combined drafter's)
         if old_heads == new_heads and old["batch_1"].get("kind") != kind:
             entry["batch_1"] = old["batch_1"]
@@ -74,7 +75,8 @@ def main(argv=None):
     ap.add_argument("--kinds", nargs="+", default=["medusa", "hydra", "hydra++"])
     ap.add_argument("--package", nargs="*", default=None, help="kinds to copy into the package")
     ap.add_argument("--draft-vocab", type=int, default=None, help="keep this many ids of the draft vocabulary")
-    ap.add_argument("--default", default=None, help="the shipped kind hk.load_drafter() returns (default.json)")
+    ap.add_argument("--default", default=None,
+                    help="the kind hk.load_drafter() returns (default.json): shipped, or composed over --heads")
     ap.add_argument("--measured", default=None, help="with --default: the measurement that makes it the fastest")
     ap.add_argument("--heads", default=None,
                     help="with a composed --default (combined): the shipped static-tree kind it is built over "
@@ -83,6 +85,8 @@ def main(argv=None):
     if args.default is not None:
         write_default(ap, args.default, args.measured, args.heads)
         return
+    if args.heads is not None or args.measured is not None:
+        ap.error("--heads and --measured go with --default")
     src = Path(args.src)
     if args.package is None:
         for kind in args.kinds:

@@ -368,16 +368,17 @@ def test_step_timing_drafts_an_ngram_part_at_its_whole_budget(model, monkeypatch
     at the real vocabulary (here: the lookup made to find nothing): the real combined (or n-gram) drafter would
     be timed at the heads' nodes alone (or none). The timed copy (timed_as_costliest) drafts its whole budget
     every step, the n-gram part first as for a long match."""
-    from hydra_kernels.drafters import CombinedDrafter, NgramDrafter
+    from hydra_kernels.drafters import CombinedDrafter
     from hydra_kernels.drafters.ngram import NgramIndex
-    from hydra_kernels.training.budget_search import _synthetic_run, timed_as_costliest
+    from hydra_kernels.training.budget_search import _MatchingEveryStep, _synthetic_run, timed_as_costliest
 
     monkeypatch.setattr(NgramIndex, "lookup", lambda self, num_tokens, num_branches: (0, []))
     heads = randomised(hk.new_drafter(model, kind="hydra", num_heads=2), seed=3)
     combined = hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads], node_budget=6)
     ngram = hk.new_drafter(model, kind="ngram", num_tokens=5)
     backends = model.backend_plan("reference")
-    for d, tree_arg, budget, heads_only in ((combined, [[0], [0, 0]], 6, 3), (ngram, None, 6, 1)):
+    branches = hk.new_drafter(model, kind="ngram", num_tokens=3, num_branches=2)  # 2 chains of 3: 7 nodes
+    for d, tree_arg, budget, heads_only in ((combined, [[0], [0, 0]], 6, 3), (ngram, None, 6, 1), (branches, None, 7, 1)):
         tree = d.resolve_tree(tree_arg, "cpu")
         sizes = {}
         for name, timed in (("real", d), ("timed", timed_as_costliest(d))):
@@ -387,8 +388,24 @@ def test_step_timing_drafts_an_ngram_part_at_its_whole_budget(model, monkeypatch
             sizes[name] = {p.tokens.shape[1] for p in seen}
         assert sizes["real"] == {heads_only} and sizes["timed"] == {budget}
         if isinstance(d, CombinedDrafter):
-            assert isinstance(timed_as_costliest(d).ngram, NgramDrafter) and timed_as_costliest(d).heads is d.heads
+            assert isinstance(timed_as_costliest(d).ngram, _MatchingEveryStep) and timed_as_costliest(d).heads is d.heads
     assert timed_as_costliest(heads) is heads  # no n-gram part: timed as it is
+
+
+def test_a_table_never_lifts_the_combined_drafters_node_budget(model):
+    """A budget table asking for more nodes than the combined drafter's node_budget (searched before the cap was
+    lowered: the tree key is the bound's, which node_budget does not change) drafts node_budget nodes."""
+    heads = randomised(hk.new_drafter(model, kind="hydra", num_heads=2), seed=4)
+    d = hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads], node_budget=4)
+    bound = d.resolve_tree(None, "cpu")
+    d.budget_tables["cpu"] = BudgetTable(device="cpu", tree=tree_key(bound), full=bound.num_nodes, batch_sizes=[1],
+                                         contexts=[16], nodes=[[6]])
+    prompts = [[5, 17, 3, 44, 9, 5, 17, 3], [8, 1, 60, 8, 1]]
+    seen, orig = [], d.propose
+    d.propose = lambda state, root, seqlens: seen.append(orig(state, root, seqlens)) or seen[-1]
+    out = generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[])
+    assert out.sequences == generate(model, prompts, max_new_tokens=12, eos_token_id=[]).sequences
+    assert set(out.step_nodes) == {6} and seen and max(p.tokens.shape[1] for p in seen) <= 4
 
 
 def test_whole_tree_budget_of_a_drafter_held_to_fewer_nodes(model):

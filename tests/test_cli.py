@@ -1,5 +1,6 @@
 """`python -m hydra_kernels.generate` on the embedded model: the drafter it picks by default (default.json's
-batch_1 kind), plain decoding, a drafter directory, and a refused combination of flags."""
+batch_1 kind where it has one, else its default kind), plain decoding, a drafter directory, and a refused
+combination of flags."""
 import pytest
 
 from hydra_kernels import cli
@@ -17,7 +18,7 @@ def test_default_drafter_is_the_batch_1_kind(capsys):
 
 
 def test_budget_auto_takes_the_default_kind_which_has_a_table(capsys):
-    """--budget auto asks for a searched table: the default kind has one (the batch-1 kind may be composed)."""
+    """--budget auto asks for a searched table: the default kind has one (a composed batch-1 kind may not)."""
     assert f"| {default_kind()} drafter |" in run(capsys, "--budget", "auto")
 
 

@@ -335,10 +335,11 @@ def _package_of_medusa_and_hydra(drafters, tmp_path, monkeypatch):
 
 
 def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
-    """default.json's optional batch_1 entry names the kind for one sequence at a time (the CLI's and the demo's):
-    "combined" is composed at load time from the n-gram drafter and the default shipped kind, with no files of
-    its own; without the entry batch 1 takes the default; a batch_1 entry without a kind, or naming a kind
-    neither shipped nor composed, is refused as a corrupt package."""
+    """default.json's optional batch_1 entry names the kind for one sequence at a time (the CLI's and the demo's;
+    the shipped default.json has none now: its default kind is the combined drafter itself): "combined" is
+    composed at load time from the n-gram drafter and the default shipped kind, with no weights of its own;
+    without the entry batch 1 takes the default; a batch_1 entry without a kind, naming a kind neither shipped
+    nor composed, or a composed default without shipped heads is refused as a corrupt package."""
     import hydra_kernels.drafters.registry as drafters
     from hydra_kernels.drafters import CombinedDrafter, NgramDrafter
 
@@ -355,9 +356,10 @@ def test_batch_1_kind_and_the_composed_combined_drafter(tmp_path, monkeypatch):
     assert generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[]).sequences == ref.sequences
     for bad, why in (('{"kind": "medusa", "batch_1": {}}', "must be JSON"),
                      ('{"kind": "medusa", "batch_1": {"kind": "eagle"}}', "names 'eagle' for batch 1, which is neither"),
-                     ('{"kind": "combined"}', "also 'heads'"),  # a composed default names its heads
+                     ('{"kind": "combined"}', r"KeyError\('heads'\)"),  # a composed default names its heads
                      ('{"kind": "combined", "heads": "eagle"}', "names 'eagle' as the heads of 'combined', which is not"),
-                     ('{"kind": "combined", "heads": "combined"}', "names 'combined' as the heads")):
+                     ('{"kind": "combined", "heads": "combined"}', "names 'combined' as the heads"),
+                     ('{"kind": ["hydra"]}', "kinds are strings")):
         (root / "default.json").write_text(bad)
         with pytest.raises(ValueError, match=why):
             drafters.default_kind(batch_1=True)
@@ -409,7 +411,8 @@ def test_combined_default_with_its_budget_table(tmp_path, monkeypatch):
 def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
     """python/ship_heads.py --default rewrites default.json's kind and measurement, keeps its batch_1 entry (a
     separate measurement) while the default kind stays, drops it when the default kind (combined's heads) changes,
-    and refuses a kind that is not shipped."""
+    and refuses a kind that is not shipped; a composed default (combined) is written with its heads, and refused
+    without shipped static-tree heads or without a budget table searched over them."""
     import importlib.util
     from pathlib import Path
 
@@ -427,13 +430,20 @@ def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
     assert json.loads(f.read_text()) == {"kind": "hydra", "measured": "newer"}
     with pytest.raises(SystemExit):
         ship.main(["--default", "eagle", "--measured", "x"])
-    # a composed default names its heads (default.json's current ones unless --heads); a batch_1 entry naming the
-    # new default is dropped as redundant
+    # a composed default names its heads (default.json's current ones unless --heads) and needs its budget table
+    # searched over them; a batch_1 entry naming the new default is dropped as redundant
+    monkeypatch.setattr(ship, "composed_tables_dir", lambda kind, heads: tmp_path / "tables" / kind / heads)
     f.write_text(json.dumps({"kind": "hydra", "measured": "a", "batch_1": {"kind": "combined", "measured": "b1"}}))
+    with pytest.raises(SystemExit):  # no table searched yet
+        ship.main(["--default", "combined", "--measured", "c"])
+    for heads in ("hydra", "medusa"):
+        (tmp_path / "tables" / "combined" / heads).mkdir(parents=True)
+        (tmp_path / "tables" / "combined" / heads / "budget_cpu.json").write_text("{}")
     ship.main(["--default", "combined", "--measured", "c"])
     assert json.loads(f.read_text()) == {"kind": "combined", "measured": "c", "heads": "hydra"}
     ship.main(["--default", "combined", "--heads", "medusa", "--measured", "d"])
     assert json.loads(f.read_text()) == {"kind": "combined", "measured": "d", "heads": "medusa"}
-    for bad in (["--default", "combined", "--heads", "eagle"], ["--default", "hydra", "--heads", "medusa"]):
+    for bad in (["--default", "combined", "--heads", "eagle", "--measured", "x"],
+                ["--default", "hydra", "--heads", "medusa", "--measured", "x"], ["--heads", "hydra"]):
         with pytest.raises(SystemExit):
-            ship.main([*bad, "--measured", "x"])
+            ship.main(bad)

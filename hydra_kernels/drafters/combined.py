@@ -99,7 +99,9 @@ class CombinedDrafter(Drafter):
         return tuple(range(1, (self.node_budget or tree.num_nodes) + 1))
 
     def set_budget(self, state: CombinedState, nodes: int) -> None:
-        state.budget = nodes
+        # never past node_budget: a budget table searched at a larger node_budget (its tree key is the bound's,
+        # which node_budget does not change) must not lift the cap
+        state.budget = min(nodes, self.node_budget or nodes)
 
     def use_generator(self, state: CombinedState, generator) -> None:
         self.ngram.use_generator(state.ngram, generator)

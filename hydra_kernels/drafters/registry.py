@@ -34,8 +34,10 @@ SHIPPED_SHAPE = (49152, 576)  # its (vocab_size, hidden_size): a model of other 
 # (python/ship_heads.py --default KIND --measured "..." writes it); without that file, the first shipped
 # kind in this order
 SHIPPED_PREFERENCE = ("hydra++", "hydra", "medusa")
-# kinds load_drafter(kind=...) builds from shipped parts (no directory of their own): "combined" is the n-gram
-# drafter beside the default shipped kind (_shipped_combined), which must then be one of STATIC_TREE_KINDS
+# kinds load_drafter(kind=...) builds from shipped parts (no weights of their own; budget tables in
+# composed_tables_dir): "combined" is the n-gram drafter beside the shipped heads default.json names
+# (_shipped_combined: its "heads" when the default kind is combined, else the default kind), which must be one of
+# STATIC_TREE_KINDS
 COMPOSED = ("combined",)
 STATIC_TREE_KINDS = ("medusa", "hydra", "hydra++", "amphista")  # one Tree per step (CombinedDrafter's heads)
 # the composed combined drafter's nodes per step, root included: on the CPU a verify costs more per node, and
@@ -96,33 +98,43 @@ def shipped_drafters() -> dict[str, Path]:
     return {p.name: p for p in sorted(root.iterdir()) if (p / "config.json").exists()} if root.is_dir() else {}
 
 
+def check_default_entry(entry, shipped) -> tuple[str, str, str]:
+    """A default.json entry checked against the shipped kinds -> (default kind, batch-1 kind, heads kind: the
+    static-tree kind a composed kind is built over); ValueError saying what is wrong. python/ship_heads.py
+    checks an entry with it before writing one."""
+    try:
+        kind = entry["kind"]
+        one = entry["batch_1"]["kind"] if "batch_1" in entry else kind
+        heads = entry["heads"] if kind in COMPOSED else kind
+        if not all(isinstance(k, str) for k in (kind, one, heads)):
+            raise TypeError(f"kinds are strings, got {[kind, one, heads]!r}")
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"must be JSON with a 'kind' (a composed kind {COMPOSED} also 'heads'; a 'batch_1' entry "
+                         f"its own 'kind') ({e!r})") from e
+    if heads not in shipped:
+        what = f" as the heads of {kind!r}" if kind in COMPOSED else ""
+        raise ValueError(f"names {heads!r}{what}, which is not shipped ({sorted(shipped)})")
+    if one not in shipped and one not in COMPOSED:
+        raise ValueError(f"names {one!r} for batch 1, which is neither shipped ({sorted(shipped)}) nor composed {COMPOSED}")
+    if (kind in COMPOSED or one in COMPOSED) and heads not in STATIC_TREE_KINDS:
+        raise ValueError(f"composes {COMPOSED} over {heads!r}, which drafts no static tree (needed: one of "
+                         f"{STATIC_TREE_KINDS})")
+    return kind, one, heads
+
+
 def _default_entry() -> tuple[str, str, str]:
-    """default.json read and checked -> (default kind, batch-1 kind, heads kind: the static-tree kind a composed
-    kind is built over). Without the file: the first shipped kind of SHIPPED_PREFERENCE for all three."""
+    """default.json read and checked (check_default_entry). Without the file: the first shipped kind of
+    SHIPPED_PREFERENCE for all three."""
     shipped = shipped_drafters()
     f = SHIPPED_DIR / SHIPPED_MODEL / DEFAULT_FILE
     if not f.exists():
         kind = next((k for k in SHIPPED_PREFERENCE if k in shipped), "hydra")
         return kind, kind, kind
-    corrupt = "the package is corrupt: reinstall it"
     try:
-        entry = json.loads(f.read_text())
-        kind = entry["kind"]
-        one = entry["batch_1"]["kind"] if "batch_1" in entry else kind
-        heads = entry["heads"] if kind in COMPOSED else kind
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{f} must be JSON with a 'kind' (a composed kind {COMPOSED} also 'heads'; a 'batch_1' entry "
-                         f"its own 'kind') ({e!r}); {corrupt}") from e
-    if heads not in shipped:
-        what = f" as the heads of {kind!r}" if kind in COMPOSED else ""
-        raise ValueError(f"{f} names {heads!r}{what}, which is not shipped ({sorted(shipped)}); {corrupt}")
-    if one not in shipped and one not in COMPOSED:
-        raise ValueError(f"{f} names {one!r} for batch 1, which is neither shipped ({sorted(shipped)}) nor "
-                         f"composed {COMPOSED}; {corrupt}")
-    if (kind in COMPOSED or one in COMPOSED) and heads not in STATIC_TREE_KINDS:
-        raise ValueError(f"{f} composes {COMPOSED} over {heads!r}, which drafts no static tree (needed: one of "
-                         f"{STATIC_TREE_KINDS}); {corrupt}")
-    return kind, one, heads
+        return check_default_entry(json.loads(f.read_text()), shipped)
+    except ValueError as e:  # a JSONDecodeError is a ValueError too
+        why = f"must be JSON ({e})" if isinstance(e, json.JSONDecodeError) else str(e)
+        raise ValueError(f"{f} {why}; the package is corrupt: reinstall it") from e
 
 
 def default_kind(batch_1: bool = False) -> str:
@@ -168,10 +180,10 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     original Medusa heads (also vLLM's layout), an fms-extras MLPSpeculator (HF hub or vLLM naming) or an
     original EAGLE-1/EAGLE-3 checkpoint (needs model). model (optional): moves the drafter to its
     device/dtype and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter
-    shipped for the embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters()
-    (default: the best measured one) or "combined" (the n-gram drafter beside that one; fastest at batch 1:
-    default_kind(batch_1=True)). A head drafter's `trees` holds the tree searched per device class;
-    generate(tree=None) uses it."""
+    shipped for the embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters() or
+    COMPOSED ("combined": the n-gram drafter beside the shipped heads default.json names); default: the best
+    measured, default_kind() (default.json). A head drafter's `trees` holds the tree searched per device
+    class; generate(tree=None) uses it."""
     if path is None:
         shipped = shipped_drafters()
         kind = kind or default_kind()

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from ..budget import BudgetTable, StepBudget, tree_key
 from ..drafters.combined import CombinedDrafter
-from ..drafters.ngram import NgramDrafter
+from ..drafters.ngram import NgramDrafter, trie
 from ..emit import Emitter
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -116,13 +116,13 @@ class _MatchingEveryStep(NgramDrafter):
 
     def draft_lists(self, state):
         parents, tokens = super().draft_lists(state)
-        k = state.num_tokens
+        k, nb = state.num_tokens, self.config.num_branches
         for b, p in enumerate(parents):
             text = state.indexes[b].text
-            if len(p) == 1 and not state.finished[b] and text:
-                cont = [text[-1 - (i % len(text))] for i in range(1, k + 1)]
-                parents[b] = list(range(-1, k))
-                tokens[b] = [text[-1], *cont]
+            if len(p) < nb * k + 1 and not state.finished[b] and text:
+                # nb continuations of k tokens with distinct first tokens (ids 0..nb-1): a trie of nb * k + 1 nodes
+                tail = [text[-1 - (i % len(text))] for i in range(1, k)]
+                parents[b], tokens[b] = trie(text[-1], [[j, *tail] for j in range(nb)])
                 state.matched[b] = self.config.max_ngram
         return parents, tokens
 
@@ -167,7 +167,7 @@ def search_budget_table(model, drafter, prompts: list[list[int]], *, tree_arg=No
     if budgets is None:
         budgets = candidate_budgets(levels)
     elif not budgets or any(n <= 1 or n not in levels for n in budgets):
-        raise ValueError(f"budgets must be node counts > 1 this drafter and tree can run {[n for n in levels if n > 1]}, "
+        raise ValueError(f"budgets must be node counts > 1 that this drafter and tree can run {[n for n in levels if n > 1]}, "
                          f"got {budgets!r}")
     budgets = sorted(set(budgets))
     acc = tokens_per_step(model, drafter, tree_arg, prompts, budgets, new_tokens)
