@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
-from report import print_table, write_results
+from report import drafter_by_name, print_table, write_results
 
 import hydra_kernels as hk
 
@@ -28,9 +27,7 @@ import hydra_kernels as hk
 def load(spec: str, model):
     if spec.startswith("new:"):
         return hk.new_drafter(model, kind=spec[4:])
-    if Path(spec).is_dir():
-        return hk.load_drafter(spec, model=model)
-    return hk.load_drafter(kind=spec, model=model)
+    return drafter_by_name(spec, model)
 
 
 def main(argv=None):

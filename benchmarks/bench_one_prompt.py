@@ -8,7 +8,7 @@ checked equal to plain decoding's.
     python benchmarks/bench_one_prompt.py [--prompt TEXT] [--drafters hydra combined DIR ...] [--reps 4]
         [--new-tokens 200] [--out DIR]
 
-A drafter name is a shipped or composed kind (hk.load_drafter(kind=...)), anything else a drafter directory.
+A drafter name is a drafter directory, else a shipped or composed kind (hk.load_drafter(kind=...)).
 """
 from __future__ import annotations
 
@@ -16,12 +16,11 @@ import argparse
 import statistics
 
 import torch
-from report import print_table, write_results
+from report import drafter_by_name, print_table, write_results
 
 import hydra_kernels as hk
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.demo import PROMPT
-from hydra_kernels.drafters.registry import COMPOSED
 from hydra_kernels.generate import generate
 
 
@@ -36,11 +35,7 @@ def main(argv=None) -> list[dict]:
     torch.set_grad_enabled(False)
     model, tok = hk.load_model()
     ids = chat_prompt_ids(tok, args.prompt)
-    known = set(hk.drafters.shipped_drafters()) | set(COMPOSED)
-    decoders = {"plain": None}
-    for name in args.drafters:
-        decoders[name] = (hk.load_drafter(model=model, kind=name) if name in known
-                          else hk.load_drafter(name, model=model))
+    decoders = {"plain": None, **{name: drafter_by_name(name, model) for name in args.drafters}}
     for d in decoders.values():  # warm-up: first-call dispatch, buffers, packing the heads
         generate(model, [ids], drafter=d, max_new_tokens=8)
     speed = {k: [] for k in decoders}

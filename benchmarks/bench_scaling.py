@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from report import plot_ratio_by_batch, print_table, write_results
+from report import drafter_by_name, plot_ratio_by_batch, print_table, write_results
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -145,11 +145,9 @@ def main(argv=None) -> list[dict]:
     model, tok = hk.load_model(device="cpu")
     if args.drafter and args.kind:
         ap.error("--drafter and --kind both pick the main drafter: give one")
-    load = lambda name: (hk.load_drafter(name, model=model) if Path(name).is_dir()  # noqa: E731
-                         else hk.load_drafter(model=model, kind=name))
-    drafter = hk.load_drafter(model=model, kind=args.kind) if args.kind else (
-        load(args.drafter) if args.drafter else hk.load_drafter(model=model))
-    others = {f"{Path(n).name} (default budget)": load(n) for n in args.compare}
+    name = args.kind or args.drafter
+    drafter = drafter_by_name(name, model) if name else hk.load_drafter(model=model)
+    others = {Path(n).name: drafter_by_name(n, model) for n in args.compare}  # column prefix -> drafter
     questions = [q["turns"][0] for q in mtbench_questions()]
     W, kvt = weight_bytes_per_step(model), kv_bytes_per_token(model)
     tables = drafter.budget_tables
@@ -164,7 +162,7 @@ def main(argv=None) -> list[dict]:
         prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions)
         full = whole_tree_budget(drafter, None, "cpu")  # its largest budget (a combined drafter: node_budget)
         kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full),
-              **{v: dict(drafter=d) for v, d in others.items()}}
+              **{n: dict(drafter=d) for n, d in others.items()}}
         variants = (VARIANTS[:2] if args.no_full_tree else VARIANTS) + tuple(others)
         runs = {v: [] for v in variants}  # variant -> one GenerateOutput per round
         for rep in range(args.reps):
@@ -178,7 +176,7 @@ def main(argv=None) -> list[dict]:
         kv = B * (ctx + args.new_tokens / 2) * kvt
         row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps,
                "plain_tok_s": statistics.median(o.tokens_per_second for o in plain)}
-        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), *((v, v.split()[0]) for v in others)):
+        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), *((n, n) for n in others)):
             if v not in runs:
                 continue
             outs = runs[v]
@@ -199,13 +197,13 @@ def main(argv=None) -> list[dict]:
         print(f"plain decoding, batch 1, interleaved x{args.ratio_reps} (medians): short prompt {a:.1f} tok/s, "
               f"{args.ratio_context}-token prompt {b:.1f} tok/s: {b / a:.1%} of the short-context speed")
         rows[0]["plain_long_over_short"] = b / a  # kept in the CSV (first row)
-    names = ("default", "full", *(v.split()[0] for v in others))
+    names = ("default", "full", *others)
     bad = [r for r in rows if any(r.get(f"{n}_identical", r["batch"] * r["reps"]) != r["batch"] * r["reps"]
                                   for n in names)]
     if bad:
         print(f"NOT LOSSLESS at {[(r['batch'], r['context']) for r in bad]}")
     if args.out:
-        write_results(rows, args.out, "scaling", plot=lambda ax: plot(ax, rows, [v.split()[0] for v in others]))
+        write_results(rows, args.out, "scaling", plot=lambda ax: plot(ax, rows, list(others)))
     return rows
 
 

@@ -1,4 +1,5 @@
-"""Shared output of the benchmark scripts: a CSV of the rows and, when matplotlib is there, a plot."""
+"""Shared by the benchmark scripts: a CSV of the rows and, when matplotlib is there, a plot; timing; naming a
+drafter on the command line."""
 from __future__ import annotations
 
 import csv
@@ -6,6 +7,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+
+def drafter_by_name(name: str, model):
+    """A drafter named on a command line: a directory (any format hk.load_drafter reads), else a shipped or
+    composed kind (hk.load_drafter(kind=name), which names the shipped kinds when it is neither)."""
+    import hydra_kernels as hk
+
+    return hk.load_drafter(name, model=model) if Path(name).is_dir() else hk.load_drafter(model=model, kind=name)
 
 
 def time_us(fn, device, reps: int = 200, warmup: int = 10) -> float:
