@@ -7,9 +7,14 @@ import sys
 def chat_prompt_ids(tokenizer, user_text: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn chat with the generation prompt appended (the tokenizer's template)."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user_text}]
-    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = enc["input_ids"] if hasattr(enc, "keys") else enc
-    return list(ids)
+    return chat_ids(tokenizer, messages, add_generation_prompt=True)
+
+
+def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of chat messages rendered with the tokenizer's template (some transformers versions
+    return a BatchEncoding, others a list)."""
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
 
 
 class TextStreamer:

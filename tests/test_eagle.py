@@ -424,3 +424,30 @@ def test_dynamic_tree_search_records_the_fastest_setting(model, tmp_path):
     assert hk.load_drafter(tmp_path / "e", model=model).resolve_tree(None, "cpu").dynamic == best
     with pytest.raises(ValueError, match="lower top_k to at most 21"):
         search_dynamic_tree(model, d, [[1, 2]], grid=[DynamicTree(30, 2, 22)], progress=False)
+
+
+def test_training_recipe_refuses_bad_options_before_loading(tmp_path, capsys):
+    """python/train_eagle.py: a missing --self-data, an unusable device, a bad time budget and a malformed
+    --draft-vocab-file are refused with what to change, before the model loads."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("train_eagle", Path(__file__).resolve().parents[1] / "python" / "train_eagle.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    bad_vocab = tmp_path / "v.json"
+    cases = [([], "--self-data is required"), (["--self-data", "x", "--time-budget-s", "0"], "must be > 0"),
+             (["--evaluate", "d", "--heldout", "0"], "--evaluate needs >= 1"),
+             (["--self-data", "x", "--draft-vocab-file", "v", "--draft-vocab", "9"], "leave out --draft-vocab")]
+    if not torch.cuda.is_available():
+        cases.append((["--self-data", "x", "--device", "cuda"], "no CUDA device"))
+    for text, msg in [("[3, 5, 3]", "1 token ids repeat"), ('{"a": 1}', "JSON list of token ids"),
+                      ("[1, -2]", "JSON list of token ids"), ("[1, true]", "JSON list of token ids"),
+                      ("[1, 2", "not a readable JSON")]:
+        cases.append((["--self-data", "x", "--draft-vocab-file", str(bad_vocab)], msg, text))
+    for case in cases:
+        if len(case) == 3:
+            bad_vocab.write_text(case[2])
+        with pytest.raises(SystemExit):
+            recipe.main(case[0])
+        assert case[1] in capsys.readouterr().err

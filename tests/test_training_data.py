@@ -118,3 +118,31 @@ def test_draft_vocabulary_frequency_order_and_forced_ids():
     assert dv.tolist() == [100, 2, 5]
     with pytest.raises(ValueError, match="distinct tokens"):
         draft_vocabulary([[1, 2]], 5)
+
+
+def test_sharegpt_replies_start_at_the_first_reply_and_skip_answered_prompts(smollm2, tmp_path):
+    """ShareGPT's own first replies in self_data.py's format: each sequence is its first user turn's chat
+    prompt (at most max_prompt_tokens, as self_data.py picks prompts; training starts after it) and that
+    conversation's first reply (at most max_reply_tokens); prompts a self-data file answers are skipped;
+    self_data_sequences reads several such files as one."""
+    from hydra_kernels.chat import chat_ids, chat_prompt_ids
+
+    _, tok = smollm2
+    got = tdata.sharegpt_reply_data(tok, 5, max_prompt_tokens=120, max_reply_tokens=40)
+    prompts = [s[:n] for n, s in zip(got["prompt_lengths"], got["sequences"])]
+    expect = []
+    for rec in tdata.sharegpt_records():  # brute force: the first 5 training conversations that qualify
+        msgs = [] if tdata.is_heldout(rec, 5) else tdata.conversation_messages(rec)
+        if len(msgs) >= 2 and len(chat_prompt_ids(tok, msgs[0]["content"])) <= 120:
+            expect.append(chat_ids(tok, msgs[:2])[: len(chat_prompt_ids(tok, msgs[0]["content"])) + 40])
+            if len(expect) == 5:
+                break
+    assert got["sequences"] == expect and all(len(p) <= 120 for p in prompts)
+    assert all(1 < len(s) - n <= 40 for n, s in zip(got["prompt_lengths"], got["sequences"]))
+    skipped = tdata.sharegpt_reply_data(tok, 3, exclude_prompts=prompts[:2], max_prompt_tokens=120, max_reply_tokens=40)
+    assert skipped["sequences"] == got["sequences"][2:5]
+    a, b = _write(tmp_path / "a.json", json.dumps(got)), _write(tmp_path / "b.json", json.dumps(skipped))
+    seqs, starts = tdata.self_data_sequences([a, b], max_tokens=30)
+    one, one_starts = tdata.self_data_sequences(a, max_tokens=30)
+    assert seqs == one + one[2:] and starts == one_starts + one_starts[2:]
+    assert all(len(s) <= n + 1 + 30 for n, s in zip(starts, seqs))

@@ -245,3 +245,24 @@ def test_replay_equals_real_speculative_decoding(tiny, kind, prefix_final_norm):
     replay = [replay_accept_lengths(b, len(a), tree) for b, a in zip(blocks, plain)]
     assert replay == out.accept_lengths
     assert any(k > 2 for acc in replay for k in acc)  # depth >= 2 accepted somewhere: the test has teeth
+
+
+def test_steps_within_a_time_budget_drops_fixed_costs():
+    """training/loop.steps_within: an untimed warm-up probe, then the per-step cost from the difference of two
+    probes (fixed costs drop out), or the longer probe's mean when noise makes that difference vanish."""
+    from hydra_kernels.training.loop import steps_within
+
+    calls = []
+
+    def timed(n):  # 4 s of fixed cost (optimiser, warm-up), then 0.5 s a step
+        calls.append(n)
+        return 4.0 + 0.5 * n
+
+    assert steps_within(30.0, timed) == 60 and calls == [3, 3, 13]
+    assert steps_within(0.1, timed) == 1
+    flat = iter([9.0, 5.0, 5.0])  # warm-up, then two probes timed alike: a step costs at most 5 s / 13
+    assert steps_within(100.0, lambda n: next(flat)) == int(100 / (5.0 / 13))
+    for budget, probes, msg in [(0, (3, 13), "budget must be > 0"), (10, (5, 5), "0 < lo < hi"),
+                                (10, (0, 4), "0 < lo < hi")]:
+        with pytest.raises(ValueError, match=msg):
+            steps_within(budget, timed, probes)

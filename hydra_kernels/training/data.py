@@ -97,6 +97,8 @@ def sharegpt_token_sequences(tokenizer, num_sequences: int, max_tokens: int = 51
                              heldout_percent: int = 5, min_tokens: int = 64) -> list[list[int]]:
     """Conversations rendered with the tokenizer's chat template (the base model's), truncated to
     max_tokens, from the training split (or the held-out split with heldout=True)."""
+    from ..chat import chat_ids
+
     out = []
     for rec in sharegpt_records():
         if is_heldout(rec, heldout_percent) != heldout:
@@ -104,8 +106,7 @@ def sharegpt_token_sequences(tokenizer, num_sequences: int, max_tokens: int = 51
         msgs = conversation_messages(rec)
         if len(msgs) < 2:
             continue
-        enc = tokenizer.apply_chat_template(msgs, tokenize=True)
-        ids = list(enc["input_ids"] if hasattr(enc, "keys") else enc)[:max_tokens]
+        ids = chat_ids(tokenizer, msgs)[:max_tokens]
         if len(ids) >= min_tokens:
             out.append(ids)
             if len(out) == num_sequences:
@@ -159,17 +160,48 @@ def long_context_prompts(tokenizer, n: int, tokens: int, question: str) -> list[
     raise ValueError(f"the held-out ShareGPT split holds fewer than {n} prompts of {tokens} tokens")
 
 
-def self_data_sequences(path, max_tokens: int = 512) -> tuple[list[list[int]], list[int]]:
-    """python/self_data.py's JSON -> (sequences: chat prompt + at most max_tokens answer tokens, starts:
-    per sequence the first position to train on, prompt length - 1, so only the base model's own answer
-    tokens are targets). Answers shorter than 2 tokens are skipped."""
-    data = json.loads(Path(path).read_text())
+def self_data_sequences(paths, max_tokens: int = 512) -> tuple[list[list[int]], list[int]]:
+    """python/self_data.py's JSON (one path, or several concatenated in order) -> (sequences: chat prompt + at
+    most max_tokens answer tokens, starts: per sequence the first position to train on, prompt length - 1, so
+    only the answer tokens are targets). Answers shorter than 2 tokens are skipped."""
     seqs, starts = [], []
-    for n, s in zip(data["prompt_lengths"], data["sequences"]):
-        if len(s) > n + 1:
-            seqs.append(s[: n + max_tokens])
-            starts.append(n - 1)
+    for path in [paths] if isinstance(paths, (str, Path)) else paths:
+        data = json.loads(Path(path).read_text())
+        for n, s in zip(data["prompt_lengths"], data["sequences"]):
+            if len(s) > n + 1:
+                seqs.append(s[: n + max_tokens])
+                starts.append(n - 1)
     return seqs, starts
+
+
+def sharegpt_reply_data(tokenizer, n: int, *, exclude_prompts=(), max_prompt_tokens: int = 256,
+                        max_reply_tokens: int = 256) -> dict:
+    """ShareGPT's own first replies in python/self_data.py's format ({"prompt_lengths", "sequences"}): the
+    first n training-split conversations whose first user turn's chat prompt has at most max_prompt_tokens
+    (as self_data.py chooses its prompts) and is not in exclude_prompts (the prompts a self-data file already
+    answers, as id lists), each sequence that prompt + the first reply's tokens (at most max_reply_tokens; the
+    template's end of turn included when it fits). EAGLE's own recipe trains on such fixed text (the teacher is
+    still the base model's distribution at every position); it is more text than the base model's answers
+    can be made here. Conversations whose two-turn rendering does not begin with the prompt are skipped."""
+    from ..chat import chat_ids, chat_prompt_ids
+
+    seen = {tuple(p) for p in exclude_prompts}
+    lengths, seqs = [], []
+    for rec in sharegpt_records():
+        msgs = [] if is_heldout(rec, 5) else conversation_messages(rec)
+        if len(msgs) < 2:
+            continue
+        prompt = chat_prompt_ids(tokenizer, msgs[0]["content"])
+        if len(prompt) > max_prompt_tokens or tuple(prompt) in seen:
+            continue
+        ids = chat_ids(tokenizer, msgs[:2])
+        if ids[: len(prompt)] != prompt or len(ids) - len(prompt) < 2:
+            continue  # a template that renders the prompt differently inside a conversation; an empty reply
+        lengths.append(len(prompt))
+        seqs.append(ids[: len(prompt) + max_reply_tokens])
+        if len(seqs) == n:
+            break
+    return {"prompt_lengths": lengths, "sequences": seqs}
 
 
 def recipe_draft_vocabulary(tokenizer, sequences: list[list[int]], starts: list[int], size: int,

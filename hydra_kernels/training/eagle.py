@@ -139,9 +139,11 @@ def train_eagle(model, drafter, data: HiddenStates, steps: int = 400, lr: float 
                 emb = model.tok_embeddings(ids[:, 1:])  # E(x_{t+1}) [S, L-1, H]
                 f_in = (captured.to(dev, dtype) if eagle3 else feats)[:, :-1]  # [S, L-1, n*H]
                 blocks = f_in.unflatten(-1, (-1, H))  # [S, L-1, n, H]: one RMS per feature layer
-                rms = blocks.pow(2).mean(-1, keepdim=True).sqrt()
-                u = torch.rand(blocks.shape, generator=gen).to(dev, dtype)
-                x1 = layer.fuse(emb, (blocks + (u - 0.5) * 2 * noise * rms).flatten(-2))
+                if noise:  # drawn on the CPU generator (the run's one stream, checkpointed with it)
+                    rms = blocks.pow(2).mean(-1, keepdim=True).sqrt()
+                    u = torch.rand(blocks.shape, generator=gen).to(dev, dtype)
+                    blocks = blocks + (u - 0.5) * 2 * noise * rms
+                x1 = layer.fuse(emb, blocks.flatten(-2))
                 ys = unrolled_features(layer, x1, fuse_next_inputs(layer, emb), unroll)
                 target = feats[:, 1:]  # f_{t+1}
                 W = drafter.base_lm_rows(model)  # the teacher: the base model's rows of the draft vocabulary

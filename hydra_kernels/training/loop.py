@@ -62,7 +62,7 @@ class TrainingRun:
             lambda s: min(1.0, (s + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
         self.history, self.start = history, 0
         if self.checkpoint is not None and self.checkpoint.exists():
-            state = torch.load(self.checkpoint, map_location=model.device, weights_only=False)
+            state = torch.load(self.checkpoint, map_location="cpu", weights_only=False)  # the generator state is CPU-only; load_state_dict moves the rest
             if state.get("fingerprint") != self.fingerprint:  # resuming it would hand back another run's drafter
                 raise ValueError(f"checkpoint {self.checkpoint} was written by a different training run (other data, "
                                  "drafter, draft vocabulary or settings): delete it, or pass another checkpoint path "
@@ -113,3 +113,23 @@ class TrainingRun:
             self.drafter.eval()
             for p, g in zip(self.model.parameters(), model_grad):
                 p.requires_grad_(g)
+
+
+def steps_within(budget_s: float, time_steps, probes: tuple[int, int] = (3, 13)) -> int:
+    """How many training steps fit in budget_s seconds. time_steps(n) runs n steps of a throwaway copy
+    of the run and returns the seconds it took. A first, untimed probe takes the one-time costs (on a GPU:
+    loading kernels, the first backward, the allocator's growth); the cost of a step is then the difference
+    of the two timed probes over their step difference, so each run's fixed costs (building the optimiser)
+    drop out, or the longer probe's mean where noise makes the difference vanish. For a fixed-length
+    schedule (the cosine decay here) on a machine of unknown speed, e.g. a lent GPU's one timed call."""
+    lo, hi = probes
+    if budget_s <= 0:
+        raise ValueError(f"a time budget must be > 0 seconds, got {budget_s}")
+    if not 0 < lo < hi:
+        raise ValueError(f"probes must be two step counts 0 < lo < hi, got {probes}")
+    time_steps(lo)  # warm-up, not timed
+    t_lo, t_hi = time_steps(lo), time_steps(hi)
+    per_step = (t_hi - t_lo) / (hi - lo)
+    if per_step < 0.1 * t_hi / hi:  # the difference is noise: a step costs at most the longer probe's mean
+        per_step = t_hi / hi
+    return max(1, int(budget_s / per_step))
