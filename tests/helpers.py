@@ -1,10 +1,15 @@
 """Shared test helpers: the test device, random trees (static and padded per-sequence batches), tolerance
-rules, mismatch reports."""
+rules, mismatch reports, the repo's scripts as modules."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The device op tests run on: the GPU tier where there is one, else the CPU tier (Triton interpreted).
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -117,3 +122,14 @@ def poison_allocations(monkeypatch) -> None:
         return t.fill_(float("nan") if t.dtype.is_floating_point else POISON_INT)
 
     monkeypatch.setattr(torch, "empty", empty)
+
+
+def load_script(relpath: str):
+    """A script of the repo that is not a package module (python/*.py, benchmarks/*.py) as a module, loaded
+    afresh and registered in sys.modules under its file name (a dataclass in it looks its module up there)."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod

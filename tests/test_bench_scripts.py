@@ -1,7 +1,6 @@
 """The kernel benchmark scripts users run, on the smallest shapes (Triton under the interpreter):
 they run end to end, check every peer against the reference, and write their CSV and plot."""
 import csv
-import importlib.util
 import math
 import os
 import sys
@@ -9,16 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier: Triton interpreter")
 
 
 def _run_returning(script, argv):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main(argv)
+    return load_script(f"benchmarks/{script}.py").main(argv)
 
 
 def _run(script, argv):

@@ -9,7 +9,7 @@ from transformers import LlamaModel
 import hydra_kernels as hk
 from hydra_kernels.generate import generate
 from hydra_kernels.model.llama import PREFILL_CHUNK_TOKENS
-from helpers import assert_close_rel
+from helpers import assert_close_rel, load_script
 from test_llama_vs_transformers import make_hf
 
 
@@ -413,12 +413,7 @@ def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
     separate measurement) while the default kind stays, drops it when the default kind (combined's heads) changes,
     and refuses a kind that is not shipped; a composed default (combined) is written with its heads, and refused
     without shipped static-tree heads or without a budget table searched over them."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("ship_heads", Path(__file__).resolve().parents[1] / "python" / "ship_heads.py")
-    ship = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ship)
+    ship = load_script("python/ship_heads.py")
     monkeypatch.setattr(ship, "SHIPPED_DIR", tmp_path)
     monkeypatch.setattr(ship, "shipped_drafters", lambda: {"hydra": tmp_path, "medusa": tmp_path})
     f = tmp_path / ship.SHIPPED_MODEL / ship.DEFAULT_FILE

@@ -13,7 +13,7 @@ from hydra_kernels.model.llama import PREFILL_CHUNK_TOKENS
 from hydra_kernels.training import HiddenStates
 from hydra_kernels.training.eagle import fuse_next_inputs, train_eagle, unrolled_features
 from hydra_kernels.training.hidden_cache import compute_hidden_states
-from helpers import assert_close_rel
+from helpers import assert_close_rel, load_script
 from test_llama_vs_transformers import make_hf
 
 
@@ -429,12 +429,7 @@ def test_dynamic_tree_search_records_the_fastest_setting(model, tmp_path):
 def test_training_recipe_refuses_bad_options_before_loading(tmp_path, capsys):
     """python/train_eagle.py: a missing --self-data, an unusable device, a bad time budget and a malformed
     --draft-vocab-file are refused with what to change, before the model loads."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("train_eagle", Path(__file__).resolve().parents[1] / "python" / "train_eagle.py")
-    recipe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe)
+    recipe = load_script("python/train_eagle.py")
     bad_vocab = tmp_path / "v.json"
     cases = [([], "--self-data is required"), (["--self-data", "x", "--time-budget-s", "0"], "must be > 0"),
              (["--evaluate", "d", "--heldout", "0"], "--evaluate needs >= 1"),

@@ -1,25 +1,20 @@
 """python/gpu_carry.py: what travels to a lent GPU beside the carried model (git's view, the heads left
 out), the model's split into two calls, and the joining there that refuses a missing or corrupt part."""
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def carry():
-    spec = importlib.util.spec_from_file_location("gpu_carry", ROOT / "python" / "gpu_carry.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("python/gpu_carry.py")
 
 
 def _carried(carry, tmp_path, blob: bytes, sizes):

@@ -1,21 +1,19 @@
 """`make gpu`'s script without CUDA (it says so and exits 0) and its decode-step benchmark on the CPU at a
 tiny slice of SmolLM2 (plain vs speculative step with a fixed acceptance pattern)."""
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(script):
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(script, ROOT / "benchmarks" / f"{script}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"benchmarks/{script}.py")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path without CUDA")

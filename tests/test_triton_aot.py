@@ -11,16 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
 
 def _aot():
-    spec = importlib.util.spec_from_file_location("triton_aot", ROOT / "benchmarks" / "triton_aot.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["triton_aot"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/triton_aot.py")
 
 
 def test_every_triton_kernel_file_has_compile_specs():
