@@ -1,6 +1,6 @@
-// CPU feature detection shared by the CPU kernels: HK_X86 marks x86-64 builds (where the AVX-512
-// paths are compiled, per function, with target attributes), cpu_has_avx512() says whether this
-// machine can run them; elsewhere the kernels take their portable loops.
+// CPU feature detection shared by the CPU kernels: HK_X86 marks x86-64 builds (where the AVX-512 and
+// AVX2 paths are compiled, per function, with target attributes), cpu_has_avx512() / cpu_has_avx2_fma()
+// say whether this machine can run them; elsewhere the kernels take their portable loops.
 #pragma once
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -13,6 +13,15 @@ namespace hydra_kernels {
 inline bool cpu_has_avx512() {
 #ifdef HK_X86
   static const bool yes = __builtin_cpu_supports("avx512f");
+  return yes;
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_has_avx2_fma() {
+#ifdef HK_X86
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return yes;
 #else
   return false;

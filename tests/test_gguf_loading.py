@@ -23,7 +23,26 @@ def parts_of(name):
     return name.split(".")
 
 
+def random_k_quant(rows: int, cols: int, type_name: str, seed: int) -> np.ndarray:
+    """Random raw blocks of a K-quant (gguf's numpy code cannot quantise to them) with finite fp16 scales."""
+    from hydra_kernels.model.gguf_blocks import DECODERS
+
+    block_bytes, block_size, _ = DECODERS[type_name]
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, (rows * cols // block_size, block_bytes), dtype=np.uint8)
+    f16 = lambda k: rng.normal(0, 0.01, (b.shape[0], k)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if type_name == "Q4_K":
+        b[:, :4] = f16(2)
+    else:  # Q6_K: d last
+        b[:, -2:] = f16(1)
+    return b.reshape(rows, -1)
+
+
 def write_gguf(hf, path, arch="llama", quantise=False):
+    """hf's weights as a llama.cpp GGUF. quantise: False (F32), True (Q8_0 where rows hold blocks of 32), or
+    {GGUF role, e.g. "attn_q" / "token_embd" / "output": GGML type name} (Q4_0 / Q4_1 / Q8_0 quantised by
+    gguf, Q4_K / Q6_K random blocks, which then replace the weight). Returns the values the file holds, by
+    HF name, in HF row order."""
     cfg = hf.config
     w = GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -37,6 +56,8 @@ def write_gguf(hf, path, arch="llama", quantise=False):
     w.add_vocab_size(cfg.vocab_size)
     used = {}  # HF name -> the values the file holds, in HF row order
     for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: llama.cpp stores no output.weight, and the reader ties the LM head to the embedding
         a = t.float().numpy()
         if name == "model.embed_tokens.weight":
             g = "token_embd.weight"
@@ -52,11 +73,20 @@ def write_gguf(hf, path, arch="llama", quantise=False):
             stored = llama_cpp_permute(a, cfg.num_attention_heads)
         elif parts_of(name)[-2:-1] == ["k_proj"]:
             stored = llama_cpp_permute(a, cfg.num_key_value_heads)
-        if quantise and a.ndim == 2 and a.shape[1] % 32 == 0:  # Q8_0 blocks of 32 within a row
-            q = quantize(stored, GGMLQuantizationType.Q8_0)
-            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+        kind = quantise.get(g.split(".")[-2]) if isinstance(quantise, dict) else ("Q8_0" if quantise else None)
+        if kind in ("Q4_K", "Q6_K"):
+            q = random_k_quant(*stored.shape, kind, seed=len(g))
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[kind])
+            stored = dequantize(q, GGMLQuantizationType[kind]).reshape(stored.shape)
+            a = stored
+            if parts_of(name)[-2:-1] in (["q_proj"], ["k_proj"]):  # HF order: undo the permutation
+                heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+                a = stored.reshape(heads, -1, 2, *stored.shape[1:]).swapaxes(1, 2).reshape(stored.shape)
+        elif kind and a.ndim == 2 and a.shape[1] % 32 == 0:  # Q8_0 / Q4_0 / Q4_1: blocks of 32 within a row
+            q = quantize(stored, GGMLQuantizationType[kind])
+            w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[kind])
             # rows are quantised independently, so the permutation commutes with the rounding
-            a = dequantize(quantize(a, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+            a = dequantize(quantize(a, GGMLQuantizationType[kind]), GGMLQuantizationType[kind])
         else:
             w.add_tensor(g, stored)
         used[name] = torch.from_numpy(np.array(a))

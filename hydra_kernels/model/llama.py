@@ -27,6 +27,7 @@ from .config import LlamaConfig
 from .hf_names import hf_to_ours
 from .kv_cache import KVCache
 from .layers import RMSNorm, TransformerBlock
+from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from .packed_linear import Linear, packed_linear_available
 from .rope import RopeCache
 
@@ -152,6 +153,18 @@ class Llama(nn.Module):
                 mod.pack_cpu()
                 if mod is not self.output:  # the LM head's weight is read by the ops and tied drafters
                     mod.release_original()  # the panels are then the only copy (model/packed_linear.py)
+        return True
+
+    def use_quantized_cpu_weights(self, panels: dict[str, QuantizedPanels]) -> bool:
+        """CPU layout choice for a quantized checkpoint (model/gguf_quantized.py): each named weight runs on
+        its quantized panels (ops/quantized_linear.py), the only copy of it, except the LM head, which keeps
+        its fp32 weight (the embedding when tied; the ops and drafters read it) beside panels of the same
+        values. Returns False (and changes nothing) where the kernel has no vector path on this CPU."""
+        if self.device.type != "cpu" or self.dtype != torch.float32 or not quantized_linear_available():
+            return False
+        for name, p in panels.items():
+            mod = self.get_submodule(name.rsplit(".", 1)[0])
+            mod.use_quantized(p, keep_weight=mod is self.output)
         return True
 
     # ---- properties -----------------------------------------------------------------------------

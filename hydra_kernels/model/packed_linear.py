@@ -14,6 +14,11 @@ dtypes) unpack the panels; state_dict holds the unpacked weight; loading, .to() 
 bring the original back.
 `pack_dtype` is the panels' storage: fp32 for the base model (verification decides every token), bf16
 for draft heads (half the bytes; a guess's precision cannot change the output).
+
+`use_quantized(panels)` gives a layer quantized panels instead (ops/quantized_linear.py: a GGUF's 4-8-bit
+blocks, hydra_kernels/model/gguf_blocks.py), either as the only copy of the weight (like release_original)
+or beside a kept fp32 weight holding the same values (the tied LM head, which is also the embedding). Their
+kernel's outputs are bit-identical to the fp32 panels' on the dequantized weight, so every rule above holds.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.packed_linear import MAX_PACKED_ROWS, pack_linear_weight, packed_linear, packed_linear_available
+from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from ..weight_cache import DerivedCache
 
 __all__ = ["Linear", "MAX_PACKED_ROWS", "packed_linear_available", "packed_kernel_off"]
@@ -38,7 +44,8 @@ class Linear(nn.Linear):
         self.packed_on = False  # set by pack_cpu(); the panels are (re)built from the weight when it changes
         self._packed = DerivedCache()
         self._max_numel = MAX_PACKED_ROWS * self.in_features
-        self._panels: torch.Tensor | None = None  # release_original(): the only copy of the weight
+        # release_original() / use_quantized(): the only copy of the weight
+        self._panels: torch.Tensor | QuantizedPanels | None = None
 
     @property
     def released(self) -> bool:
@@ -55,11 +62,16 @@ class Linear(nn.Linear):
             panels = self.packed_weight()
         if panels is None:
             return False
+        self._hold_only(panels)
+        return True
+
+    def _hold_only(self, panels: torch.Tensor | QuantizedPanels) -> None:
+        """The panels become the only copy of the weight; `weight` a meta placeholder (shape, dtype fp32)."""
         self._panels = panels
         self._packed.clear()
         w = self.weight
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=w.requires_grad)
-        return True
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=torch.float32, device="meta"),
+                                   requires_grad=w.requires_grad)
 
     def unpacked_weight(self) -> torch.Tensor:
         """The weight [N, K] rebuilt from the panels [P, K, 64] (W[64 p + c, k] = panels[p, k, c])."""
@@ -74,9 +86,35 @@ class Linear(nn.Linear):
         self.weight = nn.Parameter(self.unpacked_weight_of(panels), requires_grad=rg)
         self._packed.get((self.weight,), lambda: panels)  # the panels stay valid for the restored weight
 
-    def unpacked_weight_of(self, panels: torch.Tensor) -> torch.Tensor:
-        """panels [P, K, 64] -> [N, K]."""
+    def unpacked_weight_of(self, panels: torch.Tensor | QuantizedPanels) -> torch.Tensor:
+        """panels [P, K, 64] (or quantized panels) -> [N, K] fp32."""
+        if isinstance(panels, QuantizedPanels):
+            return panels.dequantize()
         return panels.transpose(1, 2).reshape(-1, self.in_features)[: self.out_features].contiguous()
+
+    def use_quantized(self, panels: QuantizedPanels, *, keep_weight: bool = False) -> bool:
+        """Run this layer's fp32 CPU inference on quantized panels holding its weight's exact values.
+        keep_weight=False: they become the only copy (the weight a meta placeholder, as after
+        release_original); True: the current fp32 weight stays (its values must be the panels'), the panels
+        serve as its packed copy until the weight changes. Returns False (nothing changed) where the kernel
+        has no vector path on this CPU."""
+        if panels.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized panels of shape {panels.shape} for a Linear of weight "
+                             f"{(self.out_features, self.in_features)}")
+        if not quantized_linear_available():
+            return False
+        self.packed_on = True
+        self._packed.clear()
+        if keep_weight:
+            self._packed.get((self.weight,), lambda: panels)
+        else:
+            self._hold_only(panels)
+        return True
+
+    def _run_panels(self, x: torch.Tensor, panels: torch.Tensor | QuantizedPanels) -> torch.Tensor:
+        if isinstance(panels, QuantizedPanels):
+            return panels.linear(x, self.bias)
+        return packed_linear(x, panels, self.out_features, self.bias)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -94,13 +132,15 @@ class Linear(nn.Linear):
     def pack_cpu(self, on: bool = True) -> None:
         """Use the packed kernel for this layer's small-M fp32 CPU inference (when the weight is an fp32
         CPU tensor and the kernel is fast here; otherwise F.linear stays)."""
-        self.packed_on = on and packed_linear_available()
+        kernel_here = (quantized_linear_available() if isinstance(self._panels, QuantizedPanels)
+                       else packed_linear_available())
+        self.packed_on = on and kernel_here
         self._packed.clear()
         if self.packed_on:
             with torch.no_grad():
                 self.packed_weight()  # pack now, not inside the first decoding step
 
-    def packed_weight(self) -> torch.Tensor | None:
+    def packed_weight(self) -> torch.Tensor | QuantizedPanels | None:
         """The panels of the current weight, or None where this layer cannot use them."""
         if self._panels is not None:
             return self._panels
@@ -116,10 +156,10 @@ class Linear(nn.Linear):
                 and not torch.is_grad_enabled()):
             packed = self.packed_weight()
             if packed is not None:
-                return packed_linear(x, packed, self.out_features, self.bias)
+                return self._run_panels(x, packed)
         if self._panels is not None:  # released: the panels are the weight
             if self.packed_on and x.is_cpu and x.dtype is torch.float32 and not torch.is_grad_enabled():
-                return packed_linear(x, self._panels, self.out_features, self.bias)  # any M (prefill)
+                return self._run_panels(x, self._panels)  # any M (prefill)
             return F.linear(x, self.unpacked_weight().to(x.dtype), self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -129,8 +169,8 @@ def packed_kernel_off(model: nn.Module):
     """Inside the block every packed Linear of `model` takes F.linear (MKL on input-major weights, the
     released ones brought back for the block): the A/B switch for timing both paths on one model."""
     mods = [m for m in model.modules() if isinstance(m, Linear) and m.packed_on]
-    released = [m for m in mods if m.released]
-    for m in released:
+    released = [(m, m._panels) for m in mods if m.released]  # fp32 or quantized panels, put back as they were
+    for m, _ in released:
         m.restore_original()
         m.weight.data = m.weight.data.t().contiguous().t()  # the input-major layout load_model gives
     for m in mods:
@@ -140,5 +180,5 @@ def packed_kernel_off(model: nn.Module):
     finally:
         for m in mods:
             m.packed_on = True
-        for m in released:
-            m.release_original()
+        for m, panels in released:
+            m._hold_only(panels)

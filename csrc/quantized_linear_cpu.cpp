@@ -1,0 +1,423 @@
+// Small-M linear layers on the CPU over weights kept as quantized blocks (the GGUF formats: 4 or 8 bits per
+// weight plus a scale, and an offset, per group of G consecutive inputs): y = x W^T + b, x fp32 [M, K].
+//
+// What a weight is: w[n, k] = fma(s[n, g], q[n, k], o[n, g]) with g = k / G (q an integer, s and o fp32),
+// or s[n, g] * q[n, k] when the format has no offset. The Python side (hydra_kernels/model/gguf_blocks.py)
+// decodes each GGUF format into (q, s, o) so that this is exactly the fp32 value gguf's dequantize gives
+// (for every format whose s * q is exact, one rounding either way: see gguf_blocks.py).
+//
+// The accumulation is the fp32 packed kernel's (packed_linear_cpu.cpp): y[m, n] = bias[n], then the in-order
+// FMA chain over k = 0..K-1 of x[m, k] * w[n, k]. So this kernel's output is bit-identical to packed_linear
+// on the dequantized weight, whatever M, the row tiling, the thread split or the ISA: a quantized model
+// decodes exactly the tokens of the same model loaded in fp32, and a token's logits do not depend on how
+// many rows share the step (speculative decoding stays plain decoding).
+//
+// Why: decoding on a CPU streams every weight once a token; fp32 panels are ~4 bytes a weight, these
+// ~0.75 (4-bit, G = 32) or ~1.1 (8-bit). The weights are dequantized in registers, once per tile of up to
+// 6 rows (AVX-512) or 3 rows (AVX2), so a T-node verify step dequantizes each block ceil(T / 6) times.
+//
+// Layout (pack_quantized_weight): output rows in panels of 64 (N padded with zero rows), each panel K / G
+// groups, each group of GB bytes:
+//   [s: 64 fp32][o: 64 fp32, only with an offset][q: G rows x 64 columns]
+// q 8-bit: int8, row-major (k, then column). q 4-bit: unsigned nibbles 0..15, two rows a byte: byte
+// (i, c) = q[2i][c] | q[2i + 1][c] << 4, so one 64-byte line holds two rows of the panel.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+
+#include "cpu_features.h"
+
+namespace hydra_kernels {
+namespace {
+
+constexpr int64_t kPanel = 64;  // output rows (weight rows) per panel
+constexpr int64_t kHeader = kPanel * 4;  // bytes of one fp32 vector of the panel (s or o)
+
+enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
+
+struct Layout {
+  int bits;         // 4 or 8
+  bool offset;      // o stored (w = fma(s, q, o)) or not (w = s * q)
+  int64_t G;        // inputs per group
+  int64_t NG;       // groups per row: K = NG * G
+  int64_t GB;       // bytes per group
+  int64_t header;   // bytes before q in a group
+  int64_t K() const { return NG * G; }
+};
+
+Layout layout_of(const at::Tensor& packed, int64_t bits, bool offset) {
+  TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
+              "quantized_linear: packed must come from pack_quantized_weight (uint8 [P, K/G, group bytes], "
+              "contiguous), got ", packed.scalar_type(), " ", packed.sizes());
+  Layout l;
+  l.bits = static_cast<int>(bits);
+  l.offset = offset;
+  l.NG = packed.size(1);
+  l.GB = packed.size(2);
+  l.header = kHeader * (offset ? 2 : 1);
+  const int64_t qbytes = l.GB - l.header, row_bytes = kPanel * bits / 8;
+  TORCH_CHECK(qbytes > 0 && qbytes % row_bytes == 0, "quantized_linear: group of ", l.GB, " bytes does not fit bits=",
+              bits, ", offset=", offset);
+  l.G = qbytes / row_bytes;
+  TORCH_CHECK(bits == 8 || l.G % 2 == 0, "quantized_linear: a 4-bit group must hold an even number of inputs");
+  return l;
+}
+
+// ---- one weight, the definition every path computes ---------------------------------------------------------
+inline float dequant(float s, float q, const float* o, int64_t c) { return o ? __builtin_fmaf(s, q, o[c]) : s * q; }
+
+inline int q_at(const uint8_t* qd, int bits, int64_t k, int64_t c) {
+  if (bits == 8) return static_cast<int8_t>(qd[k * kPanel + c]);
+  const uint8_t b = qd[(k / 2) * kPanel + c];
+  return (k % 2 == 0) ? (b & 0x0F) : (b >> 4);
+}
+
+// Portable order: y[m, c] = bias[c], then fma(x[m, k], w[c, k], y[m, c]) for k ascending.
+void panel_rows_portable(const float* x, int64_t ldx, int rows, const uint8_t* panel, const Layout& l,
+                         const float* bias, float* y, int64_t ldy, int ncols) {
+  for (int m = 0; m < rows; ++m)
+    for (int c = 0; c < ncols; ++c) {
+      float acc = bias ? bias[c] : 0.0f;
+      for (int64_t g = 0; g < l.NG; ++g) {
+        const uint8_t* grp = panel + g * l.GB;
+        const float* s = reinterpret_cast<const float*>(grp);
+        const float* o = l.offset ? s + kPanel : nullptr;
+        const uint8_t* qd = grp + l.header;
+        for (int64_t k = 0; k < l.G; ++k) {
+          const float w = dequant(s[c], static_cast<float>(q_at(qd, l.bits, k, c)), o, c);
+          acc = __builtin_fmaf(x[m * ldx + g * l.G + k], w, acc);
+        }
+      }
+      y[m * ldy + c] = acc;
+    }
+}
+
+#ifdef HK_X86
+// ---- AVX-512: up to 6 rows x 64 columns of accumulators (24 zmm) ------------------------------------------
+template <bool OFF>
+__attribute__((target("avx512f"))) inline __m512 dequant16(const float* s, const float* o, __m512i q) {
+  const __m512 qf = _mm512_cvtepi32_ps(q);
+  return OFF ? _mm512_fmadd_ps(_mm512_loadu_ps(s), qf, _mm512_loadu_ps(o)) : _mm512_mul_ps(_mm512_loadu_ps(s), qf);
+}
+
+template <int R, int BITS, bool OFF>
+__attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_t ldx, const uint8_t* panel,
+                                                           const Layout& l, const float* bias, float* y,
+                                                           int64_t ldy, int ncols) {
+  constexpr int64_t kAhead = 1024;  // prefetch distance in bytes of the panel stream (16 lines)
+  __m512 acc[R][4];
+  for (int j = 0; j < 4; ++j) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+    for (int m = 0; m < R; ++m) acc[m][j] = b;
+  }
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  for (int64_t g = 0; g < l.NG; ++g) {
+    const uint8_t* grp = panel + g * l.GB;
+    const float* s = reinterpret_cast<const float*>(grp);
+    const float* o = s + kPanel;  // read only when OFF
+    const uint8_t* qd = grp + l.header;
+    const float* xg = x + g * l.G;
+    if (BITS == 4) {
+      for (int64_t i = 0; i < l.G / 2; ++i) {  // rows 2i and 2i + 1 of the group: one 64-byte line
+        const uint8_t* line = qd + i * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(line + kAhead), _MM_HINT_T0);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * j)));
+          const __m512 w0 = dequant16<OFF>(s + 16 * j, o + 16 * j, _mm512_and_si512(v, low4));
+          const __m512 w1 = dequant16<OFF>(s + 16 * j, o + 16 * j, _mm512_srli_epi32(v, 4));
+          for (int m = 0; m < R; ++m) {
+            acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + 2 * i]), w0, acc[m][j]);
+            acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + 2 * i + 1]), w1, acc[m][j]);
+          }
+        }
+      }
+    } else {
+      for (int64_t k = 0; k < l.G; ++k) {
+        const uint8_t* row = qd + k * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
+          const __m512 w = dequant16<OFF>(s + 16 * j, o + 16 * j, v);
+          for (int m = 0; m < R; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + k]), w, acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < 4; ++j) {
+      const int left = ncols - 16 * j;
+      if (left >= 16) {
+        _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+      } else if (left > 0) {
+        _mm512_mask_storeu_ps(y + m * ldy + 16 * j, static_cast<__mmask16>((1u << left) - 1u), acc[m][j]);
+      }
+    }
+}
+
+// ---- AVX2 + FMA: 16 ymm registers, so up to 3 rows x 32 columns (12 accumulators), one half-panel a call ----
+template <bool OFF>
+__attribute__((target("avx2,fma"))) inline __m256 dequant8(const float* s, const float* o, __m256i q) {
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  return OFF ? _mm256_fmadd_ps(_mm256_loadu_ps(s), qf, _mm256_loadu_ps(o)) : _mm256_mul_ps(_mm256_loadu_ps(s), qf);
+}
+
+template <int R, int BITS, bool OFF>
+__attribute__((target("avx2,fma"))) void half_panel_rows_avx2(const float* x, int64_t ldx, const uint8_t* panel,
+                                                             const Layout& l, int64_t c0, const float* bias,
+                                                             float* y, int64_t ldy, int ncols) {
+  constexpr int64_t kAhead = 1024;
+  __m256 acc[R][4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias + c0 + 8 * j) : _mm256_setzero_ps();
+    for (int m = 0; m < R; ++m) acc[m][j] = b;
+  }
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  for (int64_t g = 0; g < l.NG; ++g) {
+    const uint8_t* grp = panel + g * l.GB;
+    const float* s = reinterpret_cast<const float*>(grp) + c0;
+    const float* o = s + kPanel;
+    const uint8_t* qd = grp + l.header;
+    const float* xg = x + g * l.G;
+    if (BITS == 4) {
+      for (int64_t i = 0; i < l.G / 2; ++i) {
+        const uint8_t* line = qd + i * kPanel + c0;
+        _mm_prefetch(reinterpret_cast<const char*>(line + kAhead), _MM_HINT_T0);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(line + 8 * j)));
+          const __m256 w0 = dequant8<OFF>(s + 8 * j, o + 8 * j, _mm256_and_si256(v, low4));
+          const __m256 w1 = dequant8<OFF>(s + 8 * j, o + 8 * j, _mm256_srli_epi32(v, 4));
+          for (int m = 0; m < R; ++m) {
+            acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xg[m * ldx + 2 * i]), w0, acc[m][j]);
+            acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xg[m * ldx + 2 * i + 1]), w1, acc[m][j]);
+          }
+        }
+      }
+    } else {
+      for (int64_t k = 0; k < l.G; ++k) {
+        const uint8_t* row = qd + k * kPanel + c0;
+        _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * j)));
+          const __m256 w = dequant8<OFF>(s + 8 * j, o + 8 * j, v);
+          for (int m = 0; m < R; ++m) acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xg[m * ldx + k]), w, acc[m][j]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < 4; ++j) {
+      const int left = ncols - static_cast<int>(c0) - 8 * j;
+      if (left <= 0) continue;
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, acc[m][j]);
+      std::memcpy(y + m * ldy + c0 + 8 * j, tmp, sizeof(float) * std::min(left, 8));
+    }
+}
+
+using PanelFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, const float*, float*, int64_t, int);
+using HalfFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, int64_t, const float*, float*,
+                        int64_t, int);
+
+template <int BITS, bool OFF>
+PanelFn avx512_fn(int rows) {
+  static constexpr PanelFn table[7] = {nullptr,
+                                       panel_rows_avx512<1, BITS, OFF>,
+                                       panel_rows_avx512<2, BITS, OFF>,
+                                       panel_rows_avx512<3, BITS, OFF>,
+                                       panel_rows_avx512<4, BITS, OFF>,
+                                       panel_rows_avx512<5, BITS, OFF>,
+                                       panel_rows_avx512<6, BITS, OFF>};
+  return table[rows];
+}
+
+template <int BITS, bool OFF>
+HalfFn avx2_fn(int rows) {
+  static constexpr HalfFn table[4] = {nullptr, half_panel_rows_avx2<1, BITS, OFF>, half_panel_rows_avx2<2, BITS, OFF>,
+                                      half_panel_rows_avx2<3, BITS, OFF>};
+  return table[rows];
+}
+
+PanelFn pick_avx512(const Layout& l, int rows) {
+  if (l.bits == 4) return l.offset ? avx512_fn<4, true>(rows) : avx512_fn<4, false>(rows);
+  return l.offset ? avx512_fn<8, true>(rows) : avx512_fn<8, false>(rows);
+}
+
+HalfFn pick_avx2(const Layout& l, int rows) {
+  if (l.bits == 4) return l.offset ? avx2_fn<4, true>(rows) : avx2_fn<4, false>(rows);
+  return l.offset ? avx2_fn<8, true>(rows) : avx2_fn<8, false>(rows);
+}
+#endif
+
+Isa resolve_isa(int64_t isa) {
+  TORCH_CHECK(isa >= kAuto && isa <= kAvx512, "quantized_linear: isa must be 0 (auto), 1 (portable), 2 (AVX2) or ",
+              "3 (AVX-512), got ", isa);
+  if (isa == kAuto) return cpu_has_avx512() ? kAvx512 : (cpu_has_avx2_fma() ? kAvx2 : kPortable);
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "quantized_linear: this CPU has no AVX-512");
+  TORCH_CHECK(isa != kAvx2 || cpu_has_avx2_fma(), "quantized_linear: this CPU has no AVX2 + FMA");
+  return static_cast<Isa>(isa);
+}
+
+// Rows [m0, m0 + rows) of one panel, by the chosen ISA (rows <= the ISA's tile).
+void panel_tile(Isa isa, const float* x, int64_t ldx, int rows, const uint8_t* panel, const Layout& l,
+                const float* bias, float* y, int64_t ldy, int ncols) {
+#ifdef HK_X86
+  if (isa == kAvx512) return pick_avx512(l, rows)(x, ldx, panel, l, bias, y, ldy, ncols);
+  if (isa == kAvx2) {
+    pick_avx2(l, rows)(x, ldx, panel, l, 0, bias, y, ldy, ncols);
+    if (ncols > 32) pick_avx2(l, rows)(x, ldx, panel, l, 32, bias, y, ldy, ncols);
+    return;
+  }
+#endif
+  panel_rows_portable(x, ldx, rows, panel, l, bias, y, ldy, ncols);
+}
+
+// q int8 [N, K] (4 bits: values 0..15), s fp32 [N, K/G], o fp32 [N, K/G] or None -> uint8 [P, K/G, GB].
+at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, const std::optional<at::Tensor>& o,
+                                     int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "pack_quantized_weight: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized_weight: q must be int8 [N, K], got ",
+              q.scalar_type(), " ", q.sizes());
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.scalar_type() == at::kFloat && s.size(1) > 0 && K % s.size(1) == 0,
+              "pack_quantized_weight: scales must be fp32 [N=", N, ", K/G] with G dividing K=", K, ", got ",
+              s.scalar_type(), " ", s.sizes());
+  TORCH_CHECK(!o.has_value() || (o->sizes() == s.sizes() && o->scalar_type() == at::kFloat),
+              "pack_quantized_weight: offsets must be fp32 shaped like the scales ", s.sizes());
+  const int64_t NG = s.size(1), G = K / NG;
+  TORCH_CHECK(bits == 8 || G % 2 == 0, "pack_quantized_weight: 4-bit groups must hold an even number of inputs, got ",
+              G);
+  if (bits == 4)
+    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
+                "pack_quantized_weight: 4-bit q must hold values 0..15");
+  const int64_t header = kHeader * (o.has_value() ? 2 : 1), GB = header + G * kPanel * bits / 8;
+  const int64_t P = (N + kPanel - 1) / kPanel;
+  at::Tensor packed = at::zeros({P, NG, GB}, q.options().dtype(at::kByte));
+  const at::Tensor qc = q.contiguous(), sc = s.contiguous();
+  const at::Tensor oc = o.has_value() ? o->contiguous() : at::Tensor();
+  const int8_t* qp = qc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  const float* op = oc.defined() ? oc.data_ptr<float>() : nullptr;
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t g = 0; g < NG; ++g) {
+        uint8_t* grp = out + (p * NG + g) * GB;
+        float* gs = reinterpret_cast<float*>(grp);
+        float* go = gs + kPanel;
+        uint8_t* qd = grp + header;
+        for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
+          const int64_t n = p * kPanel + c;
+          gs[c] = sp[n * NG + g];
+          if (op) go[c] = op[n * NG + g];
+          for (int64_t k = 0; k < G; ++k) {
+            const int8_t v = qp[n * K + g * G + k];
+            if (bits == 8) {
+              qd[k * kPanel + c] = static_cast<uint8_t>(v);
+            } else {
+              qd[(k / 2) * kPanel + c] |= static_cast<uint8_t>(v << (4 * (k % 2)));
+            }
+          }
+        }
+      }
+  });
+  return packed;
+}
+
+at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
+                                const std::optional<at::Tensor>& bias, int64_t isa_arg) {
+  const Layout l = layout_of(packed, bits, offset);
+  const int64_t P = packed.size(0), K = l.K();
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "quantized_linear: N=", N, " does not match ", P, " panels");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
+              "quantized_linear: x must be fp32 [..., K=", K, "], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
+              "quantized_linear: bias must be fp32 [N=", N, "]");
+  const Isa isa = resolve_isa(isa_arg);
+  const int tile = isa == kAvx512 ? 6 : (isa == kAvx2 ? 3 : 6);
+  at::Tensor x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y.view(out_sizes);
+  at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* xp = x2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    float tail_bias[kPanel];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel;
+      const int ncols = static_cast<int>(std::min(kPanel, N - n0));
+      const float* pb = nullptr;
+      if (bp != nullptr) {  // a full 64-wide bias row (zero past N) so the kernels can load it whole
+        std::fill(tail_bias, tail_bias + kPanel, 0.0f);
+        std::copy(bp + n0, bp + n0 + ncols, tail_bias);
+        pb = tail_bias;
+      }
+      const uint8_t* panel = wp + p * l.NG * l.GB;
+      for (int64_t m0 = 0; m0 < M; m0 += tile) {
+        const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
+        panel_tile(isa, xp + m0 * K, K, rows, panel, l, pb, yp + m0 * N + n0, N, ncols);
+      }
+    }
+  });
+  return y.view(out_sizes);
+}
+
+// Weight rows `ids` dequantized to fp32 [n, K]: the embedding lookup of a quantized table, and the whole
+// weight (ids = 0..N-1) where an fp32 copy is needed (state_dict, .to(), autograd).
+at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t N, int64_t bits, bool offset) {
+  const Layout l = layout_of(packed, bits, offset);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quantized_rows: ids must be int64 [n]");
+  const int64_t K = l.K(), n = ids.size(0);
+  at::Tensor idc = ids.contiguous();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "quantized_rows: id ", ip[i], " outside [0, ", N, ")");
+  at::Tensor out = at::empty({n, K}, packed.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = ip[i] / kPanel, c = ip[i] % kPanel;
+      for (int64_t g = 0; g < l.NG; ++g) {
+        const uint8_t* grp = wp + (p * l.NG + g) * l.GB;
+        const float* s = reinterpret_cast<const float*>(grp);
+        const float* o = l.offset ? s + kPanel : nullptr;
+        for (int64_t k = 0; k < l.G; ++k)
+          op[i * K + g * l.G + k] = dequant(s[c], static_cast<float>(q_at(grp + l.header, l.bits, k, c)), o, c);
+      }
+    }
+  });
+  return out;
+}
+
+// The fastest ISA this CPU runs the kernel with: 3 AVX-512, 2 AVX2 + FMA, 1 portable (slow).
+int64_t quantized_linear_isa() { return resolve_isa(kAuto); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
+  m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? offsets, int bits) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor packed, int N, int bits, bool offset, Tensor? bias=None, int isa=0) "
+        "-> Tensor");
+  m.def("quantized_rows(Tensor packed, Tensor ids, int N, int bits, bool offset) -> Tensor");
+  m.def("quantized_linear_isa() -> int", &quantized_linear_isa);
+}
+
+TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) {
+  m.impl("pack_quantized_weight", &pack_quantized_weight_cpu);
+  m.impl("quantized_linear", &quantized_linear_cpu);
+  m.impl("quantized_rows", &quantized_rows_cpu);
+}
+
+}  // namespace hydra_kernels

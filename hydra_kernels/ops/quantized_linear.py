@@ -1,0 +1,87 @@
+"""The native small-M linear over quantized weights for the CPU (csrc/quantized_linear_cpu.cpp), the only
+way Python reaches it.
+
+A weight [N, K] is kept as integers q (4 or 8 bits) with an fp32 scale s, and optionally an fp32 offset o,
+per group of G consecutive inputs: w[n, k] = fma(s[n, k // G], q[n, k], o[n, k // G]) (or s * q). The
+kernel dequantizes in registers and accumulates like the fp32 packed kernel (ops/packed_linear.py): each
+output is the in-order FMA chain over K, so its result is bit-identical to `packed_linear` on the
+dequantized weight, whatever the number of rows or the ISA (AVX-512, AVX2 + FMA, or a portable loop).
+The GGUF formats are decoded into (q, s, o) by hydra_kernels/model/gguf_blocks.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# ISA codes of the kernel's `isa` argument (tests force each path; 0 lets the kernel pick the fastest)
+ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
+
+_ISA: int | None = None
+
+
+def quantized_linear_isa() -> int:
+    """The ISA the kernel runs with on this CPU (ISA_AVX512, ISA_AVX2 or ISA_PORTABLE), or 0 without the
+    extension."""
+    global _ISA
+    if _ISA is None:
+        try:
+            import hydra_kernels._C  # noqa: F401
+
+            _ISA = int(torch.ops.hydra_kernels.quantized_linear_isa())
+        except (ImportError, AttributeError, RuntimeError):
+            _ISA = 0
+    return _ISA
+
+
+def quantized_linear_available() -> bool:
+    """The extension is built and this CPU has a vector path (AVX2 + FMA or AVX-512) for the kernel."""
+    return quantized_linear_isa() in (ISA_AVX2, ISA_AVX512)
+
+
+@dataclass(frozen=True)
+class QuantizedPanels:
+    """A weight [n, k] packed for quantized_linear: `packed` uint8 [P, k / G, group bytes] (the layout is
+    csrc/quantized_linear_cpu.cpp's), `bits` 4 | 8, `offset` whether groups store an offset."""
+
+    packed: torch.Tensor
+    n: int
+    k: int
+    bits: int
+    offset: bool
+
+    @classmethod
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int) -> "QuantizedPanels":
+        """q int8 [N, K] (4 bits: values 0..15), scales fp32 [N, K / G], offsets fp32 [N, K / G] or None."""
+        packed = torch.ops.hydra_kernels.pack_quantized_weight(q, scales, offsets, bits)
+        return cls(packed, int(q.shape[0]), int(q.shape[1]), bits, offsets is not None)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
+        """x fp32 [..., k] -> x W^T + b [..., n]."""
+        return _LINEAR(x, self.packed, self.n, self.bits, self.offset, bias, isa)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ids int64 [m] -> their exact fp32 values [m, k]."""
+        return torch.ops.hydra_kernels.quantized_rows(self.packed, ids, self.n, self.bits, self.offset)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as fp32 [n, k] (exact values)."""
+        return self.rows(torch.arange(self.n))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+class _LazyOp:  # the op handle is looked up once (this runs ~120 times per CPU decoding step)
+    def __call__(self, *args):
+        global _LINEAR
+        _LINEAR = torch.ops.hydra_kernels.quantized_linear
+        return _LINEAR(*args)
+
+
+_LINEAR = _LazyOp()

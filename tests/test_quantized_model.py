@@ -1,0 +1,91 @@
+"""A GGUF loaded with its blocks kept (hk.load_model(weights="quantized"), the CPU default for GGUF files):
+the same logits as the fp32 load of the same file, bit for bit, for every supported format mixed in one
+file; projections held only as quantized panels; greedy decoding, plain and speculative, token for token
+the fp32 model's on the embedded SmolLM2; bad `weights` values refused before loading."""
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.generate import generate
+from hydra_kernels.model.packed_linear import Linear
+from hydra_kernels.ops.quantized_linear import QuantizedPanels, quantized_linear_available
+from helpers import assert_close_rel
+from test_gguf_loading import write_gguf
+from test_llama_vs_transformers import make_hf
+
+pytestmark = pytest.mark.skipif(not quantized_linear_available(),
+                                reason="the quantized kernel needs the extension and AVX2 or AVX-512")
+
+# every supported format in one file, as a Q4_K_M download mixes them (and Q4_0 / Q4_1 / Q8_0 files)
+MIXED = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
+         "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}
+
+
+def projections(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and n != "output"}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkeypatch, tied):
+    monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
+    # widths that are multiples of 256 (K-quant super-blocks), GQA 2
+    hf = make_hf("gqa3-tied" if tied else "mha-untied", seed=5, hidden_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=512)
+    held = write_gguf(hf, tmp_path / "mixed.gguf", quantise=MIXED)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(held[n])
+    q, _ = hk.load_model(tmp_path / "mixed.gguf", device="cpu")  # the default on this CPU: quantized
+    f, _ = hk.load_model(tmp_path / "mixed.gguf", device="cpu", weights="fp32")
+    for name, mod in projections(q).items():
+        assert mod.released and isinstance(mod._panels, QuantizedPanels) and mod.weight.is_meta, name
+    assert isinstance(q.output.packed_weight(), QuantizedPanels) and not q.output.weight.is_meta
+    assert q.config.tie_word_embeddings == tied
+    ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        lq = q(ids)
+        assert torch.equal(lq, f(ids))  # bit for bit: the same values, the same FMA order
+        assert_close_rel(lq, hf(ids).logits, 1e-4, "quantized GGUF vs transformers")
+    prompts = [[5, 7, 9, 11], [3, 1]]
+    assert generate(q, prompts, max_new_tokens=12).sequences == generate(f, prompts, max_new_tokens=12).sequences
+
+
+def test_bad_weights_choice_is_refused_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
+    hf = make_hf("mha-untied", seed=11, hidden_size=64, num_key_value_heads=2, intermediate_size=96)
+    write_gguf(hf, tmp_path / "tiny.gguf")
+    with pytest.raises(ValueError, match="weights must be 'quantized', 'fp32' or None"):
+        hk.load_model(tmp_path / "tiny.gguf", device="cpu", weights="int4")
+    with pytest.raises(ValueError, match="dtype=torch.bfloat16"):
+        hk.load_model(tmp_path / "tiny.gguf", device="cpu", dtype="bf16", weights="quantized")
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="needs a .gguf path"):
+        hk.load_model(tmp_path / "hf", device="cpu", weights="quantized")
+    assert not (tmp_path / "cache").exists()  # refused before any conversion
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    q, tok = hk.load_model(device="cpu")
+    f, _ = hk.load_model(device="cpu", weights="fp32")
+    return q, f, tok
+
+
+def test_embedded_smollm2_is_quantized_by_default_and_decodes_as_fp32(smollm2_pair):
+    from hydra_kernels.chat import chat_prompt_ids
+
+    q, f, tok = smollm2_pair
+    mods = projections(q)
+    assert len(mods) == 4 * q.config.num_layers and all(isinstance(m._panels, QuantizedPanels) for m in mods.values())
+    # one copy of the projections, as 4-bit blocks: 6 bits a weight (fp32 scale and offset per 32) vs 32
+    qbytes = sum(m._panels.nbytes for m in mods.values())
+    fbytes = sum(m.unpacked_weight().numel() * 4 for m in list(mods.values())[:4]) * q.config.num_layers
+    assert qbytes < 0.2 * fbytes
+    prompts = [chat_prompt_ids(tok, "Write a haiku about the sea."), tok.encode("def fib(n):")]
+    with torch.no_grad():
+        ids = torch.tensor([prompts[0]])
+        assert torch.equal(q(ids), f(ids))
+    plain_q = generate(q, prompts, max_new_tokens=24)
+    assert plain_q.sequences == generate(f, prompts, max_new_tokens=24).sequences
+    spec = generate(q, prompts, drafter=hk.load_drafter(model=q), max_new_tokens=24)
+    assert spec.sequences == plain_q.sequences
