@@ -140,10 +140,12 @@ class Attention(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] -> roped q [B, T, Hq, D], roped k and v [B, T, Hkv, D]; cos/sin [B, T, D]."""
         B, T, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(B, T, self.n_kv_heads, self.head_dim), cos, sin)
-        return q, k, v.view(B, T, self.n_kv_heads, self.head_dim)
+        heads = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        # q and k heads are adjacent in the fused output: one rotation for both (the same values as two: the
+        # rotation is per element), half the small ops of a decoding step's RoPE
+        qk = apply_rope(heads[:, :, :self.n_heads + self.n_kv_heads], cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=2)
+        return q, k, heads[:, :, self.n_heads + self.n_kv_heads:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: AttentionSite | None = None,
                 kv: torch.Tensor | None = None) -> torch.Tensor:

@@ -111,6 +111,19 @@ class Linear(nn.Linear):
             self._hold_only(panels)
         return True
 
+    def step_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
+        """(weights, kind) that forward would run `rows` rows of fp32 CPU inference on, for the fused decode
+        layer (csrc/decode_layer_cpu.cpp): kind 0 = packed_linear panels, 10 * bits + offset = quantized
+        panels; None where forward would take F.linear."""
+        if not self.packed_on or (self._panels is None and rows * self.in_features > self._max_numel):
+            return None
+        p = self.packed_weight()
+        if p is None:
+            return None
+        if isinstance(p, QuantizedPanels):
+            return p.packed, 10 * p.bits + int(p.offset)
+        return p, 0
+
     def _run_panels(self, x: torch.Tensor, panels: torch.Tensor | QuantizedPanels) -> torch.Tensor:
         if isinstance(panels, QuantizedPanels):
             return panels.linear(x, self.bias)

@@ -63,6 +63,10 @@ def _register() -> bool:
         G = (packed.shape[2] - 256 * (2 if offset else 1)) * 8 // (64 * bits)  # csrc: group bytes -> inputs
         return packed.new_empty(ids.shape[0], packed.shape[1] * G, dtype=torch.float32)
 
+    @torch.library.register_fake("hydra_kernels::decode_layer")
+    def _(x, *args):  # the layer's output; its KV buffer (kv, Tensor(a!)) is written in place
+        return torch.empty_like(x)
+
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):
         shape = (root.shape[0], node_source.shape[0])
