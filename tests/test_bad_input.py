@@ -125,6 +125,20 @@ def test_deep_tree_beyond_native_commit_kv_is_refused_before_work(model, monkeyp
     assert len(out.sequences[0]) == 4  # the reference commit has no such limit
 
 
+@pytest.mark.parametrize("input_ids,exc,msg", [  # issue 47, 4: the type is named, not the vocabulary
+    ([[6403.0, 5]], TypeError, r"prompt 0 has token id 6403.0 at position 0, a float: token ids must be ints"),
+    ([[1, 2], [3, True]], TypeError, r"prompt 1 has token id True at position 1, a bool"),
+    ([[1, "5"]], TypeError, r"prompt 0 has token id '5' at position 1, a str"),
+    ([np.array([1.0, 2.0])], TypeError, r"token id 1.0 at position 0, a float"),
+    (torch.zeros(1, 3, dtype=torch.long, device="meta"), ValueError, r"input_ids is a tensor on the meta device"),
+    ([[1, 2], torch.zeros(3, dtype=torch.long, device="meta")], ValueError, r"prompt 1 is a tensor on the meta device"),
+])
+def test_token_ids_of_the_wrong_type_are_refused_before_work(model, monkeypatch, input_ids, exc, msg):
+    no_work(model, monkeypatch)
+    with pytest.raises(exc, match=msg):
+        generate(model, input_ids, max_new_tokens=4)
+
+
 def test_numpy_token_ids_are_accepted(model):  # 7
     want = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=5, eos_token_id=[]).sequences
     as_np = [np.array([1, 2, 3]), [np.int64(4), np.int32(5)]]

@@ -29,6 +29,17 @@ def test_no_draft_and_a_drafter_directory(capsys):
     assert "| medusa drafter |" in run(capsys, "--drafter", str(shipped_drafters()["medusa"]))
 
 
-def test_tree_without_a_drafter_is_refused():
-    with pytest.raises(SystemExit, match="need a drafter"):
+def test_tree_without_a_drafter_is_refused(capsys):  # argparse's way: exit 2, the option named (test_cli_errors.py)
+    with pytest.raises(SystemExit) as err:
         cli.main(["--prompt", "x", "--no-draft", "--tree", "chain-2"])
+    assert err.value.code == 2 and "argument --tree: needs a drafter" in capsys.readouterr().err
+
+
+def test_tree_deeper_than_the_drafters_heads_is_refused_before_any_token(capsys):
+    from hydra_kernels.drafters import shipped_drafters
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(["--prompt", "x", "--drafter", str(shipped_drafters()["hydra"]), "--tree", "chain-9"])
+    out = capsys.readouterr()
+    assert err.value.code == 2 and out.out == ""
+    assert "error: argument --tree: the tree is 9 deep but the drafter has 4 heads" in out.err

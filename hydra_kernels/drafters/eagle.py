@@ -499,9 +499,13 @@ class EagleDrafter(Drafter):
 
     @classmethod
     def load_saved(cls, path: Path, cfg_dict: dict, model=None, load=None) -> "EagleDrafter":
-        from .checkpoint import load_ours
+        from .checkpoint import load_ours, read_json
 
         drafter = load_ours(cls, path, cfg_dict)
         for f in sorted(path.glob("dynamic_*.json")):
-            drafter.dynamic_trees[f.stem[len("dynamic_"):]] = DynamicTree(**json.loads(f.read_text()))
+            spec = read_json(f)
+            try:
+                drafter.dynamic_trees[f.stem[len("dynamic_"):]] = DynamicTree(**spec)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{f} is not an EAGLE-2 dynamic tree (total_tokens, depth, top_k) ({e})") from e
         return drafter

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..model.config import LlamaConfig
+from .checkpoint import read_weights
 
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 
@@ -68,13 +69,7 @@ def eagle3_config_layers(cfg_dict: dict, num_layers: int) -> list[int]:
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    if (path / WEIGHT_FILES[0]).exists():
-        return torch.load(path / WEIGHT_FILES[0], map_location="cpu", weights_only=True)
-    if (path / WEIGHT_FILES[1]).exists():
-        from safetensors.torch import load_file
-
-        return load_file(str(path / WEIGHT_FILES[1]))
-    raise FileNotFoundError(f"{path} has an EAGLE config.json but neither {' nor '.join(WEIGHT_FILES)}")
+    return read_weights(path, WEIGHT_FILES, "an EAGLE config.json")[0]
 
 
 def layer_config(cfg_dict: dict) -> LlamaConfig:

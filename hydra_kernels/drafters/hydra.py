@@ -4,10 +4,7 @@ drafted depth by depth, each depth's nodes in one head call. Hydra++ adds a pref
 the base model's hidden states (drafters/prefix.py) and deeper heads. Sampled drafts
 (draft_temperature > 0): a parent's children are i.i.d. draws from its head's q at that parent.
 
-Original format (github.com/zankner/Hydra): config.json with hydra_num_heads, hydra_num_layers,
-hydra_head_arch ("mlp" | "prefix-mlp"), grounded_heads; hydra_lm_head.pt holding
-hydra_mlp.{i}.{j}.(linear|res_connection).*, hydra_lm_head.{i}[.1].weight/bias and, for prefix-mlp,
-prefix_embeding_layer.* (a one-layer LlamaModel). A head's repeated ResBlocks are one module object.
+Original format (github.com/zankner/Hydra): drafters/hydra_original.py.
 """
 from __future__ import annotations
 
@@ -17,8 +14,6 @@ import torch
 
 from .. import ops
 from ..tree import Tree
-from .checkpoint import fill_head, original_blocks
-from .config import DrafterConfig
 from .draft_heads import HeadDrafter, HeadState
 from .medusa import MedusaDrafter
 from .protocol import Proposal
@@ -73,41 +68,13 @@ class HydraDrafter(HeadDrafter):
     # ---- the original Hydra format ----------------------------------------------------------------
     @staticmethod
     def recognizes(cfg_dict: dict) -> bool:
-        return "hydra_num_heads" in cfg_dict
+        from .hydra_original import recognizes
+
+        return recognizes(cfg_dict)
 
     @classmethod
     def load_original(cls, path: Path, cfg_dict: dict, model=None) -> HeadDrafter:
-        n, L = cfg_dict["hydra_num_heads"], cfg_dict["hydra_num_layers"]
-        arch = cfg_dict.get("hydra_head_arch", "mlp")
-        if arch not in ("mlp", "prefix-mlp"):
-            raise NotImplementedError(f"hydra_head_arch {arch!r} is not supported (only 'mlp' and 'prefix-mlp')")
-        grounded = bool(cfg_dict.get("grounded_heads", True))
-        sd = torch.load(path / "hydra_lm_head.pt", map_location="cpu", weights_only=True)
-        lm_key = "hydra_lm_head.{}.1" if arch == "prefix-mlp" else "hydra_lm_head.{}"  # Dropout at index 0
-        V, H = sd[lm_key.format(0) + ".weight"].shape
-        pattern = r"hydra_mlp\.(?P<head>\d+)\.(?P<pos>\d+)\.(?P<name>(linear|res_connection)\.(weight|bias))"
-        blocks, shared = original_blocks(sd, pattern, n, L)
-        cfg = DrafterConfig(num_heads=n, num_layers=L, hidden_size=H, vocab_size=V, grounded=grounded,
-                            prefix_layer=arch == "prefix-mlp", lm_head="per_head",
-                            lm_head_bias=lm_key.format(0) + ".bias" in sd, shared_resblocks=shared,
-                            base_config=_base_config(cfg_dict, model) if arch == "prefix-mlp" else None)
-        drafter = (cls if grounded else MedusaDrafter)(cfg)  # grounded_heads False: Medusa heads (+ prefix)
-        for i in range(n):
-            fill_head(drafter, i, blocks[i])
-            lm = drafter.heads[i].lm_head
-            lm.weight.data.copy_(sd[lm_key.format(i) + ".weight"])
-            if lm.bias is not None:
-                lm.bias.data.copy_(sd[lm_key.format(i) + ".bias"])
-        if drafter.prefix is not None:
-            prefix = {k[len("prefix_embeding_layer."):]: v for k, v in sd.items() if k.startswith("prefix_embeding_layer.")}
-            drafter.prefix.load_hf_layer(prefix)
-        return drafter
+        """An original Hydra checkpoint (drafters/hydra_original.py); grounded_heads false: Medusa heads."""
+        from .hydra_original import load_original
 
-
-def _base_config(cfg_dict: dict, model) -> dict:
-    if model is not None:
-        return model.config.to_hf_dict(include_extra=False)
-    if "num_attention_heads" in cfg_dict and "hidden_size" in cfg_dict:
-        return {"model_type": "llama", **cfg_dict}
-    raise ValueError("this Hydra checkpoint has a prefix layer but its config.json lacks the base model's "
-                     "Llama fields; pass the base model: hk.load_drafter(path, model=model)")
+        return load_original(cls, MedusaDrafter, path, cfg_dict, model)

@@ -5,10 +5,8 @@ once and the tree's tokens are gathered from the per-depth top-k lists on the de
 every parent at depth d like the top-k list (a node's children are distinct draws; a walk tries the
 children of one node per depth, so the sharing never makes a tried child depend on another).
 
-Original format (github.com/FasterDecoding/Medusa, and vLLM's layout of it): config.json with
-medusa_num_heads, medusa_num_layers; medusa_lm_head.(pt|safetensors) holding
-{head}.{layer}.linear.weight/bias and {head}.{num_layers}.weight (a head's repeated ResBlocks are one
-module object there, so several keys hold one tensor).
+Original formats: FasterDecoding/Medusa's medusa_lm_head.(pt|safetensors) (drafters/medusa_original.py) and
+vLLM's Medusa layout (drafters/medusa_vllm.py).
 """
 from __future__ import annotations
 
@@ -18,8 +16,6 @@ import torch
 
 from .. import ops
 from ..tree import Tree
-from .checkpoint import fill_head, original_blocks
-from .config import DrafterConfig
 from .draft_heads import HeadDrafter, HeadState
 from .protocol import Proposal
 
@@ -61,27 +57,17 @@ class MedusaDrafter(HeadDrafter):
             q[:, d + 1] = q_d  # [B, V]
         return torch.cat(draws, dim=1), q[:, tree.depths]
 
-    # ---- the original Medusa format ---------------------------------------------------------------
+    # ---- the original Medusa format and vLLM's --------------------------------------------------------
     @staticmethod
     def recognizes(cfg_dict: dict) -> bool:
-        return "medusa_num_heads" in cfg_dict
+        from . import medusa_original, medusa_vllm
+
+        return medusa_vllm.recognizes(cfg_dict) or medusa_original.recognizes(cfg_dict)
 
     @classmethod
     def load_original(cls, path: Path, cfg_dict: dict, model=None) -> "MedusaDrafter":
-        n, L = cfg_dict["medusa_num_heads"], cfg_dict["medusa_num_layers"]
-        if (path / "medusa_lm_head.safetensors").exists():
-            from safetensors.torch import load_file
+        """Original Medusa heads (drafters/medusa_original.py) or vLLM's Medusa layout (drafters/medusa_vllm.py)."""
+        from . import medusa_original, medusa_vllm
 
-            sd = load_file(str(path / "medusa_lm_head.safetensors"))
-        else:
-            sd = torch.load(path / "medusa_lm_head.pt", map_location="cpu", weights_only=True)
-        V, H = sd[f"0.{L}.weight"].shape
-        blocks, shared = original_blocks(sd, r"(?P<head>\d+)\.(?P<pos>\d+)\.(?P<name>linear\.(weight|bias))", n, L)
-        cfg = DrafterConfig(num_heads=n, num_layers=L, hidden_size=H, vocab_size=V, grounded=False,
-                            lm_head="per_head", lm_head_bias=f"0.{L}.bias" in sd, shared_resblocks=shared)
-        drafter = cls(cfg)
-        for i in range(n):
-            fill_head(drafter, i, blocks[i])
-            drafter.heads[i].lm_head.load_state_dict({k.split(".", 2)[2]: v for k, v in sd.items()
-                                                      if k.startswith(f"{i}.{L}.")})
-        return drafter
+        loader = medusa_vllm if medusa_vllm.recognizes(cfg_dict) else medusa_original
+        return loader.load_original(cls, path, cfg_dict, model)

@@ -43,7 +43,6 @@ every stage's name (torch.save of the state dict): both load, and copies that di
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +53,7 @@ from torch import nn
 
 from ..model.packed_linear import Linear
 from ..tree import Tree, TreeBatch
-from .checkpoint import save_ours
+from .checkpoint import read_weights, save_ours
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal
 
@@ -400,33 +399,12 @@ class MLPSpeculatorDrafter(Drafter):
                                       scale_input=bool(get("scale_input")))
         except ValueError as e:
             raise ValueError(f"{path / 'config.json'}: {e}") from e
-        raw, source = _read_weights(Path(path))
+        raw, source = read_weights(Path(path), ("model.safetensors", "pytorch_model.bin"), "an mlp_speculator config.json")
         sd = _original_to_ours(raw, cfg, source)
         with torch.device("meta"):
             drafter = cls(cfg)
         drafter.load_state_dict(sd, strict=True, assign=True)
         return drafter
-
-
-def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """All tensors of a checkpoint directory: model.safetensors, pytorch_model.bin, or their shards."""
-    from safetensors.torch import load_file
-
-    def load(f: Path):
-        return load_file(str(f)) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
-
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        if (path / name).exists():
-            return load(path / name), name
-        index = path / f"{name}.index.json"
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            sd = {}
-            for f in files:
-                sd.update(load(path / f))
-            return sd, index.name
-    raise FileNotFoundError(f"{path} has an mlp_speculator config.json but no weights (model.safetensors, "
-                            "pytorch_model.bin, or a sharded .index.json of either)")
 
 
 def _original_to_ours(raw: dict[str, torch.Tensor], cfg: MLPSpeculatorConfig, source: str) -> dict[str, torch.Tensor]:

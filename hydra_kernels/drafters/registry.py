@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 
 from .amphista import AmphistaDrafter
-from .checkpoint import FORMAT, load_ours
+from .checkpoint import (FORMAT, OUR_KEYS, VERSION, config_from, init_fields, load_ours, read_config,
+                         read_json)
 from .combined import CombinedDrafter
 from .config import DrafterConfig
 from .eagle import EagleDrafter
@@ -19,6 +20,7 @@ from .medusa import MedusaDrafter
 from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramConfig, NgramDrafter
 from ..budget import load_tables
+from ..tree import Tree, as_tree
 from .protocol import Drafter
 
 FAMILIES: tuple[type[Drafter], ...] = (MedusaDrafter, HydraDrafter, EagleDrafter, MLPSpeculatorDrafter, AmphistaDrafter,
@@ -177,9 +179,11 @@ def _shipped_combined(model) -> CombinedDrafter:
 
 def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     """Load a drafter, recognising its format: ours (any kind), an original Hydra checkpoint dir,
-    original Medusa heads (also vLLM's layout), an fms-extras MLPSpeculator (HF hub or vLLM naming) or an
-    original EAGLE-1/EAGLE-3 checkpoint (needs model). model (optional): moves the drafter to its
-    device/dtype and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter
+    original Medusa heads, vLLM's Medusa layout, an fms-extras MLPSpeculator (HF hub or vLLM naming) or an
+    original EAGLE-1/EAGLE-3 checkpoint (needs model). Every file is checked as it is read (a corrupt or
+    inconsistent one is a ValueError naming it; weights strictly by name and shape). model (optional): moves
+    the drafter to its device/dtype, checks it fits (Drafter.check_model: a drafter for another model is refused
+    here) and supplies the base config a Hydra++ checkpoint may lack. path=None: the drafter
     shipped for the embedded default model (SmolLM2-135M-Instruct), `kind` among shipped_drafters() or
     COMPOSED ("combined": the n-gram drafter beside the shipped heads default.json names); default: the best
     measured, default_kind() (default.json). A head drafter's `trees` holds the tree searched per device
@@ -204,39 +208,100 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
     drafter.eval()
     if model is not None:
         drafter.to(model.device, model.dtype)
+        try:
+            drafter.check_model(model)  # a drafter for another model: refused here, before any work
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
     return drafter
 
 
 def _load_dir(path: Path, model) -> Drafter:
+    """A drafter directory, every file it holds checked as it is read: config.json (fields that describe the
+    weights), the weights, tree_<device>.json (a tree these heads can draft), budget_<device>.json; a corrupt or
+    inconsistent one is a ValueError naming it."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory: pass a drafter directory (config.json and its weights)")
     cfg_file = path / "config.json"
-    if not cfg_file.exists():
-        raise FileNotFoundError(f"{path} has no config.json: expected a drafter directory")
-    try:
-        cfg_dict = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_file} is not valid JSON ({e}); the checkpoint is corrupt") from e
+    cfg_dict = read_config(cfg_file)
     if cfg_dict.get("format") == FORMAT:
-        kind = cfg_dict.get("kind") or _kind_of_fields(cfg_dict)
-        cls = family(kind)
-        # families without weights, or made of other drafters (loaded with `load`), read their own directory
-        drafter = (cls.load_saved(path, cfg_dict, model=model, load=load_drafter) if hasattr(cls, "load_saved")
-                   else load_ours(cls, path, cfg_dict))
+        cls = _saved_family(cfg_file, cfg_dict)
+        if hasattr(cls, "load_saved"):
+            # families without weights, or made of other drafters (loaded with `load`), read their own directory
+            if hasattr(cls, "config_class"):
+                config_from(cls, cfg_dict, cfg_file)  # its fields checked here, naming the file
+            drafter = cls.load_saved(path, cfg_dict, model=model, load=load_drafter)
+        else:
+            drafter = load_ours(cls, path, cfg_dict)
     else:
         cls = next((c for c in FAMILIES if hasattr(c, "recognizes") and c.recognizes(cfg_dict)), None)
         if cls is None:
             raise ValueError(f"{cfg_file} is neither a hydra_kernels drafter (format {FORMAT!r}) nor a checkpoint "
-                             "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads; "
-                             "MLPSpeculator: model_type 'mlp_speculator'; EAGLE: a one-layer Llama config)")
+                             "of a supported original implementation (Hydra: hydra_num_heads; Medusa: medusa_num_heads, "
+                             "or vLLM's: architectures ['MedusaModel']; MLPSpeculator: model_type 'mlp_speculator'; "
+                             "EAGLE: a one-layer Llama config)")
         drafter = cls.load_original(path, cfg_dict, model)
-    drafter.budget_tables.update(load_tables(path))  # budget_<device>.json: searched node budgets (budget.py)
+    tables = load_tables(path)  # budget_<device>.json: searched node budgets (budget.py); each names its file
+    for device, table in tables.items():
+        if table.device != device:
+            raise ValueError(f"{path / f'budget_{device}.json'} holds the table of device {table.device!r}; rename "
+                             f"it budget_{table.device}.json or search it again (python python/search_budget.py)")
+    drafter.budget_tables.update(tables)
     if hasattr(drafter, "trees"):
-        from ..tree import Tree
-
-        drafter.trees = {f.stem[len("tree_"):]: Tree.load(f) for f in sorted(path.glob("tree_*.json"))}
+        drafter.trees = {f.stem[len("tree_"):]: _saved_tree(drafter, f) for f in sorted(path.glob("tree_*.json"))}
+    for device, spec in getattr(drafter, "dynamic_trees", {}).items():
+        try:
+            drafter.resolve_tree(spec, device)
+        except ValueError as e:
+            raise ValueError(f"{path / f'dynamic_{device}.json'}: {e}") from e
     return drafter
+
+
+def _saved_family(cfg_file: Path, cfg_dict: dict) -> type[Drafter]:
+    """The family of a config.json in our format: its "kind" (or, written before "kind" was recorded, the kind
+    its head fields describe), checked against the version and the fields; ValueError naming the file."""
+    version = cfg_dict.get("version", VERSION)
+    if version != VERSION:
+        raise ValueError(f"{cfg_file}: format version {version!r}; this hydra_kernels reads version {VERSION} "
+                         "(a newer hydra_kernels wrote it: upgrade)")
+    fields = set(cfg_dict) - set(OUR_KEYS)
+    kind = cfg_dict.get("kind")
+    if kind is None:
+        try:
+            kind = _kind_of_fields(cfg_dict)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{cfg_file} has no \"kind\" and its fields are not a head drafter's ({e}); add "
+                             f"\"kind\": one of {KINDS}") from e
+    if not isinstance(kind, str) or (kind not in KINDS and kind not in _EXTRA_KINDS):
+        raise ValueError(f"{cfg_file}: \"kind\" {kind!r} is not a drafter kind; one of {KINDS}")
+    cls = family(kind)
+
+    def takes(c) -> bool:
+        return hasattr(c, "config_class") and fields <= set(init_fields(c.config_class))
+
+    if hasattr(cls, "config_class") and not takes(cls):
+        fitting = [k for c in FAMILIES if c is not cls and takes(c) for k in c.kinds]
+        if fitting:
+            odd = sorted(fields - set(init_fields(cls.config_class)))
+            raise ValueError(f"{cfg_file}: \"kind\" is {kind!r}, but its fields {odd} are not fields of kind {kind!r}: "
+                             f"they are those of {' / '.join(map(repr, fitting))}; fix \"kind\"")
+    return cls
+
+
+def _saved_tree(drafter: Drafter, f: Path) -> Tree:
+    """tree_<device>.json: Medusa-format choices these heads can draft (drafter.resolve_tree's bounds)."""
+    choices = read_json(f)
+    try:
+        if not isinstance(choices, list):
+            raise ValueError(f"expected a JSON list of choices, got {type(choices).__name__}")
+        tree = as_tree(choices)
+        drafter.resolve_tree(tree, f.stem[len("tree_"):])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{f} is not a tree this drafter can draft ({e}); delete it or search it again "
+                         "(python python/eval_heads.py)") from e
+    return tree
 
 
 def _kind_of_fields(cfg_dict: dict) -> str:
     """Head checkpoints written before "kind" was recorded: the kind their config fields describe."""
-    fields = {k: v for k, v in cfg_dict.items() if k not in ("format", "version", "kind")}
+    fields = {k: v for k, v in cfg_dict.items() if k not in OUR_KEYS}
     return DrafterConfig(**fields).kind

@@ -63,10 +63,12 @@ def sampling_args(temperature, top_k, top_p, seed, posterior_threshold, posterio
 
 def prompts(input_ids, vocab_size: int) -> list[list[int]]:
     """LongTensor [B, L] or a list of token lists (ints, numpy integers, 1-D integer tensors or arrays)
-    -> validated list of lists of int."""
+    -> validated list of lists of int: a token id that is no integer (a float, a bool) is a TypeError, one outside
+    the vocabulary or a tensor on the meta device (no values) a ValueError."""
     if not isinstance(input_ids, (torch.Tensor, Sequence)) and hasattr(input_ids, "__array__"):
         input_ids = torch.as_tensor(input_ids)  # a numpy array [B, L]
     if isinstance(input_ids, torch.Tensor):
+        _has_values(input_ids, "input_ids")
         if input_ids.dim() != 2 or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
             raise ValueError(
                 f"input_ids must be an integer tensor [B, L], got {input_ids.dtype} {tuple(input_ids.shape)} "
@@ -78,6 +80,8 @@ def prompts(input_ids, vocab_size: int) -> list[list[int]]:
         for b, p in enumerate(input_ids):
             if isinstance(p, (str, bytes)) or not hasattr(p, "__len__"):
                 raise ValueError("input_ids must be a list of token lists (one per sequence); a single prompt: [ids]")
+            if isinstance(p, torch.Tensor):
+                _has_values(p, f"prompt {b}")
             rows.append(p.tolist() if hasattr(p, "tolist") else list(p))
     else:
         raise TypeError(f"input_ids must be a LongTensor [B, L] or a list of token lists, got {type(input_ids)}")
@@ -93,11 +97,21 @@ def prompts(input_ids, vocab_size: int) -> list[list[int]]:
                 v = None if isinstance(t, bool) else operator.index(t)
             except TypeError:
                 v = None
-            if v is None or not 0 <= v < vocab_size:
+            if v is None:
+                raise TypeError(f"prompt {b} has token id {t!r} at position {i}, a {type(t).__name__}: token ids must be "
+                                "ints (int(t); a tensor: .long())")
+            if not 0 <= v < vocab_size:
                 raise ValueError(f"prompt {b} has token id {t!r} at position {i}, outside the vocabulary [0, {vocab_size})")
             ids.append(v)
         out.append(ids)
     return out
+
+
+def _has_values(t: torch.Tensor, name: str) -> None:
+    """A tensor on the meta device has a shape but no values to read: refused before any work."""
+    if t.is_meta:
+        raise ValueError(f"{name} is a tensor on the meta device, which holds no values; pass one with data (on the "
+                         "CPU or the model's device)")
 
 
 def eos_set(eos_token_id, default: Sequence[int], vocab_size: int) -> set[int]:
@@ -148,3 +162,11 @@ def kv_rows(max_seq_len, longest: int, max_new_tokens: int, extra: int, context:
             f"step's tree): no position past the context is ever used; pass at most {context + extra} or None"
         )
     return S
+
+
+def cuda_graphs_arg(value):
+    """cuda_graphs: None (CUDA graphs where they apply: a model on CUDA), True (asked for: a warning where they
+    cannot apply) or False (never)."""
+    if value is not None and not isinstance(value, bool):
+        raise TypeError(f"cuda_graphs must be None, True or False, got {value!r}")
+    return value
