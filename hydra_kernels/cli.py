@@ -116,6 +116,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int(0, 2**63), default=None)
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--device", default=None, type=_device, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--weights", default=None, choices=("quantized", "fp32"),
+                   help="a GGUF's weights on the CPU: as stored (quantized, the default there) or dequantized to fp32")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton", "native"])
     return p
 
@@ -146,9 +148,10 @@ def main(argv=None) -> None:
     from .generate import GenerationError, GenerationInterrupted, generate
 
     try:
-        model, tokenizer = hk.load_model(args.model, dtype=args.dtype, device=args.device)
-    except (ValueError, TypeError, OSError) as e:  # a corrupt file, named
-        p.error(f"argument --model: {e}" if args.model else str(e))
+        model, tokenizer = hk.load_model(args.model, dtype=args.dtype, device=args.device, weights=args.weights)
+    except (ValueError, TypeError, OSError) as e:  # a corrupt file, named; weights the model cannot keep
+        option = "--weights" if str(e).startswith("weights=") else "--model"
+        p.error(f"argument {option}: {e}" if args.model or option == "--weights" else str(e))
     if tokenizer is None:
         p.error(f"argument --model: {args.model} ships no tokenizer; the CLI needs one to apply the chat template")
     drafter = None
