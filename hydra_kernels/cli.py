@@ -116,8 +116,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_int(0, 2**63), default=None)
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--device", default=None, type=_device, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--weights", default=None, choices=("quantized", "fp32"),
-                   help="a GGUF's weights on the CPU: as stored (quantized, the default there) or dequantized to fp32")
+    p.add_argument("--weights", default=None, choices=("quantized", "fp32", "int8", "int4"),
+                   help="CPU weights: a GGUF's as stored (quantized, the default there) or fp32; an HF directory's "
+                        "fp32 (default) or quantized at load (int8, int4)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton", "native"])
     return p
 

@@ -55,7 +55,7 @@ def assert_refused(result, option, pattern):
     (["--no-draft", "--tree", "chain-2"], "--tree", r"needs a drafter; drop --no-draft"),
     (["--no-draft", "--acceptance", "rejection"], "--acceptance", r"needs a drafter"),
     (["--acceptance", "greedy", "--temperature", "0.7"], "--acceptance", r"greedy is for --temperature 0"),
-    (["--weights", "int4"], "--weights", r"invalid choice: 'int4' \(choose from 'quantized', 'fp32'\)"),
+    (["--weights", "int3"], "--weights", r"invalid choice: 'int3' \(choose from 'quantized', 'fp32', 'int8', 'int4'\)"),
     (["--weights", "quantized", "--dtype", "bf16"], "--weights", r"^weights='quantized' keeps a GGUF file's blocks"),
 ])
 def test_bad_value_is_refused_before_any_work(argv, option, pattern):

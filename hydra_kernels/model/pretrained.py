@@ -12,6 +12,7 @@ import torch
 from ..ops.quantized_linear import quantized_linear_available
 from .gguf_convert import convert_gguf_cached
 from .gguf_quantized import load_gguf_quantized
+from .weight_quantize import quantize_model_weights
 from .hf_checkpoint import load_hf_dir
 from .llama import Llama
 
@@ -70,12 +71,15 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
     weights: "quantized" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projection weights as stored and
     runs them on the quantized CPU kernel (model/gguf_quantized.py: the same logits as "fp32", bit for bit,
     from ~1/5 of the bytes); "fp32" loads the dequantised copy. None: "quantized" for a GGUF on the CPU in
-    fp32 where the kernel has a vector path (AVX2 or AVX-512), else "fp32".
+    fp32 where the kernel has a vector path (AVX2 or AVX-512), else "fp32". An HF directory loads fp32 unless
+    asked for "int8" / "int4": group-wise weight-only quantization of its projections (model/weight_quantize.py,
+    with its error bounds: another model, close to the checkpoint).
     """
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
-    if weights not in (None, "quantized", "fp32"):
-        raise ValueError(f"weights must be 'quantized', 'fp32' or None (the default for the file), got {weights!r}")
+    if weights not in (None, "quantized", "fp32", "int8", "int4"):
+        raise ValueError("weights must be 'quantized' (a GGUF's blocks), 'fp32', 'int8' / 'int4' (an HF directory, "
+                         f"quantized at load) or None (the default for the file), got {weights!r}")
     gguf, digest = None, None
     if path is None:
         gguf, digest = embedded_gguf_path(), EMBEDDED_SHA256
@@ -91,11 +95,17 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
                          "path (or the embedded default), device='cpu', dtype=float32 and a CPU with AVX2 or "
                          f"AVX-512 (got path={path}, device={device}, dtype={dtype}, kernel here: {quantized_here}); "
                          "pass weights='fp32' or None")
+    if weights in ("int8", "int4") and (gguf is not None or not quantized_here):
+        raise ValueError(f"weights={weights!r} quantizes an HF directory's fp32 weights for the CPU kernel: it needs an "
+                         f"HF directory (a GGUF: weights='quantized' keeps its own blocks), device='cpu', "
+                         f"dtype=float32 and AVX2 or AVX-512 (got path={path}, device={device}, dtype={dtype})")
     if gguf is None:
         model_dir = Path(path)
         if not model_dir.is_dir():
             raise ValueError(f"{model_dir} is neither a .gguf file nor an HF model directory")
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
+        if weights in ("int8", "int4") and not quantize_model_weights(model, weights):
+            raise ValueError(f"{model_dir}: weights={weights!r} needs every projection's inputs in groups of 32")
         _return_freed_memory()
         return model, load_tokenizer(model_dir)
     model_dir = convert_gguf_cached(gguf, sha256=digest)  # config, tokenizer files (and the fp32 copy)
