@@ -44,11 +44,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Ten
     return _OP(x, packed, n, bias)
 
 
-class _LazyOp:  # the op handle is looked up once (this runs ~120 times per CPU decoding step)
+class LazyOp:
+    """torch.ops.hydra_kernels.<name>, its handle looked up at the first call and kept (these run ~120 times per
+    CPU decoding step: the attribute lookups of torch.ops cost microseconds each)."""
+
+    def __init__(self, name: str):
+        self.name, self.op = name, None
+
     def __call__(self, *args):
-        global _OP
-        _OP = torch.ops.hydra_kernels.packed_linear
-        return _OP(*args)
+        if self.op is None:
+            self.op = getattr(torch.ops.hydra_kernels, self.name)
+        return self.op(*args)
 
 
-_OP = _LazyOp()
+_OP = LazyOp("packed_linear")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .packed_linear import LazyOp
+
 # ISA codes of the kernel's `isa` argument (tests force each path; 0 lets the kernel pick the fastest)
 ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 
@@ -77,11 +79,4 @@ class QuantizedPanels:
         return self.packed.numel()
 
 
-class _LazyOp:  # the op handle is looked up once (this runs ~120 times per CPU decoding step)
-    def __call__(self, *args):
-        global _LINEAR
-        _LINEAR = torch.ops.hydra_kernels.quantized_linear
-        return _LINEAR(*args)
-
-
-_LINEAR = _LazyOp()
+_LINEAR = LazyOp("quantized_linear")
