@@ -15,10 +15,29 @@ reported, not asserted) and our n-gram tokens equal ours plain (asserted: lossle
     python benchmarks/bench_generate_device.py [--model smollm2-135m] [--layers N] [--dtype bfloat16]
         [--prompt-tokens 128] [--new-tokens 128] [--reps 5] [--out benchmarks/out]
 CPU smoke: --layers 1 --prompt-tokens 16 --new-tokens 8 --reps 1 --dtype float32.
+
+--graphs (issue 43): generate() eager (cuda_graphs=False) vs replayed from CUDA graphs (cuda_graphs=True), plain
+and with the n-gram drafter, at each of --models' shapes (default SmolLM2-135M and Llama-3-8B, random weights)
+and --batch sizes (default 1 4 16), bf16, beside transformers' generate eager and with its static cache + torch
+.compile (cache_implementation="static": transformers then compiles the forward itself; at --compiled-batches
+only: each batch size compiles afresh), each as a
+fraction of the copy ceiling measured in the same call (batch x tokens/s over what the copy bandwidth allows:
+every weight and the K/V read once per step, at the mid-run context). Medians of end-to-end tokens/s
+(prefill included, all decoders alike), every sequence exactly --new-tokens long; `identical`: the fraction of
+our graph-replayed sequences equal to eager's (the target: 1.0). Writes generate_graphs_<gpu>_<date>.csv
+(columns shapes, decoder, mode, batch, tokens_per_s, copy_fraction, ...) under --out. Without CUDA the
+"graphs" rows run the runner's static-buffer path without graphs (hydra_kernels.runner.static_buffers).
+    python benchmarks/bench_generate_device.py --graphs [--models smollm2-135m llama-3-8b] [--batch 1 4 16]
+        [--compiled-batches 1] [--prompt-tokens 128] [--new-tokens 128] [--reps 3] [--out benchmarks/out]
+CPU smoke: --graphs --models smollm2-135m --layers 1 --batch 1 2 --compiled-batches --prompt-tokens 16
+    --new-tokens 8 --reps 1 --dtype float32.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import gc
 import logging
 import statistics
 import sys
@@ -31,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels.generate import generate  # noqa: E402
-from report import print_table, write_results  # noqa: E402
+from report import copy_bandwidth_gbs, print_table, write_results  # noqa: E402
 
 
 def hf_model(name: str, layers: int | None, device, dtype):
@@ -58,6 +77,10 @@ def repetitive_prompt(n: int, vocab: int, gen: torch.Generator) -> list[int]:
 
 
 def main(argv=None) -> list[dict]:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--graphs" in argv:
+        return graphs_main([a for a in argv if a != "--graphs"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", choices=list(hk.NAMED_CONFIGS))
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model (CPU smoke runs)")
@@ -142,6 +165,126 @@ def main(argv=None) -> list[dict]:
         ax.set_title(f"generate on {name}: {args.model} shapes, {args.dtype}, batch 1")
 
     write_results(rows, args.out, f"generate_device_{args.model}", plot)
+    return rows
+
+
+# ---- --graphs: eager vs CUDA graphs (issue 43) --------------------------------------------------------
+def gpu_short_name(dev) -> str:
+    """'h100', 'h200', 'a100', ... from the device name; 'cpu' off CUDA."""
+    if dev.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(dev).lower()
+    for tag in ("h200", "h100", "a100", "l40s", "l4", "a10g", "b200", "gh200"):
+        if tag in name:
+            return tag
+    return name.replace("nvidia", "").strip().replace(" ", "-")
+
+
+def graphs_main(argv=None) -> list[dict]:
+    import hydra_kernels.runner as runner
+    from bench_decode_step import step_bytes
+
+    ap = argparse.ArgumentParser(description="generate() eager vs CUDA graphs (--graphs)")
+    ap.add_argument("--models", nargs="+", default=["smollm2-135m", "llama-3-8b"], choices=list(hk.NAMED_CONFIGS))
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model (CPU smoke runs)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--compiled-batches", type=int, nargs="*", default=[1],
+                    help="batch sizes of the transformers static cache + torch.compile peer (each compiles afresh)")
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default="benchmarks/out")
+    args = ap.parse_args(argv)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    torch.set_grad_enabled(False)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    n = args.new_tokens
+    bw = copy_bandwidth_gbs(dev)  # the ceiling, measured in this call
+    print(f"copy ceiling on {name}: {bw:.0f} GB/s")
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn):
+        sync()
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        return time.perf_counter() - t, out
+
+    rows = []
+    for model_name in args.models:
+        hf = hf_model(model_name, args.layers, dev, dtype)
+        ours = hk.Llama.from_hf(hf).to(dev, dtype)
+        ngram = hk.new_drafter(ours, kind="ngram")
+        gen = torch.Generator().manual_seed(1)
+        shapes = model_name + (f" ({args.layers} layers)" if args.layers else "")
+        for B in args.batch:
+            prompts = [repetitive_prompt(args.prompt_tokens, hf.config.vocab_size, gen) for _ in range(B)]
+
+            def ours_run(drafter, graphs):
+                # off CUDA "graphs" is the runner's static-buffer path without graphs (the smoke run's check)
+                ctx = runner.static_buffers() if graphs and dev.type != "cuda" else contextlib.nullcontext()
+                with ctx:
+                    out = generate(ours, prompts, drafter=drafter, max_new_tokens=n, eos_token_id=[],
+                                   cuda_graphs=graphs)
+                return out.sequences, out.mean_accepted_tokens
+
+            def hf_run(compiled):
+                x = torch.tensor(prompts, device=dev)
+                kw = dict(cache_implementation="static") if compiled else {}
+                y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                pad_token_id=0, **kw)
+                assert y.shape[1] == x.shape[1] + n, "transformers stopped early: the work would not be equal"
+                return y[:, x.shape[1]:].tolist(), float("nan")
+
+            decoders = {("ours plain", "eager"): lambda: ours_run(None, False),  # (decoder, mode) -> run
+                        ("ours plain", "graphs"): lambda: ours_run(None, True),
+                        ("ours n-gram", "eager"): lambda: ours_run(ngram, False),
+                        ("ours n-gram", "graphs"): lambda: ours_run(ngram, True),
+                        ("transformers generate", "eager"): lambda: hf_run(False)}
+            if B in args.compiled_batches:
+                decoders["transformers generate", "static cache + compile"] = lambda: hf_run(True)
+            times = {k: [] for k in decoders}
+            seqs, tps = {}, {}
+            for fn in decoders.values():  # warm-up: captures, compiles, autotuning, allocator pools
+                fn()
+            order = list(decoders)
+            for r in range(args.reps):
+                rot = order[r % len(order):] + order[:r % len(order)]
+                for k in rot:
+                    t, (seq, steps) = timed(decoders[k])
+                    times[k].append(B * n / t)
+                    seqs[k], tps[k] = seq, steps
+            ceiling = B / (step_bytes(ours, B, args.prompt_tokens + n // 2, 1) / (bw * 1e9))  # tokens/s at the ceiling
+            for k, v in times.items():
+                tok_s = statistics.median(v)
+                same = ""
+                if k[0].startswith("ours") and k[1] == "graphs":
+                    eager_seqs = seqs[k[0], "eager"]
+                    same = round(sum(a == b for a, b in zip(seqs[k], eager_seqs)) / B, 3)
+                rows.append(dict(shapes=shapes, decoder=k[0], mode=k[1], batch=B, tokens_per_s=round(tok_s, 1),
+                                 copy_fraction=round(tok_s / ceiling, 3), identical=same,
+                                 tokens_per_step=round(tps[k], 2) if tps[k] == tps[k] else "",
+                                 device=name, dtype=args.dtype, prompt_tokens=args.prompt_tokens, new_tokens=n,
+                                 copy_gbs=round(bw, 1), runs=len(v)))
+            for k in decoders:  # ours n-gram must stay lossless in both modes
+                if k[0] == "ours n-gram":
+                    assert seqs[k] == seqs["ours plain", k[1]], f"{k}: n-gram drafting changed the output"
+        del hf, ours, ngram
+        gc.collect()  # a model and its decode runner (graphs, KV buffers) refer to each other
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"\ngenerate() eager vs CUDA graphs on {name}, {args.dtype}, {args.prompt_tokens}-token prompts, {n} new "
+          f"tokens, medians of {args.reps} rounds (prefill included); copy ceiling {bw:.0f} GB/s measured here")
+    print_table(rows, ["shapes", "decoder", "mode", "batch", "tokens_per_s", "copy_fraction", "identical",
+                       "tokens_per_step"])
+    date = datetime.date.today().isoformat()
+    write_results(rows, args.out, f"generate_graphs_{gpu_short_name(dev)}_{date}")
     return rows
 
 

@@ -15,6 +15,10 @@ Steps (each its own process; a failing step is reported and the next still runs)
   7. an end-to-end decode step at Llama-3-8B shapes with random weights, plain vs speculative with a fixed
      acceptance pattern, beside plain PyTorch; both steps captured in CUDA graphs, checked against the eager
      steps and timed
+  8. generate() eager vs replayed from CUDA graphs (the decode runner, issue 43), plain and n-gram, at SmolLM2
+     and Llama-3-8B shapes, batch 1 / 4 / 16, beside transformers' generate eager and (batch 1) with its static
+     cache + torch.compile, as fractions of the copy ceiling (bench_generate_device --graphs:
+     generate_graphs_<gpu>_<date>.csv)
 Writes benchmarks/out/gpu_suite.csv (step, status, seconds) and prints it last. Each step has its own time
 limit (a step that runs over is killed with its whole process group: ninja / nvcc, pytest's workers); on an
 H100 (2026-11-24) the whole suite took 8-9.5 minutes; --deadline-s caps it. Without CUDA it says so and
@@ -41,7 +45,7 @@ GPU_TESTS = ["tests/test_tree_attention.py", "tests/test_commit_kv.py", "tests/t
              "tests/test_lm_head_sample_stats.py", "tests/test_lm_head_residual_sample.py", "tests/test_rejection_accept.py",
              "tests/test_hydra_first_layer.py", "tests/test_resblock.py",
              "tests/test_tree_inputs.py", "tests/test_backends.py", "tests/test_per_sequence_trees.py",
-             "tests/test_kv_cache_paths.py", "tests/test_drafters_on_device.py"]
+             "tests/test_kv_cache_paths.py", "tests/test_drafters_on_device.py", "tests/test_runner_gpu.py"]
 
 
 def _pytest_workers() -> list[str]:
@@ -78,6 +82,9 @@ def steps(out: str) -> list[tuple[str, list[str], dict, int]]:
          real, 180),
         ("decode step + CUDA graph", [py, "benchmarks/bench_decode_step.py", "--model", "llama-3-8b", "--batch", "1", "8",
                                       "--out", out], real, 150),
+        # issue 43: 2 shapes x 3 batch sizes x 5-6 decoders, 64 new tokens, 2 rounds (the 8B rows dominate)
+        ("generate graphs", [py, "benchmarks/bench_generate_device.py", "--graphs", "--new-tokens", "64", "--reps", "2",
+                             "--out", out], real, 420),
     ]
 
 

@@ -23,7 +23,8 @@ from .tree import Tree
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
                      temperature, acceptance, posterior_threshold, posterior_alpha, generator, backends,
                      host_seqlens: list[int], stats, prompts: list[list[int]], top_k: int = 0,
-                     top_p: float = 1.0, budget: StepBudget | None = None) -> None:
+                     top_p: float = 1.0, budget: StepBudget | None = None, runner=None, buffers=None,
+                     batch: int | None = None) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
     prefill_hidden [B, L, H] (right-padded; for a drafter with feature_layers, the prefill's captured
     layer inputs [B, L, n * H]), root [B] (already emitted); backends: the run's
@@ -35,8 +36,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     path (min(1, p/q)); greedy acceptance (exact for any draft) and typical acceptance (it judges p
     alone) ignore them. prompts: the host token lists. `stats.num_steps` counts verify forwards,
     `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the full tree every
-    step)."""
+    step). runner (hydra_kernels/runner, greedy only): the steps run through it over `buffers` (its
+    StepBuffers: the cache, `active`); the rows are then the batch padded to its bucket (padding rows
+    inactive throughout) and `batch` the real batch size the budget is chosen by."""
     B = root.shape[0]
+    batch = batch or B
     dev = root.device
     bidx = torch.arange(B, device=dev)[:, None]
     capture = drafter.feature_layers  # None: the drafter reads the final hidden states
@@ -44,7 +48,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     drafter.use_generator(state, generator)  # a drafter that samples its drafts draws from the run's generator
     drafter.after_prefill(state, prefill_hidden, lengths)
     drafter.observe_tokens(state, [p + s[:1] for p, s in zip(prompts, emitter.sequences)])  # prompt + root
-    active = torch.ones(B, dtype=torch.long, device=dev)
+    active = torch.ones(B, dtype=torch.long, device=dev) if runner is None else buffers.active
+    if runner is not None:  # the host's copy of active is `not emitter.done` (_runner_plain_greedy_step)
+        for b in range(batch):
+            if emitter.done[b]:
+                active[b] = 0
     greedy = acceptance == "greedy" or temperature == 0.0
     target = None
     filtered = top_k > 0 or top_p < 1.0
@@ -60,9 +68,13 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
     while not emitter.all_done:
         context = max(host_seqlens)  # host-side bound on every committed length
-        nodes = budget.nodes(B, context)  # B: finished sequences still take their rows in the step
+        nodes = budget.nodes(batch, context)  # finished sequences still take their rows in the step
         if nodes <= 1:
             drafter.skip_step(state, root, cache.seqlens)
+            if greedy and runner is not None:
+                root = _runner_plain_greedy_step(runner, buffers, drafter, state, root, backends, capture, context,
+                                                 host_seqlens, emitter, stats)
+                continue
             if greedy:  # a plain step as plain decoding runs it: no tree, no verify op, no commit copy
                 root = _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture,
                                           context, host_seqlens, emitter, stats)
@@ -76,6 +88,14 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.step_nodes.append(nodes)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = context + tr.num_nodes
+        so = None if runner is None else runner.greedy_spec(buffers, tokens, tr, context, backends, capture=capture,
+                                                            nodes=nodes, depth=tree.depth)
+        if so is not None:  # the step replayed (or run) by the runner over its static buffers
+            drafter.after_step(state, so.accepted_feats, so.accepted_tokens, so.n)
+            root = so.next_root
+            stats.num_steps += 1
+            _emit_step(drafter, state, runner.read(so.report), so.target, host_seqlens, emitter, active)
+            continue
         if greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)
             feats, target, v, n = greedy_verify_step(model, cache, tokens, tr, active, positions=prop.positions,
                                                      kv_len=kv_len, backends=backends, capture=capture)
@@ -121,12 +141,20 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.num_steps += 1
         # the one host read of the step: accepted tokens (root first, already emitted) and the next root
         accepted = torch.cat([accepted_tokens, root[:, None], n[:, None]], dim=1).tolist()
-        drafter.observe_tokens(state, [row[1:row[-1]] + [row[-2]] if row[-1] else [] for row in accepted], target)
-        for b, row in enumerate(accepted):
-            k = row[-1]
-            host_seqlens[b] += k
-            if k:
-                emitter.emit(b, row[1:k] + [row[-2]], in_step=True)
+        _emit_step(drafter, state, accepted, target, host_seqlens, emitter, active)
+
+
+def _emit_step(drafter, state, accepted: list[list[int]], target, host_seqlens: list[int], emitter: Emitter,
+               active: torch.Tensor) -> None:
+    """After a speculative step's host read: accepted rows (accepted tokens root first, the next root, the
+    committed length k) to the drafter's host copy, the committed lengths, the emitter; a sequence that
+    finishes here stops committing (active 0)."""
+    drafter.observe_tokens(state, [row[1:row[-1]] + [row[-2]] if row[-1] else [] for row in accepted], target)
+    for b, row in enumerate(accepted):
+        k = row[-1]
+        host_seqlens[b] += k
+        if k:
+            emitter.emit(b, row[1:k] + [row[-2]], in_step=True)
             if emitter.done[b]:
                 active[b] = 0
 
@@ -192,4 +220,26 @@ def _plain_greedy_step(model, drafter, state, cache, root, active, backends, cap
             emitter.emit(b, [t], in_step=True)
             if emitter.done[b]:
                 active[b] = 0
+    return nxt
+
+
+def _runner_plain_greedy_step(runner, buffers, drafter, state, root, backends, capture, context: int,
+                              host_seqlens: list[int], emitter: Emitter, stats) -> torch.Tensor:
+    """_plain_greedy_step through the decode runner (its plain step over buffers.tokens, the active rows
+    committed): the same rows, tokens and drafter calls. Returns the next root."""
+    stats.step_nodes.append(1)
+    buffers.tokens.copy_(root)
+    was_active = [not d for d in emitter.done]  # the host's copy of buffers.active
+    n = buffers.active.clone()  # accept lengths: 1 per active sequence (active changes below)
+    nxt, feats = runner.plain(buffers, context, backends, capture=capture, live=buffers.active, keep=True)
+    drafter.after_step(state, feats, root[:, None], n)
+    stats.num_steps += 1
+    toks = runner.read(nxt)  # the one host read of the step
+    drafter.observe_tokens(state, [[t] if a else [] for t, a in zip(toks, was_active)], None)
+    for b, (t, a) in enumerate(zip(toks, was_active)):
+        if a:
+            host_seqlens[b] += 1
+            emitter.emit(b, [t], in_step=True)
+            if emitter.done[b]:
+                buffers.active[b] = 0
     return nxt

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from .. import budget as budgets
+from .. import runner as runners
 from ..drafters.protocol import Drafter
 from ..emit import Emitter
 from ..model.llama import Llama
@@ -69,7 +70,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
              temperature: float = 0.0, acceptance: str | None = None, eos_token_id=None, backend: str = "auto",
              *, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, max_seq_len: int | None = None,
              posterior_threshold: float = 0.09, posterior_alpha: float = 0.3,
-             streamer: Callable[[int, list[int]], None] | None = None, budget=None) -> GenerateOutput:
+             streamer: Callable[[int, list[int]], None] | None = None, budget=None,
+             cuda_graphs: bool | None = None) -> GenerateOutput:
     """Decode up to max_new_tokens new tokens for each prompt.
 
     model: a hydra_kernels Llama (hk.load_model / hk.Llama.from_hf). input_ids: LongTensor [B, L] or a
@@ -96,6 +98,13 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     first EOS (kept in its output) or after exactly max_new_tokens tokens.
     max_seq_len: KV buffer rows per sequence (default: what the request needs).
     streamer(b, tokens): called with each sequence's newly emitted tokens, as they come.
+    cuda_graphs: None (default): on a CUDA model each decode step is replayed from CUDA graphs (the decode
+    runner, hydra_kernels/runner: captured on first use, cached on the model, reused by later calls; the
+    batch padded to a bucket; one host read per step); elsewhere the eager loop. True: the same, with a
+    warning where it cannot apply; False: the eager loop. A request the runner cannot capture (speculative
+    sampling) decodes eagerly and says why once (a RuntimeWarning). Greedy tokens are the eager loop's;
+    sampling through the runner draws from the same law with device-side Philox noise (a seed gives
+    the same tokens on every run, not the eager sampler's tokens).
     Raises TypeError / ValueError before any work on bad input (generate/arguments.py); GenerationError
     (with .output) on a mid-run failure; GenerationInterrupted, a KeyboardInterrupt with .output (the
     tokens produced so far), on Ctrl-C or a KeyboardInterrupt raised by the streamer.
@@ -110,6 +119,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     temperature, top_k, top_p, seed, posterior_threshold, posterior_alpha = args.sampling_args(
         temperature, top_k, top_p, seed, posterior_threshold, posterior_alpha)
     args.check_streamer(streamer)
+    cuda_graphs = args.cuda_graphs_arg(cuda_graphs)
     cfg, device = model.config, model.device
     prompts = args.prompts(input_ids, cfg.vocab_size)
     eos = args.eos_set(eos_token_id, cfg.eos_token_ids, cfg.vocab_size)
@@ -138,19 +148,31 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     if temperature > 0:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
+    runner = runners.choose(cuda_graphs, model, drafter, acceptance, temperature)
 
     B = len(prompts)
-    tokens = torch.zeros(B, max(lens), dtype=torch.long)
+    bufs, sampler = None, None
+    if runner is not None:  # the batch padded to its bucket: rows of one token, inactive throughout
+        bufs = runner.start(B, S)
+        prompts = prompts + [[0]] * (bufs.bucket - B)
+        if temperature > 0:  # the run's noise: Philox from the generator's first draw (seeded as above)
+            runner.seed(bufs, int(torch.randint(2**62, (), generator=gen, device=device).item()))
+            sampler = runner.sampler(bufs, temperature, top_k, top_p)
+    run_lens = [len(p) for p in prompts]
+    tokens = torch.zeros(len(prompts), max(lens), dtype=torch.long)
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = torch.tensor(p)
-    tokens, lengths = tokens.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
-    cache = model.new_kv_cache(B, S)
-    emitter = Emitter(B, max_new_tokens, eos, streamer)
-    out = GenerateOutput(sequences=emitter.sequences, accept_lengths=emitter.accept_lengths)
+    tokens, lengths = tokens.to(device), torch.tensor(run_lens, dtype=torch.int32, device=device)
+    cache = model.new_kv_cache(B, S) if bufs is None else bufs.cache
+    emitter = Emitter(len(prompts), max_new_tokens, eos, streamer)
+    emitter.done[B:] = [True] * (len(prompts) - B)  # padding rows emit nothing
+    out = GenerateOutput(sequences=emitter.sequences[:B], accept_lengths=emitter.accept_lengths[:B])
 
     def pick(h):  # final hidden states [N, H] -> next tokens [N]
         if temperature == 0.0:  # greedy: the same argmax path as verification (Llama.greedy_tokens)
             return model.greedy_tokens(h, backends)
+        if sampler is not None:  # the runner's sampler: the same law, device-side noise
+            return runners.sample_tokens(model.output(h), sampler)
         return next_tokens(model.output(h), temperature, top_k, top_p, gen)
 
     t0 = time.perf_counter()
@@ -160,20 +182,24 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
             capture = None if drafter is None else drafter.feature_layers  # EAGLE-3 reads intermediate layers
             hidden = model.prefill(tokens, lengths, cache, all_hidden=drafter is not None, capture=capture)
             hidden, feats = hidden if capture is not None else (hidden, hidden)  # feats: what the drafter reads
-            last = hidden if drafter is None else hidden[torch.arange(B, device=device), lengths.long() - 1]
+            last = hidden if drafter is None else hidden[torch.arange(len(prompts), device=device), lengths.long() - 1]
             nxt = pick(last)
             for b, t in enumerate(nxt.tolist()):
                 emitter.emit(b, [t], in_step=False)
             t1 = time.perf_counter()
             out.prefill_s = t1 - t0
-            if drafter is None:
+            if drafter is None and runner is not None:
+                _runner_plain_loop(runner, bufs, nxt, emitter, sampler, backends, max(lens), out,
+                                   count_nodes=plain_run)
+            elif drafter is None:
                 _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out, count_nodes=plain_run)
             elif not emitter.all_done:
                 speculative_loop(model, drafter, tree_obj, cache, feats, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
-                                 generator=gen, backends=backends, host_seqlens=list(lens), stats=out,
-                                 top_k=top_k, top_p=top_p, prompts=prompts, budget=step_budget)
+                                 generator=gen, backends=backends, host_seqlens=list(run_lens), stats=out,
+                                 top_k=top_k, top_p=top_p, prompts=prompts, budget=step_budget,
+                                 runner=runner, buffers=bufs, batch=B)
     except KeyboardInterrupt as exc:
         _finish_timing(out, t0, t1)
         raise GenerationInterrupted(out) from exc
@@ -198,6 +224,22 @@ def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int
         if count_nodes:
             out.step_nodes.append(1)
         for b, t in enumerate(nxt.tolist()):
+            emitter.emit(b, [t], in_step=True)
+
+
+def _runner_plain_loop(runner, bufs, nxt, emitter: Emitter, sampler, backends, context: int, out: GenerateOutput,
+                       count_nodes: bool = False) -> None:
+    """_plain_loop through the decode runner: the same steps (Llama.step of the last token, its row
+    committed, the next token picked) over the runner's static buffers, one host read per step.
+    context: a host bound on every committed length."""
+    bufs.tokens.copy_(nxt)
+    while not emitter.all_done:
+        nxt, _ = runner.plain(bufs, context, backends, sampler)
+        context += 1
+        out.num_steps += 1
+        if count_nodes:
+            out.step_nodes.append(1)
+        for b, t in enumerate(runner.read(nxt)):
             emitter.emit(b, [t], in_step=True)
 
 

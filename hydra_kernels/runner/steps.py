@@ -1,0 +1,95 @@
+"""The decode runner's step functions: one decoding step each, all on the device, no host read and no host
+int that changes from step to step (kv_len is a bucket: constant over many steps, part of a graph's key).
+The runner (runner/decode.py) calls them eagerly, replays them from CUDA graphs, or (tests) traces them
+with torch.compile(fullgraph=True); every input and output is a tensor the runner owns (static buffers)
+or a constant of the graph.
+
+plain_step: the last token through the model (Llama.step, T = 1), the committed row, the next token:
+    greedy (Llama.greedy_tokens, the path plain decoding and verification share) or sampled from the
+    plain sampler's law (sampling.sampling_probs) with device-side Philox noise (sample_tokens).
+greedy_spec_step: speculative.greedy_verify_step (verify forward over a tree, base argmax, greedy
+    acceptance, commit_kv, seqlens advance) plus the gathers the loop and the drafter read after it.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..ops.philox import philox_uniform
+from ..sampling import sampling_probs
+from ..speculative import greedy_verify_step
+
+
+class Sampler(NamedTuple):
+    """Plain sampling's law (temperature > 0, top_k, top_p: constants of a graph) and its device-side
+    noise: seed int64 [1] and offset int64 [1], the Philox counter of the next draw (advanced in place by
+    every draw, so each replay of a graph draws fresh noise)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: torch.Tensor
+    offset: torch.Tensor
+
+
+def sample_tokens(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
+    """logits [N, V] -> token ids [N], drawn from sampling_probs(logits, temperature, top_k, top_p) (the
+    law plain sampling's torch.multinomial draws from) by inverse CDF with one Philox uniform per row
+    (ops.philox: tl.rand's bits): token = the first i with cdf[i] > u * cdf[V - 1]. A token of probability
+    0 is never drawn (its cdf equals its predecessor's; the clamp to the last positive token covers u * total
+    rounding up to total). Advances s.offset by N."""
+    probs = sampling_probs(logits, s.temperature, s.top_k, s.top_p)  # [N, V] fp32
+    N, V = probs.shape
+    u = philox_uniform(s.seed, s.offset + torch.arange(N, device=logits.device))  # [N] in [0, 1)
+    s.offset.add_(N)
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    x = (u * cdf[:, -1])[:, None]  # [N, 1]
+    idx = torch.searchsorted(cdf, x, right=True)[:, 0]
+    last = (V - 1) - (probs > 0).flip(-1).to(torch.int32).argmax(dim=-1)  # the last token with p > 0
+    return torch.minimum(idx, last)
+
+
+def plain_step(model, cache, tokens: torch.Tensor, live: torch.Tensor, *, kv_len: int, backends,
+               sampler: Sampler | None = None, capture=None):
+    """One plain decoding step. tokens int64 [B]: each sequence's last token (its K/V row is written at
+    seqlens[b]); live int32 [B]: 1 for a real sequence (its row is committed: seqlens += 1), 0 for a row
+    that pads the batch to its bucket. kv_len: a bucket >= every seqlens + 1 (a constant of the graph).
+    Writes the next tokens into `tokens` (the next step's input; a graph feeds itself) and returns
+    (them [B], the drafter's features of the step [B, 1, ...]: the final hidden states, or with capture
+    the captured layers' inputs)."""
+    out = model.step(tokens[:, None], cache, kv_len=kv_len, backends=backends, capture=capture)
+    hidden, feats = out if capture is not None else (out, out)  # [B, 1, H]
+    cache.advance(live)
+    h = hidden[:, -1]
+    nxt = model.greedy_tokens(h, backends) if sampler is None else sample_tokens(model.output(h), sampler)
+    tokens.copy_(nxt)
+    return nxt, feats
+
+
+class SpecOut(NamedTuple):
+    """What a greedy speculative step leaves for the loop: the drafter's inputs (accepted_feats [B, D+1, ...],
+    accepted_tokens [B, D+1] root first, n [B] committed lengths), next_root [B], target [B, T] (the base
+    argmax after every node: lookahead's observe_tokens), and report [B, D+3] = (accepted tokens, next
+    root, n): the one tensor the host reads."""
+
+    accepted_feats: torch.Tensor
+    accepted_tokens: torch.Tensor
+    n: torch.Tensor
+    next_root: torch.Tensor
+    target: torch.Tensor
+    report: torch.Tensor
+
+
+def greedy_spec_step(model, cache, tokens: torch.Tensor, tree, active: torch.Tensor, *, kv_len: int, backends,
+                     capture=None) -> SpecOut:
+    """One greedy speculative step after the draft: tokens int64 [B, T] over `tree` (anything with the
+    tree's mask / depths / paths tensors: a Tree, a TreeBatch, or the runner's static copies of them),
+    active int64 [B] (0: finished or padding, commits nothing), kv_len a bucket >= every seqlens + T."""
+    feats, target, v, n = greedy_verify_step(model, cache, tokens, tree, active, kv_len=kv_len, backends=backends,
+                                             capture=capture)
+    idx = v.accept_indices.clamp(min=0)  # [B, D+1]
+    bidx = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
+    accepted = tokens.gather(1, idx)  # [B, D+1], root first
+    report = torch.cat([accepted, v.next_root[:, None], n[:, None]], dim=1)
+    return SpecOut(feats[bidx, idx], accepted, n, v.next_root, target, report)
