@@ -133,3 +133,13 @@ def test_bench_one_prompt_runs(tmp_path):
     assert [r["decoder"] for r in rows] == ["plain", "hydra", "combined"]
     assert all(r["identical"] and r["tok_s"] > 0 and r["tokens_per_step"] >= 1 for r in rows)
     assert len(_rows(tmp_path / "one_prompt.csv")) == 3
+
+
+def test_bench_cpu_peers_runs(tmp_path):
+    """Our quantized plain and speculative decoding beside the fp32 path (llama.cpp and transformers are peers
+    the smoke run leaves out: an optional build, and slow), one MT-Bench prompt, one round; ours identical."""
+    rows = _run_returning("bench_cpu_peers", ["--mtbench", "1", "--editing", "0", "--new-tokens", "6", "--rounds", "1",
+                                              "--decoders", "plain", "combined", "plain-fp32", "--out", str(tmp_path)])
+    assert [r["decoder"] for r in rows] == ["plain", "combined", "plain-fp32"]
+    assert all(r["same_as_fp32"] == "1/1" and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert len(_rows(tmp_path / "cpu_peers.csv")) == 3
