@@ -6,8 +6,8 @@ weights (the default) and, for reference, on the fp32 copy.
 Per decoder and prompt: end-to-end tokens/s (prefill included: what a user waits for), decode-only tokens/s
 (the same run minus a 1-token run's time, i.e. minus prefill), the tokens produced. Medians over prompts and
 --rounds rounds (every decoder once per prompt per round, in the same order). Each decoder's greedy tokens
-are compared with our fp32 plain decoding's (the first divergence is reported: accumulation order); ours
-must be identical to it. --rss: peak resident memory of a fresh process that loads the model (and our
+are compared with our fp32 plain decoding's (the median first divergence of those that differ is reported:
+llama.cpp rounds activations to 8 bits, so near-ties flip); ours are identical to it. --rss: peak resident memory of a fresh process that loads the model (and our
 default drafter) and decodes one prompt, per decoder. --prefill N: prefill tokens/s on N-token prompts.
 
 llama.cpp is optional: `pip install ".[peers]"` builds llama-cpp-python from source (~20 minutes on 2 cores;
@@ -71,7 +71,10 @@ class LlamaCpp:
                          verbose=False, draft_model=draft, logits_all=lookup)
 
     def run(self, ids: list[int], n: int) -> list[int]:
-        self.llm.reset()  # no prompt prefix reused from the last call: every run pays its prefill
+        # every run pays its prefill on an empty cache: reset() only rewinds the token count, and the last
+        # run's KV cells would stay visible to attention (wrong tokens, and slower steps) without the clear
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
         out = []
         for tok in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
             if tok == self.llm.token_eos() or len(out) == n:
@@ -129,21 +132,48 @@ def rss_probe(decoder: str, threads: int) -> None:
     from hydra_kernels.chat import chat_prompt_ids
     from hydra_kernels.model.pretrained import embedded_gguf_path
 
-    gguf = embedded_gguf_path()
-    if decoder.startswith("llama.cpp"):
-        dec = LlamaCpp(gguf, threads, lookup=decoder.endswith("lookup"))
-        ids = dec.llm.tokenize(b"Explain how a hash map works.")
-    else:
-        model, tok = hk.load_model(weights="fp32" if decoder == "plain-fp32" else None)
-        dec = Ours(model, hk.load_drafter(model=model) if decoder == "combined" else None)
-        ids = chat_prompt_ids(tok, "Explain how a hash map works.")
-    dec.run(ids, 64)
-    print(json.dumps({"decoder": decoder, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    model, tok = hk.load_model(weights="fp32" if decoder == "plain-fp32" else None)
+    dec = Ours(model, hk.load_drafter(model=model) if decoder == "combined" else None)
+    dec.run(chat_prompt_ids(tok, "Explain how a hash map works."), 64)
+    print(json.dumps({"decoder": decoder, "peak_rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM: of this program; ru_maxrss would also count the parent
+    that forked it, since Linux keeps it across exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# llama.cpp's probe imports nothing of ours (no torch): what a llama.cpp user's process holds
+_LLAMA_CPP_PROBE = """
+import json, sys
+from pathlib import Path
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+gguf, threads, lookup = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+llm = Llama(gguf, n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10) if lookup else None)
+ids = llm.tokenize(b"Explain how a hash map works.")
+for i, t in enumerate(llm.generate(ids, top_k=1, temp=0.0)):
+    if i == 64:
+        break
+hwm = [l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:")][0]
+print(json.dumps({"peak_rss_mb": int(hwm.split()[1]) / 1024}))
+"""
 
 
 def peak_rss(decoder: str, threads: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--rss-probe", decoder, "--threads", str(threads)],
-                         capture_output=True, text=True, check=True).stdout
+    """Peak RSS (MB) of a fresh process that loads what `decoder` needs and decodes 64 tokens of one prompt."""
+    if decoder.startswith("llama.cpp"):
+        from hydra_kernels.model.pretrained import embedded_gguf_path
+
+        argv = ["-c", _LLAMA_CPP_PROBE, str(embedded_gguf_path()), str(threads), str(int(decoder.endswith("lookup")))]
+    else:
+        argv = [__file__, "--rss-probe", decoder, "--threads", str(threads)]
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
 
 
@@ -211,7 +241,9 @@ def main(argv=None) -> list[dict]:
                          decode_tok_s=round(statistics.median(dec_only[name]), 1),
                          vs_our_plain=round(statistics.median(e2e[name]) / base, 3) if base else "",
                          same_as_fp32=f"{sum(x is None for x in d)}/{len(d)}",
-                         first_divergence=min((x for x in d if x is not None), default="")))
+                         # where the others' tokens first differ (median over those that differ)
+                         median_divergence=statistics.median([x for x in d if x is not None]) if any(
+                             x is not None for x in d) else ""))
     if args.rss:
         for r in rows:
             r["peak_rss_mb"] = round(peak_rss(r["decoder"], args.threads)) if r["decoder"] != "transformers" else ""
