@@ -61,8 +61,7 @@ def weight_bytes_per_step(model) -> int:
     total = 0
     for m in model.modules():
         if isinstance(m, Linear):
-            p = m.packed_weight()
-            total += (p if p is not None else m.weight).numel() * 4
+            total += m.weight_bytes()
     total += sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
     return total
 

@@ -36,7 +36,7 @@ def main() -> dict:
     from hydra_kernels.model.packed_linear import Linear
 
     params = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
-    panels = sum(m.packed_weight().numel() * 4 for m in model.modules() if isinstance(m, Linear) and m.packed_on)
+    panels = sum(m.weight_bytes() for m in model.modules() if isinstance(m, Linear) and m.packed_on)
     out["model_parameters_mb"] = params / 2**20  # stored as parameters (released ones are meta: not counted)
     out["packed_panels_mb"] = panels / 2**20
     print(json.dumps({k: round(v, 1) for k, v in out.items()}, indent=1))

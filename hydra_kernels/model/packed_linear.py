@@ -124,6 +124,15 @@ class Linear(nn.Linear):
             return p.packed, 10 * p.bits + int(p.offset)
         return p, 0
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weight a step of this layer streams: its panels (fp32, bf16 or quantized blocks), else
+        the weight itself."""
+        p = self.packed_weight() if self.packed_on or self.released else None
+        if isinstance(p, QuantizedPanels):
+            return p.nbytes
+        t = p if p is not None else self.weight
+        return t.numel() * t.element_size()
+
     def _run_panels(self, x: torch.Tensor, panels: torch.Tensor | QuantizedPanels) -> torch.Tensor:
         if isinstance(panels, QuantizedPanels):
             return panels.linear(x, self.bias)
