@@ -377,6 +377,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, i
 // weight (ids = 0..N-1) where an fp32 copy is needed (state_dict, .to(), autograd).
 at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t N, int64_t bits, bool offset) {
   const Layout l = layout_of(packed, bits, offset);
+  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel, "quantized_rows: N=", N,
+              " does not match ", packed.size(0), " panels");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quantized_rows: ids must be int64 [n]");
   const int64_t K = l.K(), n = ids.size(0);
   at::Tensor idc = ids.contiguous();

@@ -8,8 +8,10 @@ format takes the widest layout (lossless); one with a part in another type (F16,
 Norms and the token embedding load as fp32; the LM head keeps its fp32 weight (the embedding, when tied: the
 drafters and ops read it) and runs on quantized panels of the same values.
 
-Every dequantized value equals gguf's, so this model's logits are bit-identical to the fp32 model
-convert_gguf_cached makes of the same file (tests/test_quantized_model.py).
+Every dequantized value equals gguf's (as a number: +0 where gguf may write -0), so where the fp32 model runs
+the packed kernel too (AVX-512) this model's logits are bit-identical to the fp32 model convert_gguf_cached
+makes of the same file (tests/test_quantized_model.py); on an AVX2-only CPU the fp32 model runs MKL, whose
+summation order differs: equal to fp32 accuracy there, not bit for bit.
 """
 from __future__ import annotations
 
@@ -105,6 +107,6 @@ def load_gguf_quantized(path: str | os.PathLike) -> Llama:
     if still_meta:
         raise ValueError(f"{path}: the GGUF did not provide {still_meta[:5]}")
     model.use_input_major_weights()
+    model.use_quantized_cpu_weights(panels)  # first: then packing the fp32 layers skips the LM head's panels
     model.use_packed_cpu_weights()  # the fp32 layers (formats not decoded here)
-    model.use_quantized_cpu_weights(panels)
     return model.eval()

@@ -82,7 +82,7 @@ class TransformerBlock(nn.Module):
 def _native_norms(block: TransformerBlock) -> bool:
     """Both norms are the fp32 CPU one-op form the fused layer computes (at::rms_norm, one eps)."""
     n1, n2 = block.attention_norm, block.ffn_norm
-    return (n1.weight.dtype is torch.float32 and n2.weight.dtype is torch.float32 and n1.eps == n2.eps
+    return (isinstance(n1, RMSNorm) and isinstance(n2, RMSNorm) and n1.weight.dtype is torch.float32 and n2.weight.dtype is torch.float32 and n1.eps == n2.eps
             and n1.weight.is_cpu)
 
 

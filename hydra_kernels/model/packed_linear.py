@@ -30,7 +30,7 @@ from torch import nn
 
 from ..ops.packed_linear import MAX_PACKED_ROWS, pack_linear_weight, packed_linear, packed_linear_available
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
-from ..weight_cache import DerivedCache
+from ..weight_cache import DerivedCache, source_key
 
 __all__ = ["Linear", "MAX_PACKED_ROWS", "packed_linear_available", "packed_kernel_off"]
 
@@ -46,6 +46,9 @@ class Linear(nn.Linear):
         self._max_numel = MAX_PACKED_ROWS * self.in_features
         # release_original() / use_quantized(): the only copy of the weight
         self._panels: torch.Tensor | QuantizedPanels | None = None
+        # use_quantized(keep_weight=True): quantized panels of the kept weight's values, and that weight's
+        # source key (weight_cache.source_key): valid until the weight changes; pack_cpu keeps them
+        self._kept_quant: tuple[QuantizedPanels, tuple] | None = None
 
     @property
     def released(self) -> bool:
@@ -106,7 +109,7 @@ class Linear(nn.Linear):
         self.packed_on = True
         self._packed.clear()
         if keep_weight:
-            self._packed.get((self.weight,), lambda: panels)
+            self._kept_quant = (panels, source_key((self.weight,)))
         else:
             self._hold_only(panels)
         return True
@@ -148,8 +151,14 @@ class Linear(nn.Linear):
         super()._load_from_state_dict(*args, **kwargs)
 
     def _apply(self, fn, *args, **kwargs):
+        panels = self._panels
         self.restore_original()  # .to() / .cuda() / .half() move the real weight
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        w = self.weight
+        if panels is not None and w.device.type == "cpu" and w.dtype == torch.float32 and torch.equal(
+                w, self.unpacked_weight_of(panels)):  # still fp32 on the CPU (e.g. .to("cpu")): panels only again
+            self._hold_only(panels)
+        return out
 
     def pack_cpu(self, on: bool = True) -> None:
         """Use the packed kernel for this layer's small-M fp32 CPU inference (when the weight is an fp32
@@ -167,6 +176,10 @@ class Linear(nn.Linear):
         if self._panels is not None:
             return self._panels
         w = self.weight
+        if self._kept_quant is not None and not torch.compiler.is_compiling():
+            if source_key((w,)) == self._kept_quant[1]:
+                return self._kept_quant[0]
+            self._kept_quant = None  # the weight changed: its own panels from now on
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.is_meta:
             return None
         return self._packed.get((w,), lambda: pack_linear_weight(w.detach(), self.pack_dtype))

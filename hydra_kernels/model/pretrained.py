@@ -69,8 +69,8 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
     bf16 on CUDA; device defaults to CUDA when available. GGUF files are dequantised once and cached
     under ~/.cache/hydra_kernels (HYDRA_KERNELS_CACHE overrides).
     weights: "quantized" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projection weights as stored and
-    runs them on the quantized CPU kernel (model/gguf_quantized.py: the same logits as "fp32", bit for bit,
-    from ~1/5 of the bytes); "fp32" loads the dequantised copy. None: "quantized" for a GGUF on the CPU in
+    runs them on the quantized CPU kernel (model/gguf_quantized.py: the same logits as "fp32", bit for bit on
+    AVX-512 CPUs, from ~1/5 of the bytes); "fp32" loads the dequantised copy. None: "quantized" for a GGUF on the CPU in
     fp32 where the kernel has a vector path (AVX2 or AVX-512), else "fp32". An HF directory loads fp32 unless
     asked for "int8" / "int4": group-wise weight-only quantization of its projections (model/weight_quantize.py,
     with its error bounds: another model, close to the checkpoint).
