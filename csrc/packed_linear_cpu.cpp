@@ -26,11 +26,12 @@
 #include <optional>
 
 #include "cpu_features.h"
+#include "panel_loop.h"
 
 namespace hydra_kernels {
 namespace {
 
-constexpr int64_t kPanel = 64;  // columns per panel: 4 zmm registers of 16 floats
+constexpr int64_t kPanel = kPanelColumns;  // columns per panel: 4 zmm registers of 16 floats
 constexpr int kRows = 6;        // rows of x per micro-kernel call: 6 x 4 = 24 accumulators
 
 // Weight element -> fp32. bf16 is the high half of an fp32, so the conversion is exact.
@@ -130,32 +131,14 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& w, std::optional<at::ScalarT
 }
 
 template <typename W>
-void packed_linear_panels(const float* xp, int64_t M, int64_t K, const W* wp, int64_t P, int64_t N, const float* bp,
-                          float* yp) {
+void packed_linear_panels(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, const float* bp, float* yp) {
   const bool fast = cpu_has_avx512();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float tail_bias[kPanel];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      const int ncols = static_cast<int>(std::min(kPanel, N - n0));
-      const float* pb = nullptr;
-      if (bp != nullptr) {  // a full 64-wide bias row (zero past N) so the kernel can load it whole
-        std::fill(tail_bias, tail_bias + kPanel, 0.0f);
-        std::copy(bp + n0, bp + n0 + ncols, tail_bias);
-        pb = tail_bias;
-      }
-      const W* panel = wp + p * K * kPanel;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+  for_each_panel_tile(M, N, bp, kRows, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb) {
+    const W* panel = wp + p * K * kPanel;
 #ifdef HK_X86
-        if (fast) {
-          kAvx512<W>[rows](xp + m0 * K, K, panel, K, pb, yp + m0 * N + n0, N, ncols);
-          continue;
-        }
+    if (fast) return kAvx512<W>[rows](xp + m0 * K, K, panel, K, pb, yp + m0 * N + n0, N, ncols);
 #endif
-        panel_rows_portable(xp + m0 * K, K, rows, panel, K, pb, yp + m0 * N + n0, N, ncols);
-      }
-    }
+    panel_rows_portable(xp + m0 * K, K, rows, panel, K, pb, yp + m0 * N + n0, N, ncols);
   });
 }
 
@@ -180,9 +163,9 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   if (wt == at::kFloat) {
-    packed_linear_panels(x2.data_ptr<float>(), M, K, packed.data_ptr<float>(), P, N, bp, y.data_ptr<float>());
+    packed_linear_panels(x2.data_ptr<float>(), M, K, packed.data_ptr<float>(), N, bp, y.data_ptr<float>());
   } else {
-    packed_linear_panels(x2.data_ptr<float>(), M, K, packed.data_ptr<c10::BFloat16>(), P, N, bp, y.data_ptr<float>());
+    packed_linear_panels(x2.data_ptr<float>(), M, K, packed.data_ptr<c10::BFloat16>(), N, bp, y.data_ptr<float>());
   }
   return y.view(out_sizes);
 }

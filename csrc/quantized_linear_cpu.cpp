@@ -32,11 +32,12 @@
 #include <optional>
 
 #include "cpu_features.h"
+#include "panel_loop.h"
 
 namespace hydra_kernels {
 namespace {
 
-constexpr int64_t kPanel = 64;  // output rows (weight rows) per panel
+constexpr int64_t kPanel = kPanelColumns;  // output rows (weight rows) per panel
 constexpr int64_t kHeader = kPanel * 4;  // bytes of one fp32 vector of the panel (s or o)
 
 enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
@@ -352,23 +353,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, i
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    float tail_bias[kPanel];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t n0 = p * kPanel;
-      const int ncols = static_cast<int>(std::min(kPanel, N - n0));
-      const float* pb = nullptr;
-      if (bp != nullptr) {  // a full 64-wide bias row (zero past N) so the kernels can load it whole
-        std::fill(tail_bias, tail_bias + kPanel, 0.0f);
-        std::copy(bp + n0, bp + n0 + ncols, tail_bias);
-        pb = tail_bias;
-      }
-      const uint8_t* panel = wp + p * l.NG * l.GB;
-      for (int64_t m0 = 0; m0 < M; m0 += tile) {
-        const int rows = static_cast<int>(std::min<int64_t>(tile, M - m0));
-        panel_tile(isa, xp + m0 * K, K, rows, panel, l, pb, yp + m0 * N + n0, N, ncols);
-      }
-    }
+  for_each_panel_tile(M, N, bp, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb) {
+    panel_tile(isa, xp + m0 * K, K, rows, wp + p * l.NG * l.GB, l, pb, yp + m0 * N + n0, N, ncols);
   });
   return y.view(out_sizes);
 }

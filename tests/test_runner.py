@@ -169,6 +169,16 @@ def test_speculative_with_sequences_stopping_at_different_steps(model, plain):
     assert_same(static(run), want, "hydra with EOS")
 
 
+def run_of(model, kind):
+    """generate() over PROMPTS as `kind` decodes them: None plain greedy, "sampling" seeded, else a drafter family."""
+    if kind is None:
+        return lambda: generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=[])
+    if kind == "sampling":
+        return lambda: generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.7, seed=1, eos_token_id=[])
+    drafter, tree = make(model, kind)
+    return lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW, eos_token_id=[])
+
+
 # ---- traced steps: no graph break, no per-step host int ------------------------------------------
 @pytest.mark.parametrize("kind", [None, "sampling", "hydra", "eagle-3", "ngram"])
 def test_traced_steps_equal_eager_and_trace_once_per_key(model, plain, kind):
@@ -178,14 +188,7 @@ def test_traced_steps_equal_eager_and_trace_once_per_key(model, plain, kind):
     the tokens are the eager loop's (greedy) or the static path's (sampling)."""
     torch._dynamo.reset()
     ex = R.Compiled()
-    if kind is None:
-        run = lambda: generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=[])  # noqa: E731
-    elif kind == "sampling":
-        run = lambda: generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.7, seed=1, eos_token_id=[])  # noqa: E731
-    else:
-        drafter, tree = make(model, kind)
-        run = lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW,  # noqa: E731
-                               eos_token_id=[])
+    run = run_of(model, kind)
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         got = static(run, ex)
     want = static(run) if kind == "sampling" else run()
@@ -229,14 +232,7 @@ class WarmedEager(R.Eager):
 
 @pytest.mark.parametrize("kind", [None, "sampling", "hydra", "eagle-3", "ngram", "lookahead"])
 def test_warm_up_before_capture_is_undone(model, kind):
-    if kind is None:
-        run = lambda: generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=[])  # noqa: E731
-    elif kind == "sampling":
-        run = lambda: generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.7, seed=1, eos_token_id=[])  # noqa: E731
-    else:
-        drafter, tree = make(model, kind)
-        run = lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW,  # noqa: E731
-                               eos_token_id=[])
+    run = run_of(model, kind)
     ex = WarmedEager()
     got = static(run, ex)
     assert len(ex.warmed) >= 1
