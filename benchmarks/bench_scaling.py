@@ -11,7 +11,11 @@ in a rotating order, each call back to back, --reps rounds (each round rotates t
 figures are the medians over rounds, the ratios the medians of each round's ratio to plain (a round's
 variants ran back to back, so this VM's drift between rounds cancels). tok/s counts decode time only
 (prefill excluded), all sequences. Every speculative output is checked against plain decoding token for
-token (identical), in every round. --no-full-tree drops the third variant. --compare KIND... adds other
+token (identical), in every round. --no-full-tree drops the third variant; --adaptive adds
+budget="adaptive" (hydra_kernels/adaptive.py: each step's draft sized by expected tokens per second) as
+another variant. --prompt-set picks the short prompts: MT-Bench first turns (default), the held-out
+ShareGPT editing turns (bench_ngram.py's rule: rewrite / fix / translate a given text) or held-out
+ShareGPT first turns. --compare KIND... adds other
 drafters (shipped or composed kinds, or directories) at their default budgets to the same rotation, so
 drafters are compared in one interleaved run; --kind picks the main drafter among the shipped and composed
 kinds (default: hk.load_drafter()'s).
@@ -22,7 +26,7 @@ alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, 
 
     python benchmarks/bench_scaling.py [--drafter DIR | --kind KIND] [--compare KIND|DIR ...] [--batches 1 2 4 8 16]
         [--contexts short 2048 8000] [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--no-full-tree]
-        [--ratio-reps 5] [--out DIR]
+        [--adaptive] [--prompt-set mtbench|editing|sharegpt] [--ratio-reps 5] [--out DIR]
 
 Last, plain batch-1 decoding of a short and a 2048-token prompt, interleaved --ratio-reps times: the
 share of its short-context speed decoding keeps at 2k context (medians).
@@ -53,6 +57,7 @@ from hydra_kernels.ops.backend import kernel_mask, resolve, resolved_name  # noq
 from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
 
 VARIANTS = ("plain", "speculative (default budget)", "speculative (full tree)")
+ADAPTIVE = "speculative (adaptive)"
 
 
 def weight_bytes_per_step(model) -> int:
@@ -105,9 +110,12 @@ def attention_seconds(model, B: int, C: int, reps: int = 5, cycle_mib: int = 204
     return statistics.median(times)
 
 
-def prompts_for(tok, C, B: int, questions: list[str]) -> list[list[int]]:
-    """B prompts: MT-Bench questions as they are (C "short"), or C-token ones ending in the first question."""
+def prompts_for(tok, C, B: int, questions: list[str], short: list[list[int]] | None = None) -> list[list[int]]:
+    """B prompts: MT-Bench questions as they are (C "short"; `short`: these prompts instead, cycled), or
+    C-token ones ending in the first question."""
     if C == "short":
+        if short is not None:
+            return [short[i % len(short)] for i in range(B)]
         return [chat_prompt_ids(tok, q) for q in questions[:B]]
     return long_context_prompts(tok, B, int(C), questions[0])
 
@@ -134,6 +142,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=1, help="interleaved rounds per point (medians)")
     ap.add_argument("--no-full-tree", action="store_true", help="skip the full-tree variant")
+    ap.add_argument("--adaptive", action="store_true", help="add budget='adaptive' as a variant")
+    ap.add_argument("--prompt-set", choices=("mtbench", "editing", "sharegpt"), default="mtbench",
+                    help="the short prompts: MT-Bench first turns, held-out ShareGPT editing turns or first turns")
     ap.add_argument("--out", default=None, help="write scaling.csv / scaling.png there")
     ap.add_argument("--ratio-reps", type=int, default=5, help="interleaved reps of the plain short/long ratio")
     ap.add_argument("--ratio-context", type=int, default=2048)
@@ -154,15 +165,25 @@ def main(argv=None) -> list[dict]:
           f"{sorted(tables) or 'no device'}; weights read per step {W / 2**20:.0f} MiB, K/V {kvt} B per token")
     for d in (drafter, *others.values()):  # warm-up: first calls, CPU weight packing of each drafter
         generate(model, [chat_prompt_ids(tok, questions[0])], drafter=d, max_new_tokens=8)
+    short = None  # MT-Bench's questions (prompts_for)
+    if args.prompt_set == "editing":
+        from bench_ngram import editing_prompts
+
+        short = editing_prompts(tok, max(args.batches))
+    elif args.prompt_set == "sharegpt":
+        from hydra_kernels.training.data import heldout_chat_prompts
+
+        short = heldout_chat_prompts(tok, max(args.batches))
     points = [(B, C) for C in args.contexts for B in args.batches
               if C == "short" or int(C) < 8000 or B <= args.max_batch_long]
     rows = []
     for i, (B, C) in enumerate(tqdm(points, desc="batch x context")):
-        prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions)
+        prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions, short)
         full = whole_tree_budget(drafter, None, "cpu")  # its largest budget (a combined drafter: node_budget)
         kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full),
-              **{n: dict(drafter=d) for n, d in others.items()}}
-        variants = (VARIANTS[:2] if args.no_full_tree else VARIANTS) + tuple(others)
+              ADAPTIVE: dict(drafter=drafter, budget="adaptive"), **{n: dict(drafter=d) for n, d in others.items()}}
+        variants = ((VARIANTS[:2] if args.no_full_tree else VARIANTS) + ((ADAPTIVE,) if args.adaptive else ())
+                    + tuple(others))
         runs = {v: [] for v in variants}  # variant -> one GenerateOutput per round
         for rep in range(args.reps):
             k = (i + rep) % len(variants)
@@ -175,7 +196,8 @@ def main(argv=None) -> list[dict]:
         kv = B * (ctx + args.new_tokens / 2) * kvt
         row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps,
                "plain_tok_s": statistics.median(o.tokens_per_second for o in plain)}
-        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), *((n, n) for n in others)):
+        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), (ADAPTIVE, "adaptive"),
+                        *((n, n) for n in others)):
             if v not in runs:
                 continue
             outs = runs[v]
@@ -187,6 +209,12 @@ def main(argv=None) -> list[dict]:
         nodes = [n for o in runs[VARIANTS[1]] for n in o.step_nodes]
         row["default_mean_nodes"] = sum(nodes) / max(1, len(nodes))
         row["default_plain_step_share"] = sum(n == 1 for n in nodes) / max(1, len(nodes))
+        if ADAPTIVE in runs:  # what the policy did: nodes verified per step, plain steps, its own host time
+            outs = runs[ADAPTIVE]
+            nodes = [n for o in outs for n in o.step_nodes]
+            row["adaptive_mean_nodes"] = sum(nodes) / max(1, len(nodes))
+            row["adaptive_plain_step_share"] = sum(n == 1 for n in nodes) / max(1, len(nodes))
+            row["adaptive_policy_ms_per_step"] = statistics.median(1e3 * o.policy_s / max(1, o.num_steps) for o in outs)
         row["weight_gb_s"] = W / max(step - att, 1e-9) / 1e9
         row["attention_gb_s"] = kv / att / 1e9
         rows.append(row)
@@ -196,7 +224,7 @@ def main(argv=None) -> list[dict]:
         print(f"plain decoding, batch 1, interleaved x{args.ratio_reps} (medians): short prompt {a:.1f} tok/s, "
               f"{args.ratio_context}-token prompt {b:.1f} tok/s: {b / a:.1%} of the short-context speed")
         rows[0]["plain_long_over_short"] = b / a  # kept in the CSV (first row)
-    names = ("default", "full", *others)
+    names = ("default", "full", "adaptive", *others)
     bad = [r for r in rows if any(r.get(f"{n}_identical", r["batch"] * r["reps"]) != r["batch"] * r["reps"]
                                   for n in names)]
     if bad:
@@ -210,6 +238,8 @@ def plot(ax, rows, others=()):
     series = {"default budget": lambda r: r["default_ratio"]}
     if "full_ratio" in rows[0]:
         series["full tree"] = lambda r: r["full_ratio"]
+    if "adaptive_ratio" in rows[0]:
+        series["adaptive budget"] = lambda r: r["adaptive_ratio"]
     for name in others:
         series[f"{name}, default budget"] = lambda r, name=name: r[f"{name}_ratio"]
     plot_ratio_by_batch(ax, rows, series, "tokens/s / plain decoding\n(median of rounds)")

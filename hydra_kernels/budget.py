@@ -92,8 +92,17 @@ class StepBudget:
     """A run's budget rule: `nodes(batch, context)` before each step. Made once per generate call by
     `choose`: a pinned node count, the drafter's table for this device and tree, or the full tree."""
 
-    def __init__(self, full: int, pinned: int | None = None, table: BudgetTable | None = None):
-        self.full, self.pinned, self.table = full, pinned, table
+    def __init__(self, full: int, pinned: int | None = None, table: BudgetTable | None = None, adaptive: bool = False):
+        self.full, self.pinned, self.table, self.adaptive = full, pinned, table, adaptive
+
+    def policy(self, drafter, batch: int, cap: int, model, device):
+        """The run's adaptive policy (hydra_kernels/adaptive.py; at most `cap` nodes a step) when this budget
+        is adaptive, else None."""
+        if not self.adaptive:
+            return None
+        from .adaptive import AdaptiveBudget
+
+        return AdaptiveBudget(drafter, batch, cap, model, device)
 
     def nodes(self, batch: int, context: int) -> int:
         if self.pinned is not None:
@@ -109,6 +118,8 @@ class StepBudget:
         nothing pays the run is plain decoding, not speculative decoding with plain steps."""
         if self.pinned is not None:
             return self.pinned <= 1
+        if self.adaptive:  # decided step by step
+            return False
         if self.table is None:
             return self.full <= 1
         t = self.table
@@ -118,17 +129,19 @@ class StepBudget:
         return all(n <= 1 for n in row[lo:hi + 1])
 
     def __repr__(self) -> str:
-        how = f"pinned {self.pinned}" if self.pinned is not None else ("table" if self.table else "full")
+        how = f"pinned {self.pinned}" if self.pinned is not None else \
+            ("adaptive" if self.adaptive else "table" if self.table else "full")
         return f"StepBudget({how}, full={self.full})"
 
 
 def choose(budget, drafter, tree, tree_arg, device_type: str) -> StepBudget:
     """generate()'s `budget` argument -> the run's StepBudget, checked before any work.
 
-    None: the drafter's searched table for this device class when the run uses the tree it was searched
-    for (tree=None, the drafter's own choice), else the full tree every step (a pinned tree pins its size).
-    "auto": the table; an error when there is none for this device and tree. An int n: n nodes every step
-    (1: plain steps; must be one of drafter.budget_levels(tree))."""
+    "adaptive": each step's draft sized by its expected tokens per second (hydra_kernels/adaptive.py),
+    at most the drafter's largest budget level. None: the drafter's searched table for this device class
+    when the run uses the tree it was searched for, else the full tree every step (a pinned tree pins its
+    size). "auto": the table; an error when there is none for this device and
+    tree. An int n: n nodes every step (1: plain steps; must be one of drafter.budget_levels(tree))."""
     full = tree.num_nodes
     table = drafter.budget_tables.get(device_type)
     if table is not None and table.tree != tree_key(tree):
@@ -136,15 +149,17 @@ def choose(budget, drafter, tree, tree_arg, device_type: str) -> StepBudget:
     if budget is None:
         return StepBudget(full, table=table if tree_arg is None else None)
     if isinstance(budget, str):
+        if budget == "adaptive":
+            return StepBudget(full, adaptive=True)
         if budget != "auto":
-            raise ValueError(f"budget must be None, 'auto' or a node count, got {budget!r}")
+            raise ValueError(f"budget must be None, 'adaptive', 'auto' or a node count, got {budget!r}")
         if table is None:
             raise ValueError(f"budget='auto' needs a budget table searched for this drafter and tree on {device_type!r} "
                              f"(budget_{device_type}.json; python python/search_budget.py); have: "
                              f"{sorted(drafter.budget_tables) or 'none'}")
         return StepBudget(full, table=table)
     if isinstance(budget, bool) or not isinstance(budget, int):
-        raise TypeError(f"budget must be None, 'auto' or an int node count, got {budget!r}")
+        raise TypeError(f"budget must be None, 'adaptive', 'auto' or an int node count, got {budget!r}")
     levels = drafter.budget_levels(tree)
     if budget not in levels:
         raise ValueError(f"budget={budget}: this drafter and tree can run steps of {list(levels)} nodes "

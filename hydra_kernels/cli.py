@@ -44,12 +44,12 @@ def _real(low: float, high: float | None = None, low_open: bool = False):
 
 
 def _budget(s: str) -> str | int:
-    if s == "auto":
+    if s in ("auto", "adaptive"):
         return s
     if s.isascii() and s.isdigit() and int(s) >= 1:
         return int(s)
-    raise argparse.ArgumentTypeError(f"expected 'auto' (the drafter's searched table) or a node count >= 1 "
-                                     f"(1 = plain steps), got {s!r}")
+    raise argparse.ArgumentTypeError(f"expected 'adaptive' (each step's draft sized by its expected gain), 'auto' "
+                                     f"(the drafter's searched table) or a node count >= 1 (1 = plain steps), got {s!r}")
 
 
 def _tree(s: str) -> str:
@@ -107,7 +107,8 @@ def parser() -> argparse.ArgumentParser:
                             "default: the shipped drafter measured fastest at batch 1")
     p.add_argument("--tree", default=None, type=_tree, help="tree: JSON file of choices, 'default' or 'chain-N'")
     p.add_argument("--budget", default=None, type=_budget,
-                   help="tree nodes per step: 'auto' (the drafter's searched table) or a number (1 = plain steps)")
+                   help="tree nodes per step: 'adaptive' (sized each step by its expected gain), 'auto' (the "
+                        "drafter's searched table) or a number (1 = plain steps)")
     p.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
                    help="default: greedy at temperature 0, else rejection (exact sampling)")
     p.add_argument("--temperature", type=_real(0.0), default=0.0, help="0 = greedy")
@@ -166,7 +167,7 @@ def main(argv=None) -> None:
             # one prompt at a time: the kind measured fastest at batch 1 (default.json's batch_1 where it has one,
             # else its default kind), unless --budget asks for a table, which the default kind has and a composed
             # batch_1 kind may not
-            drafter = hk.load_drafter(model=model, kind=default_kind(batch_1=args.budget is None))
+            drafter = hk.load_drafter(model=model, kind=default_kind(batch_1=args.budget in (None, "adaptive")))
         except (FileNotFoundError, ValueError) as e:  # none shipped, or not for this model: the user asked for none
             print(f"[{e}; plain decoding]", file=sys.stderr)
     if drafter is None and (args.tree or args.budget or args.acceptance not in (None, "greedy")):

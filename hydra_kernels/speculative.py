@@ -2,7 +2,8 @@
 it calls only the Drafter protocol (drafters/protocol.py).
 
 budget (budget.py: the step's node count from the batch size and context; 1 = a plain step, the root
-alone, the drafter only catching up) -> propose (draft tokens + their tree: static or one per sequence)
+alone, the drafter only catching up; or adaptive.py: the drafter's parts that pay propose, then the nodes
+that pay are kept) -> propose (draft tokens + their tree: static or one per sequence)
 -> verify forward (tree attention) ->
 acceptance (path, accept length, next root) -> commit_kv -> seqlens += accept length -> the drafter
 sees the committed tokens (host-side drafters also get their host copy: Drafter.observe_tokens). The
@@ -36,9 +37,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     path (min(1, p/q)); greedy acceptance (exact for any draft) and typical acceptance (it judges p
     alone) ignore them. prompts: the host token lists. `stats.num_steps` counts verify forwards,
     `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the full tree every
-    step). runner (hydra_kernels/runner, greedy only): the steps run through it over `buffers` (its
-    StepBuffers: the cache, `active`); the rows are then the batch padded to its bucket (padding rows
-    inactive throughout) and `batch` the real batch size the budget is chosen by."""
+    step; an adaptive one runs adaptive.AdaptiveBudget and sets `stats.policy_s`; `stats.seq_step_nodes`,
+    `depth_drafted` and `depth_accepted` record each step per sequence). runner (hydra_kernels/runner,
+    greedy only): the steps run through it over `buffers` (its StepBuffers: the cache, `active`); the rows
+    are then the batch padded to its bucket (padding rows inactive throughout) and `batch` the real batch
+    size the budget is chosen by."""
     B = root.shape[0]
     batch = batch or B
     dev = root.device
@@ -66,25 +69,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     budget = budget or StepBudget(tree.num_nodes)
     drafting = tree.num_nodes  # the node budget the drafter's state drafts now (start: the full tree)
     root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
-    while not emitter.all_done:
-        context = max(host_seqlens)  # host-side bound on every committed length
-        nodes = budget.nodes(batch, context)  # finished sequences still take their rows in the step
-        if nodes <= 1:
-            drafter.skip_step(state, root, cache.seqlens)
-            if greedy and runner is not None:
-                root = _runner_plain_greedy_step(runner, buffers, drafter, state, root, backends, capture, context,
-                                                 host_seqlens, emitter, stats)
-                continue
-            if greedy:  # a plain step as plain decoding runs it: no tree, no verify op, no commit copy
-                root = _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture,
-                                          context, host_seqlens, emitter, stats)
-                continue
-            prop = Proposal(root[:, None], root_only)  # sampling: verified as a root-only tree (the exact law)
-        else:
-            if nodes != drafting:
-                drafter.set_budget(state, nodes)
-                drafting = nodes
-            prop = drafter.propose(state, root, cache.seqlens)
+    last_accept = [None]  # the last verified step's accept_indices [B, D+1] (the adaptive budget learns from them)
+
+    def _verify_and_emit(prop: Proposal, nodes: int, context: int) -> torch.Tensor:
+        """Verify `prop` (nodes: its step's node budget), commit, emit; returns the next root."""
+        nonlocal target
         stats.step_nodes.append(nodes)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = context + tr.num_nodes
@@ -94,8 +83,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             drafter.after_step(state, so.accepted_feats, so.accepted_tokens, so.n)
             root = so.next_root
             stats.num_steps += 1
-            _emit_step(drafter, state, runner.read(so.report), so.target, host_seqlens, emitter, active)
-            continue
+            report = runner.read(so.report)
+            record_step(stats, [(tr.num_nodes, tr.depth)] * len(report), [row[-1] for row in report])  # bounds
+            _emit_step(drafter, state, report, so.target, host_seqlens, emitter, active)
+            last_accept[0] = None  # the runner's report holds no node ids
+            return root
         if greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)
             feats, target, v, n = greedy_verify_step(model, cache, tokens, tr, active, positions=prop.positions,
                                                      kv_len=kv_len, backends=backends, capture=capture)
@@ -139,9 +131,79 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         drafter.after_step(state, feats[bidx, idx], accepted_tokens, n)
         root = v.next_root
         stats.num_steps += 1
-        # the one host read of the step: accepted tokens (root first, already emitted) and the next root
-        accepted = torch.cat([accepted_tokens, root[:, None], n[:, None]], dim=1).tolist()
-        _emit_step(drafter, state, accepted, target, host_seqlens, emitter, active)
+        # the one host read of the step: per sequence its tree's nodes and depth, the accepted tokens (root
+        # first, already emitted), the next root and the committed length
+        if isinstance(tr, Tree):
+            shape = torch.tensor([tr.num_nodes, tr.depth], device=dev).expand(B, 2)
+        else:
+            shape = torch.stack([tr.valid.sum(1), tr.depths.max(1).values], 1)
+        rows = torch.cat([shape, accepted_tokens, root[:, None], n[:, None]], dim=1).tolist()
+        record_step(stats, [(r[0], r[1]) for r in rows], [r[-1] for r in rows])
+        _emit_step(drafter, state, [r[2:] for r in rows], target, host_seqlens, emitter, active)
+        last_accept[0] = v.accept_indices
+        return root
+
+    cap = max(drafter.budget_levels(tree))  # the drafter's own bound (the combined drafter's node_budget)
+    policy = budget.policy(drafter, batch, cap, model, dev)  # None unless the budget is adaptive (adaptive.py)
+    if policy is not None:
+        if cap != drafting:
+            drafter.set_budget(state, cap)
+            drafting = cap
+        policy.begin()
+    try:
+        while not emitter.all_done:
+            context = max(host_seqlens)  # host-side bound on every committed length
+            if policy is not None:
+                parts = policy.plan()
+                prop = None
+                if any(parts):  # the parts that pay draft; the policy keeps the nodes that pay (None: none)
+                    prop = policy.propose(drafter, state, root, cache.seqlens, active, parts)
+                else:
+                    drafter.skip_step(state, root, cache.seqlens)
+                    policy.plain_step()
+                nodes = 1 if prop is None else prop.tree.num_nodes
+            else:
+                nodes = budget.nodes(batch, context)  # finished sequences still take their rows in the step
+                if nodes <= 1:
+                    drafter.skip_step(state, root, cache.seqlens)
+                elif nodes != drafting:
+                    drafter.set_budget(state, nodes)
+                    drafting = nodes
+            if nodes <= 1:
+                if greedy and runner is not None:
+                    root = _runner_plain_greedy_step(runner, buffers, drafter, state, root, backends, capture, context,
+                                                     host_seqlens, emitter, stats)
+                elif greedy:  # a plain step as plain decoding runs it: no tree, no verify op, no commit copy
+                    root = _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture,
+                                              context, host_seqlens, emitter, stats)
+                else:  # sampling: the root verified as a root-only tree (the exact law)
+                    root = _verify_and_emit(Proposal(root[:, None], root_only), 1, context)
+                if policy is not None:
+                    policy.observe(None)
+                continue
+            if policy is None:
+                prop = drafter.propose(state, root, cache.seqlens)
+            root = _verify_and_emit(prop, nodes, context)
+            if policy is not None:
+                policy.observe(last_accept[0])
+    finally:
+        if policy is not None:
+            policy.finish()
+            stats.policy_s = policy.host_s
+
+
+def record_step(stats, shapes: list[tuple[int, int]], committed: list[int]) -> None:
+    """GenerateOutput's per-sequence figures of one step: shapes[b] = (nodes, depth) of sequence b's
+    verified tree, committed[b] its committed length (0: finished before the step, not counted)."""
+    for b, ((nodes, depth), k) in enumerate(zip(shapes, committed)):
+        if not k or b >= len(stats.seq_step_nodes):  # finished, or a padding row of the runner's bucket
+            continue
+        stats.seq_step_nodes[b].append(nodes)
+        for lst, reach in ((stats.depth_drafted, depth), (stats.depth_accepted, k - 1)):
+            if len(lst) <= reach:
+                lst.extend([0] * (reach + 1 - len(lst)))
+            for d in range(1, reach + 1):
+                lst[d] += 1
 
 
 def _emit_step(drafter, state, accepted: list[list[int]], target, host_seqlens: list[int], emitter: Emitter,
@@ -213,6 +275,7 @@ def _plain_greedy_step(model, drafter, state, cache, root, active, backends, cap
     cache.advance(n.to(cache.seqlens.dtype))  # the row was written at seqlens: committing is advancing
     stats.num_steps += 1
     rows = torch.stack([nxt, active]).tolist()  # the one host read of the step
+    record_step(stats, [(1, 0)] * len(rows[1]), rows[1])
     drafter.observe_tokens(state, [[t] if a else [] for t, a in zip(*rows)], None)
     for b, (t, a) in enumerate(zip(*rows)):
         if a:
@@ -235,6 +298,7 @@ def _runner_plain_greedy_step(runner, buffers, drafter, state, root, backends, c
     drafter.after_step(state, feats, root[:, None], n)
     stats.num_steps += 1
     toks = runner.read(nxt)  # the one host read of the step
+    record_step(stats, [(1, 0)] * len(toks), [int(a) for a in was_active])
     drafter.observe_tokens(state, [[t] if a else [] for t, a in zip(toks, was_active)], None)
     for b, (t, a) in enumerate(zip(toks, was_active)):
         if a:

@@ -175,6 +175,14 @@ class TreeBatch:
             mask[bidx.expand(B, T)[up], node[up], anc[up]] = True
             depths += up.long()
             anc = torch.where(up, parents.gather(1, anc.clamp(min=0)), anc)
+        self._finish(parents, depths, mask, valid)
+
+    def _finish(self, parents, depths, mask, valid) -> None:
+        """Set the buffers from parents / depths / mask / valid [B, T(, T)] and derive the leaf paths."""
+        B, T = parents.shape
+        dev = parents.device
+        bidx = torch.arange(B, device=dev)[:, None]
+        node = torch.arange(T, device=dev).expand(B, T)
         self.parents, self.depths, self.mask, self.valid = parents, depths, mask, valid
         self.num_nodes = T
         D = int(depths.max()) if T > 1 else 0  # one host read per built tree (its paths' width)
@@ -196,6 +204,30 @@ class TreeBatch:
         paths[b3, p3, lvl[b3, p3, j3]] = j3
         paths[:, :, 0] = 0  # padding rows: just the root
         self.paths = paths
+
+    @classmethod
+    def kept(cls, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
+             sel: torch.Tensor) -> "TreeBatch":
+        """The trees restricted to nodes sel [B, T] (increasing ids per row, every kept valid node's parent
+        kept too), from a tree batch's parents / depths / mask / valid [B, T0(, T0)] (a static Tree's
+        expanded): the mask and depths gathered, not rebuilt level by level (the adaptive budget cuts a
+        proposal every step). Kept nodes that were padding stay padding."""
+        B, T0 = parents.shape
+        T = sel.shape[1]
+        dev = sel.device
+        inv = torch.full((B, T0), -1, dtype=torch.long, device=dev)
+        inv.scatter_(1, sel, torch.arange(T, device=dev).expand(B, T))
+        kept_valid = valid.gather(1, sel)
+        par = inv.gather(1, parents.gather(1, sel).clamp(min=0))
+        par = torch.where(kept_valid, par, torch.full_like(par, -1))
+        par[:, 0] = -1
+        rows = mask.gather(1, sel[:, :, None].expand(B, T, T0))  # [B, T, T0]
+        kept_mask = rows.gather(2, sel[:, None, :].expand(B, T, T)) & kept_valid[:, None, :]
+        eye = torch.eye(T, dtype=torch.bool, device=dev)
+        kept_mask = torch.where(kept_valid[:, :, None], kept_mask, eye)  # a padded node sees only itself
+        t = object.__new__(cls)
+        t._finish(par, torch.where(kept_valid, depths.gather(1, sel), torch.zeros_like(par)), kept_mask, kept_valid)
+        return t
 
     @classmethod
     def from_parent_lists(cls, parent_lists: Sequence[Sequence[int]], device=None) -> "TreeBatch":

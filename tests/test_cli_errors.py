@@ -38,7 +38,8 @@ def assert_refused(result, option, pattern):
     (["--max-new-tokens", "-1"], "--max-new-tokens", r"^must be >= 1, got -1$"),
     (["--drafter", "/no/such/drafter"], "--drafter", r"^/no/such/drafter is not a directory \(pass a drafter directory"),
     (["--dtype", "int8"], "--dtype", r"^invalid choice: 'int8' \(choose from 'float32', 'bfloat16'"),
-    (["--budget", "zero"], "--budget", r"^expected 'auto' \(the drafter's searched table\) or a node count >= 1"),
+    (["--budget", "zero"], "--budget", r"^expected 'adaptive' \(each step's draft sized by its expected gain\), 'auto' "
+                                     r"\(the drafter's searched table\) or a node count >= 1"),
     (["--tree", "chain-x"], "--tree", r"'chain-N' needs a whole number N >= 1"),
     (["--model", "/no/such/model.gguf"], "--model", r"^no such file or directory: /no/such/model.gguf"),
     (["--no-draft", "--drafter", "hydra_kernels/heads/smollm2-135m-instruct/hydra"], "--drafter",

@@ -229,8 +229,16 @@ FUSED_SETTINGS = {  # the fused path (temperature only): name -> (drafter kind, 
     "fused-per-sequence-trees": ("random-trees", 1.0, 2),
     "fused-hydra-varying-budget": ("hydra-budget", 0.8, 1),  # a plain step: a root-only tree, fused too
 }
+# the adaptive budget (hydra_kernels/adaptive.py) with random costs and part gates: each step verifies an
+# arbitrary cut of the proposal, a plain step or nothing drafted, chosen before the step's draws
+ADAPTIVE_SETTINGS = {  # name -> (drafter kind, temperature, number of prompts)
+    "adaptive-hydra-batch-2-prompts": ("hydra", 0.8, 2),
+    "adaptive-per-sequence-trees": ("random-trees", 1.0, 1),
+    "adaptive-sampled-combined-ngram-hydra": ("sampled-combined", 0.8, 1),
+}
 # number of G-tests among the positive settings (+ 1: the deterministic rule on sampled drafts)
-M = sum(n for *_, n in SETTINGS.values()) + sum(n for *_, n in FUSED_SETTINGS.values()) + 1
+M = (sum(n for *_, n in SETTINGS.values()) + sum(n for *_, n in FUSED_SETTINGS.values())
+     + sum(n for *_, n in ADAPTIVE_SETTINGS.values()) + 1)
 
 
 def make_drafter(model, kind):
@@ -265,6 +273,35 @@ def test_rejection_sampling_is_exact(model, name):
         assert (lens > 1).float().mean() > 0.05 and (lens == 1).float().mean() > 0.05, lens.float().mean()
     for i, prompt in enumerate(prompts):
         p = g_test(hists[i], exact_law(model, prompt, temperature, top_k, top_p))
+        print(f"{name}, prompt {i}: G-test p = {p:.3g}")
+        assert p > FAMILY_ALPHA / M, f"{name}, prompt {i}: G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE_SETTINGS))
+def test_adaptive_rejection_sampling_is_exact(model, name, monkeypatch):
+    """The adaptive policy decides each step's tree from the drafts and earlier steps, never from the
+    step's own draws, so rejection sampling stays exact; here its costs and gates are random (seeded
+    apart from the run's generator), so steps verify every width, plain steps and undrafted steps."""
+    import random
+
+    from hydra_kernels import adaptive
+
+    rng = random.Random(len(name))
+    monkeypatch.setattr(adaptive, "memory", lambda owner, name: {})  # no earlier run's learning: any test order
+    monkeypatch.setattr(adaptive.StepCosts, "predict", lambda self, w: rng.uniform(1.0, 1.3))  # cuts of any width
+    monkeypatch.setattr(adaptive.PartGate, "due", lambda self: rng.random() < 0.8)
+    kind, temperature, n_prompts = ADAPTIVE_SETTINGS[name]
+    prompts = PROMPTS[:n_prompts]
+    drafter = make_drafter(model, kind)
+    batch = [prompts[i % len(prompts)] for i in range(N)]
+    static = getattr(drafter, "num_heads", 0) or isinstance(drafter, CombinedDrafter)
+    out = generate(model, batch, drafter=drafter, tree=TREE if static else None, budget="adaptive",
+                   max_new_tokens=NEW, temperature=0.8 if temperature is None else temperature, seed=0,
+                   acceptance="rejection", eos_token_id=[], backend="reference")
+    assert all(len(s) == NEW for s in out.sequences)
+    assert max(out.step_nodes) > 1, out.step_nodes  # drafts were verified (a 3-token run has 2-3 steps)
+    for i, prompt in enumerate(prompts):
+        p = g_test(histogram(out.sequences, range(i, N, len(prompts))), exact_law(model, prompt, temperature, 0, 1.0))
         print(f"{name}, prompt {i}: G-test p = {p:.3g}")
         assert p > FAMILY_ALPHA / M, f"{name}, prompt {i}: G-test p = {p:.2e} <= {FAMILY_ALPHA / M:.1e}"
 

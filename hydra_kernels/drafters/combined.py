@@ -15,6 +15,7 @@ The heads' tokens stay on the device; the n-gram tokens (host) join them in one 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -28,9 +29,12 @@ from .protocol import Drafter, Proposal
 
 
 class CombinedState:
-    def __init__(self, ngram, heads, heads_parents: list[int], budget: int, device):
+    def __init__(self, ngram, heads, heads_parents: list[int], heads_ranks: list[int], budget: int, device):
         self.ngram, self.heads = ngram, heads
-        self.heads_parents, self.budget, self.device = heads_parents, budget, device
+        self.heads_parents, self.heads_ranks, self.budget, self.device = heads_parents, heads_ranks, budget, device
+        self.use_ngram, self.use_heads = True, True  # set_parts (the adaptive budget)
+        self.root_only = Tree([])  # the heads' draft while they are held back
+        self.part_s = [0.0, 0.0]  # seconds the last propose() spent in each part (ngram, heads)
 
 
 class CombinedDrafter(Drafter):
@@ -41,6 +45,7 @@ class CombinedDrafter(Drafter):
     strong_match: n-gram suffix length from which the n-gram continuation is served first."""
 
     kinds = ("combined",)
+    parts = ("ngram", "heads")  # Proposal.groups: 0 an n-gram node, 1 a heads node
 
     def __init__(self, ngram: NgramDrafter, heads: Drafter, node_budget: int | None = None, strong_match: int = 2):
         super().__init__()
@@ -91,7 +96,7 @@ class CombinedDrafter(Drafter):
         budget = self.node_budget or tree.num_nodes
         return CombinedState(self.ngram.start(model, batch_size, max_seq_len, ht, backends),
                              self.heads.start(model, batch_size, max_seq_len, ht, backends),
-                             ht.parents.tolist(), budget, model.device)
+                             ht.parents.tolist(), ht.ranks.tolist(), budget, model.device)
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         """Any node budget up to the run's (node_budget, else both drafts whole): a step keeps that many
@@ -102,6 +107,9 @@ class CombinedDrafter(Drafter):
         # never past node_budget: a budget table searched at a larger node_budget (its tree key is the bound's,
         # which node_budget does not change) must not lift the cap
         state.budget = min(nodes, self.node_budget or nodes)
+
+    def set_parts(self, state: CombinedState, parts: tuple[bool, ...]) -> None:
+        state.use_ngram, state.use_heads = parts
 
     def use_generator(self, state: CombinedState, generator) -> None:
         self.ngram.use_generator(state.ngram, generator)
@@ -123,16 +131,36 @@ class CombinedDrafter(Drafter):
         self.ngram.skip_step(state.ngram, root, seqlens)
         self.heads.skip_step(state.heads, root, seqlens)
 
+    def part_times(self, state: CombinedState) -> list[float]:
+        return list(state.part_s)
+
     def propose(self, state: CombinedState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
-        hp = self.heads.propose(state.heads, root, seqlens)  # tokens [B, Th] on the device
-        if not isinstance(hp.tree, Tree):
-            raise ValueError("the combined drafter needs a trained drafter with a static tree")
+        t0 = time.perf_counter()
+        prop = self._propose(state, root, seqlens, t0)
+        state.part_s[0] = time.perf_counter() - t0 - state.part_s[1]  # the n-gram lookup and the merge
+        return prop
+
+    def _propose(self, state: CombinedState, root: torch.Tensor, seqlens: torch.Tensor, t0: float) -> Proposal:
+        if state.use_heads:
+            hp = self.heads.propose(state.heads, root, seqlens)  # tokens [B, Th] on the device
+            if not isinstance(hp.tree, Tree):
+                raise ValueError("the combined drafter needs a trained drafter with a static tree")
+        else:  # the heads held back (adaptive budget): they catch up as on a plain step, and draft the root alone
+            self.heads.skip_step(state.heads, root, seqlens)
+            hp = Proposal(root[:, None], state.root_only)
+        state.part_s[1] = time.perf_counter() - t0  # the heads' drafting (host time; on the CPU the work itself)
         Th, N = hp.tree.num_nodes, state.budget
-        ng_parents, ng_tokens = self.ngram.draft_lists(state.ngram)
-        B = len(ng_parents)
+        B = root.shape[0]
+        if state.use_ngram:
+            ng_parents, ng_tokens = self.ngram.draft_lists(state.ngram)
+        else:
+            ng_parents, ng_tokens = [[-1]] * B, [[0]] * B
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
+        dev = state.device
+        heads_signal = torch.tensor(state.heads_ranks[:Th], dtype=torch.long)  # a heads node: its guess's rank
         if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
-            return hp
+            groups = torch.ones(B, Th, dtype=torch.long, device=dev)
+            return hp._replace(groups=groups, signal=heads_signal.to(dev).expand(B, Th))
         src_lists, par_lists = [], []
         for b in range(B):
             pn = ng_parents[b]
@@ -152,7 +180,12 @@ class CombinedDrafter(Drafter):
         for b in range(B):
             src[b, : len(src_lists[b])] = torch.tensor(src_lists[b])
             ng[b, : len(ng_tokens[b]) - 1] = torch.tensor(ng_tokens[b][1:], dtype=torch.long)
-        dev = state.device
+        # for the adaptive budget: a node's part (1: heads, 0: n-gram) and signal (a heads node's rank, an
+        # n-gram node's match length)
+        groups = (src < Th).long()
+        matched = torch.tensor(state.ngram.matched if state.use_ngram else [0] * B, dtype=torch.long)[:, None]
+        signal = torch.where(src < Th, heads_signal[src.clamp(max=Th - 1)], matched)
+        groups, signal = groups.to(dev, non_blocking=True), signal.to(dev, non_blocking=True)
         ng, src = ng.to(dev, non_blocking=True), src.to(dev, non_blocking=True)
         tokens = torch.cat([hp.tokens, ng], 1).gather(1, src)
         tree = TreeBatch.from_parent_lists(par_lists)  # built on the CPU: no device read-back
@@ -160,7 +193,8 @@ class CombinedDrafter(Drafter):
         if hp.draft_probs is not None:  # sampled heads: their rows, and an n-gram node's one-hot (deterministic) row
             q = torch.cat([hp.draft_probs, F.one_hot(ng, hp.draft_probs.shape[-1]).to(hp.draft_probs.dtype)], 1)
             draft_probs = q[torch.arange(B, device=dev)[:, None], src]  # [B, T, V]
-        return Proposal(tokens, tree if dev.type == "cpu" else tree.to(dev), draft_probs=draft_probs)
+        return Proposal(tokens, tree if dev.type == "cpu" else tree.to(dev), draft_probs=draft_probs, groups=groups,
+                        signal=signal)
 
     def save(self, path, dtype: torch.dtype | None = None) -> None:
         """config.json (kind "combined", node_budget, strong_match) + the parts in ngram/ and heads/."""

@@ -62,6 +62,7 @@ class LookaheadDrafter(Drafter):
 
     kinds = ("lookahead",)
     config_class = LookaheadConfig
+    prunable_proposals = False  # its window rows sit at fixed nodes (observe_tokens reads their argmax there)
 
     def __init__(self, cfg: LookaheadConfig):
         super().__init__()

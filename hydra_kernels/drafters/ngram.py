@@ -203,14 +203,18 @@ class NgramDrafter(Drafter):
         tokens = torch.zeros(len(token_lists), T, dtype=torch.long)  # padded nodes: token 0, never accepted
         for b, t in enumerate(token_lists):
             tokens[b, : len(t)] = torch.tensor(t)
+        # the adaptive budget's confidence class of a node: its sequence's match length (a longer suffix
+        # found earlier in the text predicts the continuation better)
+        signal = torch.tensor(state.matched, dtype=torch.long)[:, None].expand(len(token_lists), T)
+        signal = signal.to(state.device, non_blocking=True)
         if all(p == list(range(-1, T - 1)) for p in parent_lists):  # one chain length for all (T = 1: no match)
             if T - 1 not in state.chains:
                 state.chains[T - 1] = chain(T - 1).to(state.device)
-            return Proposal(tokens.to(state.device, non_blocking=True), state.chains[T - 1])
+            return Proposal(tokens.to(state.device, non_blocking=True), state.chains[T - 1], signal=signal)
         tree = TreeBatch.from_parent_lists(parent_lists)  # built on the CPU: no device read-back
         if state.device.type != "cpu":
             tree = tree.to(state.device)
-        return Proposal(tokens.to(state.device, non_blocking=True), tree)
+        return Proposal(tokens.to(state.device, non_blocking=True), tree, signal=signal)
 
     def save(self, path, dtype: torch.dtype | None = None) -> None:
         """config.json only (no weights): {"format": "hydra_kernels.drafter", "kind": "ngram", ...settings}."""

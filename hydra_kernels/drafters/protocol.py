@@ -8,6 +8,7 @@ implements these methods, plus its registry entry (drafters/registry.py). The lo
     drafter.use_generator(state, generator)       # the run's torch.Generator (None at temperature 0)
     drafter.after_prefill(state, hidden [B, L, H], lengths [B])          # or [B, L, n*H]: see feature_layers
     loop:  drafter.set_budget(state, n)                 # only when the step's node budget changes (budget.py)
+           drafter.set_parts(state, flags)             # adaptive budget (adaptive.py): which parts draft
            p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
              or drafter.skip_step(state, root, seqlens)   # budget 1: a plain step (the root alone, no draft)
            ... verify (p.tree), commit ...
@@ -38,12 +39,20 @@ class Proposal(NamedTuple):
     deterministic child among them is its token's one-hot row; the root's and padded nodes' rows are
     ignored). Rejection acceptance then accepts with min(1, p/q) (ops.rejection_verify), which accepts
     more than the deterministic rule when q is close to p; None: deterministic drafts. Greedy
-    acceptance is exact for any draft and typical acceptance judges p alone: both ignore it."""
+    acceptance is exact for any draft and typical acceptance judges p alone: both ignore it.
+
+    For the adaptive budget (hydra_kernels/adaptive.py), which learns each node's acceptance during the
+    run: groups int64 [B, T] or None, the index in Drafter.parts of the part that drafted each node (None:
+    part 0); signal int64 [B, T] or None, the drafter's confidence class of each node, a small int in
+    [0, 8) (the n-gram match length, a head's rank of the guess; None: the node's rank among its
+    siblings). Nodes of one (part, depth, signal) are taken to be accepted alike."""
 
     tokens: torch.Tensor
     tree: Tree | TreeBatch
     positions: torch.Tensor | None = None
     draft_probs: torch.Tensor | None = None
+    groups: torch.Tensor | None = None
+    signal: torch.Tensor | None = None
 
 
 class Drafter(nn.Module):
@@ -55,6 +64,11 @@ class Drafter(nn.Module):
     # indices (EAGLE-3): they get instead the residual streams entering those layers of the base model,
     # concatenated along the last dimension ([..., len(feature_layers) * H]; Llama's `capture`).
     feature_layers: tuple[int, ...] | None = None
+    # the parts the adaptive budget switches on and off per step (set_parts) and keys its learning by
+    parts: tuple[str, ...] = ("draft",)
+    # may a step verify only some of a proposal's nodes (a valid subtree)? False where nodes have fixed roles
+    # (lookahead's window rows): the adaptive budget then verifies a proposal whole or drafts nothing
+    prunable_proposals: bool = True
 
     @property
     def kind(self) -> str:
@@ -105,6 +119,16 @@ class Drafter(nn.Module):
         """The following proposals draft at most `nodes` nodes (one of budget_levels, > 1; the full
         tree's size restores it). Called only when the budget changes. The default drafts only the full
         tree, the one size > 1 its budget_levels list."""
+
+    def set_parts(self, state, parts: tuple[bool, ...]) -> None:
+        """The next propose() drafts with the parts flagged True (one flag per `parts`, at least one True;
+        the adaptive budget calls it every step it proposes). A part held back costs no drafting work; its
+        state still follows the text (skip_step's catching up where it needs it). Default: one part."""
+
+    def part_times(self, state) -> list[float] | None:
+        """Seconds each part spent drafting in the last propose() (0 for a part held back), for the adaptive
+        budget's costs; None (default): it times the whole propose() call."""
+        return None
 
     def skip_step(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> None:
         """This step is a plain step: the base model runs the root alone (no propose() call). A drafter that

@@ -8,6 +8,7 @@ reads each step's tokens only to stream them and to stop on EOS / max_new_tokens
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,6 +35,17 @@ class GenerateOutput:
     prefill_s: float = 0.0  # prefill forward and the first token
     decode_s: float = 0.0  # every step after it
     step_nodes: list[int] = field(default_factory=list)  # speculative: each step's node budget (1 = a plain step)
+    # speculative: per sequence, the nodes it verified at each step it was active (root included; 1 = plain)
+    seq_step_nodes: list[list[int]] = field(default_factory=list)
+    # speculative: [d] = (sequence, step) pairs whose verified tree reached depth d / whose accepted path did
+    depth_drafted: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
+    policy_s: float = 0.0  # the adaptive budget's own host time (hydra_kernels/adaptive.py)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """[d - 1] = how often depth d was accepted where a step drafted that deep (d = 1, 2, ...)."""
+        return [a / n if n else 0.0 for a, n in zip(self.depth_accepted[1:], self.depth_drafted[1:])]
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -82,11 +94,15 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     choices, a JSON file, "default" or "chain-N"; default: the tree searched for this device class and
     saved with the heads (drafter.trees, e.g. the shipped heads' CPU tree), else hk.tree.default_tree).
     budget (speculative only): the node budget of each step, 1 = a plain step (hydra_kernels/budget.py).
-    None: the table searched for this drafter, tree and device class (budget_<device>.json), chosen
-    from the live batch size and context, when tree is None and a table exists; else the full tree.
-    "auto": that table (an error without one); an int: that many nodes every step. Where the budget is 1
-    for every step the request can take (this batch size, its whole context range), the run is plain
-    decoding (the drafter is not run).
+    "adaptive": each step's draft sized by its expected tokens per second, per sequence: the drafter's
+    parts that pay run, each node's acceptance learned during the run, step costs timed
+    (hydra_kernels/adaptive.py); the eager loop; a seeded sampled run is exact in law but not token for
+    token reproducible (measured times steer it). None: the table searched for this drafter, tree and
+    device class (budget_<device>.json), chosen from the live batch size and context, when tree is None
+    and a table exists; else the full tree. "auto": that table (an error without one); an int: that many nodes every
+    step. Where the budget is 1 for every step the request can take (this batch size, its whole context
+    range), the run is plain decoding (the drafter is not run). GenerateOutput's step_nodes,
+    seq_step_nodes and acceptance_by_depth show what the steps drafted and what was accepted.
     acceptance (None: "greedy" at temperature 0, else "rejection"): "greedy" (temperature must be 0)
     emits exactly the plain greedy tokens; "rejection" (temperature > 0) is recursive rejection sampling
     over the tree, its tokens distributed exactly as plain sampling with the same temperature / top_k /
@@ -148,6 +164,12 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     if temperature > 0:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
+    if step_budget is not None and step_budget.adaptive and drafter is not None and cuda_graphs is not False:
+        if cuda_graphs:  # the runner's steps report no node ids, which the adaptive budget learns from
+            warnings.warn("budget='adaptive' runs the eager loop (the decode runner cannot report which nodes "
+                          "were accepted yet); pass budget='auto' or an int to replay steps from CUDA graphs",
+                          RuntimeWarning, stacklevel=2)
+        cuda_graphs = False
     runner = runners.choose(cuda_graphs, model, drafter, acceptance, temperature)
 
     B = len(prompts)
@@ -166,7 +188,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     cache = model.new_kv_cache(B, S) if bufs is None else bufs.cache
     emitter = Emitter(len(prompts), max_new_tokens, eos, streamer)
     emitter.done[B:] = [True] * (len(prompts) - B)  # padding rows emit nothing
-    out = GenerateOutput(sequences=emitter.sequences[:B], accept_lengths=emitter.accept_lengths[:B])
+    out = GenerateOutput(sequences=emitter.sequences[:B], accept_lengths=emitter.accept_lengths[:B],
+                         seq_step_nodes=[[] for _ in range(B)])
 
     def pick(h):  # final hidden states [N, H] -> next tokens [N]
         if temperature == 0.0:  # greedy: the same argmax path as verification (Llama.greedy_tokens)

@@ -1,0 +1,350 @@
+"""The adaptive draft budget: each step's draft sized by its expected tokens per second (generate's
+budget="adaptive"; budget.py keeps the pinned and table rules).
+
+Per step, two decisions:
+1. Before proposing, which of the drafter's parts run (Drafter.parts: the combined drafter's "ngram" and
+   "heads", one "draft" part elsewhere). A part runs while what it earned (its accepted tokens per step,
+   an average over the recent steps it ran) beats what it costs (its measured drafting time and the rows
+   its nodes took) at the current throughput; a part held back is tried again after 2, 4, 8 ... steps, at
+   most MAX_WAIT and at most as rarely as keeps its trials under PROBE_SHARE of the time. No part
+   running is a plain step (Drafter.skip_step), with no drafting cost.
+2. After proposing, how many nodes each sequence verifies: every node j gets P(j) = the probability
+   that the whole path root..j is accepted, the product of its ancestors' conditional acceptance rates;
+   each sequence keeps its T best nodes (P never grows down a path and ties keep the lower index, so the
+   best T nodes always hold every kept node's parent: a valid subtree) and T maximises
+       E(T) / cost(T),  E(T) = sum over active sequences of (1 + the sum of their T - 1 best P),
+   since a step's expected emitted tokens are 1 + the sum over drafted nodes of P(node) (each accepted
+   node is one token; siblings are disjoint events). T = 1 is a plain step. The padded TreeBatch makes
+   every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
+
+Conditional acceptance rates are learned during the run (`Calibration`): keyed by (part, depth, signal),
+signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
+a head's rank of the guess; the sibling rank where a drafter reports none), counted per sequence and over
+the run (decayed counts; the run's rates are the prior of each sequence's, the previous run's the prior
+of the run's), so a prompt that copies earns long n-gram chains and one that does not earns none.
+
+Step costs are measured (`StepCosts`): each step's wall time (loop iteration to loop iteration, so
+host work counts; the step ends with the loop's one host read, so the time is the device's too) is fitted
+online as a + sum of the parts' drafting costs + b * (T - 1) by decayed ridge regression, the previous
+run's fit (same model, batch size, device, threads) its prior.
+
+Exactness: greedy acceptance emits the base model's tokens for any tree, so greedy output is plain
+greedy decoding's whatever the policy does. For rejection sampling, the policy's choice of tree at a
+step is a function of the drafts and of earlier steps (their outcomes and timings) only, never of this
+step's acceptance draws, and rejection acceptance is exact for any tree fixed before its draws: so the
+emitted tokens keep the base law (tests/test_sampling_exactness.py checks it with the statistical
+harness). What the policy changes is which random numbers a step consumes: a seeded sampled run is exact
+but, unlike a pinned budget, not token-for-token reproducible (the measured times steer it).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+
+import torch
+
+from .drafters.protocol import Proposal
+from .tree import Tree, TreeBatch
+
+MAX_DEPTH_KEY = 8  # depths >= 8 share a calibration key
+SIGNALS = 8  # signal classes per (part, depth)
+PRIOR_RATE = 0.4  # a never-seen key's conditional acceptance rate
+RUN_PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior behind the run's rates
+SEQ_PRIOR_WEIGHT = 4.0  # pseudo-observations of the run's rate behind a sequence's
+DECAY = 0.97  # per step: counts and costs remember ~30 steps (the text and the context drift)
+MAX_WAIT = 64  # most steps a held-back part waits before it is tried again
+# a held-back part's trials cost at most this share of the decoding time: its wait is capped at
+# (its drafting time) / (PROBE_SHARE * a plain step), so a cheap part (the n-gram lookup) is tried every
+# few steps and catches the text's copy bursts, a dear one (the heads) more rarely
+PROBE_SHARE = 0.01
+# a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
+# factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
+# rows at once, so marginal gains are left alone (EPYC VM, 2026-11-27: without it the policy ran 0.89-0.90x
+# plain at batch 4 / 16 on the editing set, drafting where its predictions said 1.0-1.1x)
+MARGIN = 1.15
+
+
+def memory(owner, name: str) -> dict:
+    """What earlier runs left on `owner` (a drafter: its rates and gates; a model: its step costs), so a run
+    starts where the last one of its kind ended: learned acceptance as the prior, and a part that did not
+    pay tried again after its wait, not at once. Kept on the object: gone with it."""
+    return owner.__dict__.setdefault("_adaptive_" + name, {})
+
+
+class Calibration:
+    """Conditional acceptance P(node accepted | its parent accepted) per key = (part, depth, signal), as
+    decayed counts of tested (parent accepted) and accepted nodes, per sequence [B, K] and over the run [K]."""
+
+    def __init__(self, batch: int, num_parts: int, memory: dict, device):
+        self.K = num_parts * MAX_DEPTH_KEY * SIGNALS
+        self.memory = memory
+        prior = memory.get("rates")
+        self.prior = prior.to(device) if prior is not None else torch.full((self.K,), PRIOR_RATE, device=device)
+        self.tested = torch.zeros(self.K, device=device)
+        self.accepted = torch.zeros(self.K, device=device)
+        self.seq_tested = torch.zeros(batch, self.K, device=device)
+        self.seq_accepted = torch.zeros(batch, self.K, device=device)
+
+    def keys(self, groups: torch.Tensor, depths: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
+        d = (depths - 1).clamp(0, MAX_DEPTH_KEY - 1)
+        return (groups * MAX_DEPTH_KEY + d) * SIGNALS + signal.clamp(0, SIGNALS - 1)
+
+    def rates(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys [B, T] -> conditional acceptance rates [B, T]."""
+        run = (self.accepted + RUN_PRIOR_WEIGHT * self.prior) / (self.tested + RUN_PRIOR_WEIGHT)  # [K]
+        seq = (self.seq_accepted + SEQ_PRIOR_WEIGHT * run) / (self.seq_tested + SEQ_PRIOR_WEIGHT)  # [B, K]
+        return seq.gather(1, keys)
+
+    def update(self, keys: torch.Tensor, tested: torch.Tensor, accepted: torch.Tensor) -> None:
+        """keys [B, T]; tested / accepted float [B, T] (0 / 1)."""
+        for t in (self.tested, self.accepted, self.seq_tested, self.seq_accepted):
+            t.mul_(DECAY)
+        self.seq_tested.scatter_add_(1, keys, tested)
+        self.seq_accepted.scatter_add_(1, keys, accepted)
+        self.tested.index_add_(0, keys.flatten(), tested.flatten())
+        self.accepted.index_add_(0, keys.flatten(), accepted.flatten())
+
+    def remember(self) -> None:
+        """This run's rates become the next run's prior (same drafter)."""
+        self.memory["rates"] = ((self.accepted + RUN_PRIOR_WEIGHT * self.prior)
+                                / (self.tested + RUN_PRIOR_WEIGHT)).cpu()
+
+
+class StepCosts:
+    """A step's wall time without its drafting (ms) ~ a + b (T - 1), T the verified nodes per sequence,
+    fitted by decayed ridge regression toward a prior (the previous run's fit, else a guess scaled by the
+    first plain step). One observation counts at most twice its prediction plus 2 ms: a one-time cost (a
+    first call's warm-up, a page fault) must not teach the policy that rows are dear for the rest of a run."""
+
+    def __init__(self, memory: dict, key, device_type: str):
+        self.memory, self.key = memory, key
+        prior = memory.get(key)
+        self.known = prior is not None
+        # until the first plain step is timed: a row costs 0.05 of a step on the CPU (weights streamed per
+        # row group), ~0 on a GPU (a step is memory-bound well past 16 rows)
+        self.prior = list(prior) if prior is not None else [10.0, 0.5 if device_type == "cpu" else 0.05]
+        self.weight = 3.0 if prior is not None else 1.0
+        self.A = [[self.weight, 0.0], [0.0, self.weight]]
+        self.r = [self.weight * p for p in self.prior]
+        self.coef = list(self.prior)
+
+    def predict(self, width: int) -> float:
+        return max(self.coef[0] + self.coef[1] * (width - 1), 1e-3)
+
+    def observe(self, width: int, ms: float) -> None:
+        if not self.known and width == 1:  # the first plain step scales the guess
+            scale = ms / self.prior[0]
+            self.prior = [p * scale for p in self.prior]
+            self.coef = list(self.prior)
+            self.r = [self.weight * p for p in self.prior]
+            self.known = True
+        ms = min(ms, 2.0 * self.predict(width) + 2.0)
+        x = (1.0, float(width - 1))
+        for i in range(2):
+            for j in range(2):  # decay toward the prior, not toward zero
+                self.A[i][j] = DECAY * self.A[i][j] + (1 - DECAY) * (self.weight if i == j else 0.0) + x[i] * x[j]
+            self.r[i] = DECAY * self.r[i] + (1 - DECAY) * self.weight * self.prior[i] + x[i] * ms
+        det = self.A[0][0] * self.A[1][1] - self.A[0][1] * self.A[1][0]
+        self.coef = [(self.A[1][1] * self.r[0] - self.A[0][1] * self.r[1]) / det,
+                     (self.A[0][0] * self.r[1] - self.A[1][0] * self.r[0]) / det]
+
+    def remember(self) -> None:
+        self.memory[self.key] = tuple(self.coef)
+
+
+class PartGate:
+    """Whether a drafter part runs next step: while its recent gain pays for its cost, else after a wait
+    that doubles each time a trial does not pay (1, 2, 4, ... MAX_WAIT steps)."""
+
+    def __init__(self):
+        self.gain = None  # tokens per step its nodes earned (decayed mean over the steps it ran)
+        self.nodes = 0.0  # rows per sequence its kept nodes took (decayed mean)
+        self.cost = 0.0  # ms its drafting took (decayed mean)
+        self.open, self.wait, self.left = True, 1, 0
+
+    def due(self) -> bool:
+        if self.open:
+            return True
+        self.left -= 1
+        return self.left <= 0
+
+    def record(self, gain: float, nodes: float, cost: float, cap: float = math.inf) -> None:
+        first = self.gain is None
+        self.gain = gain if first else 0.7 * self.gain + 0.3 * gain
+        self.nodes = nodes if first else 0.7 * self.nodes + 0.3 * nodes
+        # a one-time cost (the first call's warm-up) counts at most twice the mean plus 1 ms (the first
+        # record: at most `cap`, a plain step's time)
+        self.cost = min(cost, cap) if first else 0.7 * self.cost + 0.3 * min(cost, 2.0 * self.cost + 1.0)
+
+    def judge(self, pays: bool, max_wait: int = MAX_WAIT) -> None:
+        if pays:
+            self.open, self.wait = True, 1
+        else:
+            self.wait = min(2 if self.open else 2 * self.wait, max_wait)
+            self.open, self.left = False, self.wait
+
+
+class AdaptiveBudget:
+    """One run's adaptive policy (see the module docstring). The loop calls, per step:
+    parts = plan() -> propose(drafter, state, root, seqlens, active, parts): the proposal to verify, or None
+    for a plain step (no part ran: the loop calls skip_step and plain_step) -> observe(accept_indices) after
+    the step's host read. `cap`: most nodes a sequence verifies per step; a drafter whose proposals are not
+    prunable (lookahead: its nodes have fixed roles) has a proposal verified whole or drafts nothing."""
+
+    def __init__(self, drafter, batch: int, cap: int, model, device: torch.device, *, clock=time.perf_counter):
+        self.parts = tuple(drafter.parts)
+        self.prunable = drafter.prunable_proposals
+        self.cap, self.batch, self.device = cap, batch, device
+        self.memory = memory(drafter, "memory")
+        self.calib = Calibration(batch, len(self.parts), self.memory, device)
+        self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type)
+        self.gate_key = ("gates", batch, device.type)
+        self.gates = [copy.copy(g) for g in self.memory.get(self.gate_key, ())] or [PartGate() for _ in self.parts]
+        self.clock = clock
+        self.first = not self.costs.known  # without an earlier run's costs the first step is plain: it times a
+        self.host_s = 0.0  # the policy's own host time
+        self.last_t = None
+        # the step in flight: (parts ran, their drafting ms, verified width, the verified nodes' keys / depths /
+        # valid / parents / groups or None, active [B] float or None)
+        self.step = None
+
+    # ---- before proposing -------------------------------------------------------------------------
+    def begin(self) -> None:
+        """The loop starts: the first step's time counts from here."""
+        self.last_t = self.clock()
+
+    def plan(self) -> tuple[bool, ...]:
+        """Which parts draft this step (all False: a plain step)."""
+        t0 = self.clock()
+        run = tuple(False for _ in self.parts) if self.first else tuple(g.due() for g in self.gates)
+        self.host_s += self.clock() - t0
+        return run
+
+    def plain_step(self) -> None:
+        """No part drafted this step."""
+        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None)
+
+    # ---- proposing ---------------------------------------------------------------------------------
+    def propose(self, drafter, state, root: torch.Tensor, seqlens: torch.Tensor, active: torch.Tensor,
+                parts: tuple[bool, ...]) -> Proposal | None:
+        """The drafter's proposal with `parts`, cut to the width that maximises expected tokens per ms (a
+        TreeBatch; the proposal itself when nothing is cut), or None: verify the root alone (a plain step).
+        active [B] (0: finished)."""
+        drafter.set_parts(state, parts)
+        t0 = self.clock()
+        prop = drafter.propose(state, root, seqlens)
+        t1 = self.clock()
+        part_ms = drafter.part_times(state)  # seconds per part where the drafter times them, else the whole call
+        if part_ms is None:
+            ran = max(sum(parts), 1)
+            part_ms = [(t1 - t0) * 1e3 / ran if r else 0.0 for r in parts]
+        else:
+            part_ms = [x * 1e3 for x in part_ms]
+        tokens, tree = prop.tokens, prop.tree
+        B, T0 = tokens.shape
+        dev = tokens.device
+        if isinstance(tree, Tree):
+            parents = tree.parents.to(dev).expand(B, T0)
+            depths = tree.depths.to(dev).expand(B, T0)
+            valid = torch.ones(B, T0, dtype=torch.bool, device=dev)
+            mask = tree.mask.to(dev).expand(B, T0, T0)
+        else:
+            parents, depths, valid, mask = tree.parents, tree.depths, tree.valid, tree.mask
+        groups = prop.groups if prop.groups is not None else torch.zeros(B, T0, dtype=torch.long, device=dev)
+        signal = prop.signal if prop.signal is not None else sibling_rank(parents)
+        keys = self.calib.keys(groups, depths, signal)
+        rate = self.calib.rates(keys).clamp(1e-6, 1.0)
+        # log P(j) = sum of log rates over j's ancestors-or-self, the root excluded (its rate is 1)
+        logr = torch.where(depths > 0, rate.log(), torch.zeros_like(rate))
+        P = torch.where(valid, torch.exp(torch.bmm(mask.float(), logr[:, :, None]))[:, :, 0], torch.zeros_like(rate))
+        order = torch.sort(P, dim=1, descending=True, stable=True).indices  # root first, parents before children
+        act = active.to(P.dtype)
+        expected = (P.gather(1, order).cumsum(1) * act[:, None]).sum(0).tolist()  # [T0]: tokens of the best w nodes
+        # a proposal that cannot be cut is verified whole once drafted (its drafter expects that step)
+        widths = range(1, min(self.cap, T0) + 1) if self.prunable else (T0,)
+        drafted = sum(part_ms)  # paid already, by every width alike
+        rate = {w: expected[w - 1] / (drafted + self.costs.predict(w)) for w in widths}
+        best = max(widths, key=rate.get)
+        if self.prunable and best > 1 and rate[best] < MARGIN * rate[1]:
+            best = 1
+        if best == T0:
+            out, vp = prop, (keys, depths, valid, parents, groups)
+        elif best > 1:
+            sel = order[:, :best].sort(dim=1).values  # kept node ids, in tree order
+            out = _cut(prop, parents, depths, mask, valid, sel)
+            vp = (keys.gather(1, sel), depths.gather(1, sel), out.tree.valid, out.tree.parents, groups.gather(1, sel))
+        else:
+            out, vp = None, None
+        self.step = (parts, part_ms, best, vp, act)
+        self.host_s += self.clock() - t1
+        return out
+
+    # ---- after the step ---------------------------------------------------------------------------
+    def observe(self, accept_indices: torch.Tensor | None) -> None:
+        """accept_indices [B, D+1]: the verified tree's node ids along the accepted path (-1 past it; None
+        for a plain step), after the step's host read. Times the step, learns the rates, judges the parts."""
+        t0 = self.clock()
+        parts, part_ms, width, vp, act = self.step
+        if self.last_t is not None:
+            self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
+        self.first = False
+        earned, rows = [0.0] * len(parts), [0.0] * len(parts)
+        if vp is not None and accept_indices is not None:
+            keys, depths, valid, parents, groups = vp
+            B, T = keys.shape
+            on_path = torch.zeros(B, T + 1, device=keys.device)
+            on_path.scatter_(1, torch.where(accept_indices >= 0, accept_indices, T), 1.0)
+            on_path = on_path[:, :T] * act[:, None]  # a sequence finished before the step accepts nothing
+            drafted = valid & (depths > 0)
+            tested = on_path.gather(1, parents.clamp(min=0)) * drafted
+            accepted = on_path * drafted
+            self.calib.update(keys, tested, accepted)
+            n_active = max(float(act.sum()), 1.0)
+            for p, ran in enumerate(parts):  # what each part earned: accepted nodes, and rows per sequence
+                if ran:
+                    mine = (groups == p) & drafted
+                    earned[p], rows[p] = float((accepted * mine).sum()), float(mine.sum()) / n_active
+        # a part pays while (tokens without it + its gain) / (time without it + its cost) beats the rate
+        # without it, i.e. gain * time_without > its_time * tokens_without
+        n_seq = float(act.sum()) if act is not None else float(self.batch)
+        for p, ran in enumerate(parts):
+            if ran:
+                self.gates[p].record(earned[p], rows[p], part_ms[p], self.costs.predict(1))
+        for p, ran in enumerate(parts):
+            if not ran:
+                continue
+            g = self.gates[p]
+            others = [q for q, r in enumerate(parts) if r and q != p]
+            tokens_without = n_seq + sum(self.gates[q].gain for q in others)
+            time_without = self.costs.predict(1) + sum(self.gates[q].cost for q in others)
+            its_time = g.cost + max(self.costs.coef[1], 0.0) * g.nodes
+            # a trial's price is its drafting (its rows are verified only where they are worth their cost)
+            max_wait = min(MAX_WAIT, max(2, math.ceil(g.cost / (PROBE_SHARE * self.costs.predict(1)))))
+            g.judge(g.gain * time_without > MARGIN * its_time * tokens_without, max_wait)
+        self.last_t = self.clock()
+        self.host_s += self.last_t - t0
+
+    def finish(self) -> None:
+        self.calib.remember()
+        self.costs.remember()
+        self.memory[self.gate_key] = [copy.copy(g) for g in self.gates]
+
+
+def sibling_rank(parents: torch.Tensor) -> torch.Tensor:
+    """parents [B, T] -> each node's rank among its siblings (0: its parent's first child) [B, T]."""
+    T = parents.shape[1]
+    same = parents[:, :, None] == parents[:, None, :]  # [B, i, j]
+    earlier = torch.ones(T, T, dtype=torch.bool, device=parents.device).tril(-1)
+    return (same & earlier).sum(2)
+
+
+def _cut(prop: Proposal, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
+         sel: torch.Tensor) -> Proposal:
+    """The proposal restricted to nodes sel [B, T] (increasing ids, each node's parent among them) as a
+    TreeBatch of T nodes (TreeBatch.kept)."""
+    B, T = sel.shape
+    positions = None if prop.positions is None else prop.positions.gather(1, sel)
+    probs = None if prop.draft_probs is None else \
+        prop.draft_probs.gather(1, sel[:, :, None].expand(B, T, prop.draft_probs.shape[-1]))
+    return Proposal(prop.tokens.gather(1, sel), TreeBatch.kept(parents, depths, mask, valid, sel), positions, probs)

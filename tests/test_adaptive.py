@@ -1,0 +1,190 @@
+"""The adaptive draft budget (hydra_kernels/adaptive.py): greedy output stays plain greedy's for every
+family whatever the policy chooses (random costs and part gates force every width, part subset, a plain
+step after proposing, and no drafting at all); a cut proposal is the induced subtree of the kept nodes;
+the policy drafts where the learned acceptance pays for the measured rows and not where it does not; the
+run's figures (per-sequence nodes, acceptance by depth, the policy's host time) add up; budget='adaptive'
+and the default are wired as documented. Sampling exactness with the policy on: test_sampling_exactness.py
+(its "adaptive-..." settings)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels import adaptive
+from hydra_kernels.adaptive import AdaptiveBudget, _cut, sibling_rank
+from hydra_kernels.budget import choose
+from hydra_kernels.drafters.protocol import Proposal
+from hydra_kernels.generate import generate
+from hydra_kernels.tree import TreeBatch
+from test_budget import FAMILIES, PROMPTS, make, model  # noqa: F401 (model: the fixture)
+
+
+def randomise_policy(monkeypatch, seed: int) -> None:
+    """Costs and gates from a seeded RNG: every step's width and parts are arbitrary (never the draws')."""
+    rng = random.Random(seed)
+    monkeypatch.setattr(adaptive, "memory", lambda owner, name: {})  # no earlier run's learning: any test order
+    monkeypatch.setattr(adaptive.StepCosts, "predict", lambda self, w: rng.uniform(1.0, 4.0) * (1 + rng.random() * (w - 1)))
+    monkeypatch.setattr(adaptive.PartGate, "due", lambda self: rng.random() < 0.8)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_any_choice_of_the_policy_is_lossless(model, name, monkeypatch):  # noqa: F811
+    """budget='adaptive' with random costs and gates: plain greedy's tokens, batched, ragged prompts; the
+    steps verified plain steps and cut trees of several widths."""
+    randomise_policy(monkeypatch, seed=len(name))
+    d, tree = make(model, name)
+    plain = generate(model, PROMPTS, max_new_tokens=24, eos_token_id=[])
+    out = generate(model, PROMPTS, drafter=d, tree=tree, budget="adaptive", max_new_tokens=24, eos_token_id=[],
+                   backend="reference")
+    assert out.sequences == plain.sequences
+    assert 1 in out.step_nodes and len(set(out.step_nodes)) >= 2, out.step_nodes
+    assert [len(s) for s in out.seq_step_nodes] == [len(a) for a in out.accept_lengths]
+    assert all(a >= 0 for a in out.depth_accepted)
+    assert all(x <= y for x, y in zip(out.depth_accepted[1:], out.depth_drafted[1:]))
+
+
+def test_the_real_policy_is_lossless_on_the_real_model():
+    """The embedded SmolLM2 (quantized CPU base) and the shipped default drafter, timed costs (no
+    randomisation): identical to plain greedy, batch 1 and batch 3, and the policy's host time is reported."""
+    m, tok = hk.load_model()
+    d = hk.load_drafter(model=m)
+    from hydra_kernels.chat import chat_prompt_ids
+
+    prompts = [chat_prompt_ids(tok, p) for p in ("Repeat after me: the quick brown fox jumps over the lazy dog. "
+                                                 "The quick brown fox jumps over the lazy dog.",
+                                                 "Name three colours.", "Write a haiku about rain.")]
+    for batch in (prompts[:1], prompts):
+        plain = generate(m, batch, max_new_tokens=40)
+        out = generate(m, batch, drafter=d, max_new_tokens=40, budget="adaptive")
+        assert out.sequences == plain.sequences
+        assert out.policy_s > 0 and len(out.step_nodes) == out.num_steps
+
+
+def test_a_cut_is_the_induced_subtree():
+    """_cut keeps the chosen nodes' tokens, positions and draft rows, and each kept node's ancestors are
+    exactly its original ancestors among the kept nodes."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 3, 9
+    parents = torch.full((B, T), -1, dtype=torch.long)
+    for b in range(B):
+        for j in range(1, T):
+            parents[b, j] = int(torch.randint(0, j, (1,), generator=g))
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[2, 6:] = False  # a shorter tree in the batch
+    parents[2, 6:] = -1
+    tree = TreeBatch(parents, valid)
+    tokens = torch.randint(0, 50, (B, T), generator=g)
+    positions = torch.randint(0, 50, (B, T), generator=g)
+    probs = torch.rand(B, T, 7, generator=g)
+    # keep a parent-closed set per sequence: the root and the first 4 nodes' closure
+    sel = []
+    for b in range(B):
+        keep = {0}
+        for j in range(1, T):
+            if len(keep) < 5 and bool(valid[b, j]) and int(parents[b, j]) in keep:
+                keep.add(j)
+        keep = sorted(keep) + [j for j in range(T) if j not in keep][: 5 - len(keep)]
+        sel.append(sorted(keep[:5]))
+    sel = torch.tensor(sel)
+    cut = _cut(Proposal(tokens, tree, positions, probs), tree.parents, tree.depths, tree.mask, tree.valid, sel)
+    again = TreeBatch(cut.tree.parents, cut.tree.valid)  # the constructor's own build of the same trees
+    for name in ("parents", "depths", "mask", "valid", "paths"):
+        assert torch.equal(getattr(cut.tree, name), getattr(again, name)), name
+    assert torch.equal(cut.tokens, tokens.gather(1, sel)) and torch.equal(cut.positions, positions.gather(1, sel))
+    assert torch.equal(cut.draft_probs, probs[torch.arange(B)[:, None], sel])
+    for b in range(B):
+        for i in range(5):
+            if not bool(cut.tree.valid[b, i]):
+                continue
+            old = int(sel[b, i])
+            want = {k for k in range(5) if bool(tree.mask[b, old, int(sel[b, k])])}
+            got = {k for k in range(5) if bool(cut.tree.mask[b, i, k])}
+            assert got == want, (b, i)
+
+
+def test_sibling_rank():
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 0, 3]])
+    assert sibling_rank(parents).tolist() == [[0, 0, 1, 0, 1, 2, 0]]
+
+
+class OneChainDrafter:
+    """A stand-in drafter for the policy alone: a chain of 4 nodes per sequence."""
+
+    parts = ("draft",)
+    prunable_proposals = True
+
+    def set_parts(self, state, parts):
+        pass
+
+    def part_times(self, state):
+        return [0.0]
+
+    def propose(self, state, root, seqlens):
+        B = root.shape[0]
+        return Proposal(torch.arange(5).expand(B, 5).clone(), hk.tree.chain(4))
+
+
+def learned_policy(rate: float, row_ms: float, batch: int = 2) -> AdaptiveBudget:
+    p = AdaptiveBudget(OneChainDrafter(), batch, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+    p.calib.tested.fill_(1000.0)
+    p.calib.accepted.fill_(1000.0 * rate)
+    p.costs.coef = [10.0, row_ms]
+    return p
+
+
+@pytest.mark.parametrize("rate, row_ms, width", [(0.9, 0.5, 5), (0.9, 100.0, 1), (0.05, 2.0, 1), (0.5, 1.0, 3),
+                                                 (0.2, 1.0, 1)])
+def test_the_policy_drafts_only_what_pays(rate, row_ms, width):
+    """Chain nodes accepted at `rate` each, a row costing row_ms beside a 10 ms step: the width chosen
+    maximises (1 + rate + rate^2 + ...) / (10 + row_ms (w - 1)) (0.5 / 1 ms: 1.75 / 12 beats 1.5 / 11 and
+    1.875 / 13), where it beats a plain step by adaptive.MARGIN (0.2 / 1 ms: 1.2 / 11 is 1.09x 1 / 10: plain)."""
+    p = learned_policy(rate, row_ms)
+    d = OneChainDrafter()
+    out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+    got = 1 if out is None else out.tree.num_nodes
+    assert got == width
+    r = {w: sum(rate**k for k in range(w)) / (10 + row_ms * (w - 1)) for w in range(1, 6)}
+    expect = max(r, key=r.get)
+    assert got == (expect if r[expect] >= adaptive.MARGIN * r[1] else 1)
+
+
+def test_learning_and_the_gate():
+    """Accepted chains raise the learned rate; a part that earns nothing while it costs is held back and
+    tried again after a growing wait."""
+    p = learned_policy(0.4, 0.5, batch=1)
+    p.calib.tested.zero_(), p.calib.accepted.zero_()
+    d = OneChainDrafter()
+    before = float(p.calib.rates(torch.zeros(1, 1, dtype=torch.long)))
+    for _ in range(20):  # every verified chain accepted whole
+        out = p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
+        n = out.tree.num_nodes if out is not None else 1
+        p.observe(torch.arange(n)[None] if out is not None else None)
+    after = float(p.calib.rates(torch.zeros(1, 1, dtype=torch.long)))
+    assert after > 0.9 > before
+    gate = adaptive.PartGate()
+    gate.record(0.0, 1.0, 5.0)
+    gate.judge(False)
+    waits = []
+    for _ in range(3):
+        n = 1
+        while not gate.due():
+            n += 1
+        waits.append(n)
+        gate.judge(False)
+    assert waits == [2, 4, 8]
+
+
+def test_budget_argument():
+    """'adaptive' is accepted with or without a tree; None keeps the table / full tree; a bad string names
+    the choices."""
+    d = hk.new_drafter(hk.Llama.from_hf(__import__("test_llama_vs_transformers").make_hf("gqa3-tied", seed=5)),
+                       kind="ngram")
+    tree = d.resolve_tree(None, "cpu")
+    assert choose("adaptive", d, tree, None, "cpu").adaptive
+    assert choose("adaptive", d, tree, "chain-3", "cpu").adaptive
+    assert not choose(None, d, tree, None, "cpu").adaptive
+    with pytest.raises(ValueError, match="'adaptive', 'auto' or a node count"):
+        choose("fast", d, tree, None, "cpu")
