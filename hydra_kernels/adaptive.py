@@ -6,8 +6,8 @@ Per step, two decisions:
    "heads", one "draft" part elsewhere). A part runs while what it earned (its accepted tokens per step,
    an average over the recent steps it ran) beats what it costs (its measured drafting time and the rows
    its nodes took) at the current throughput; a part held back is tried again after 2, 4, 8 ... steps, at
-   most MAX_WAIT and at most as rarely as keeps its trials under PROBE_SHARE of the time. No part
-   running is a plain step (Drafter.skip_step), with no drafting cost.
+   most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time. No part running
+   is a plain step (Drafter.skip_step), with no drafting cost.
 2. After proposing, how many nodes each sequence verifies: every node j gets P(j) = the probability
    that the whole path root..j is accepted, the product of its ancestors' conditional acceptance rates;
    each sequence keeps its T best nodes (P never grows down a path and ties keep the lower index, so the
@@ -35,6 +35,10 @@ step's acceptance draws, and rejection acceptance is exact for any tree fixed be
 emitted tokens keep the base law (tests/test_sampling_exactness.py checks it with the statistical
 harness). What the policy changes is which random numbers a step consumes: a seeded sampled run is exact
 but, unlike a pinned budget, not token-for-token reproducible (the measured times steer it).
+
+Host reads: the policy reads small device tensors (the expected tokens per width, the cut tree's depth and
+leaf count, each part's accepted count): free on the CPU, where it is measured; on a GPU each is a sync
+the one-host-read loop does not have (generate() runs the adaptive budget in the eager loop there).
 """
 from __future__ import annotations
 
@@ -54,9 +58,9 @@ RUN_PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior behind the run's rate
 SEQ_PRIOR_WEIGHT = 4.0  # pseudo-observations of the run's rate behind a sequence's
 DECAY = 0.97  # per step: counts and costs remember ~30 steps (the text and the context drift)
 MAX_WAIT = 64  # most steps a held-back part waits before it is tried again
-# a held-back part's trials cost at most this share of the decoding time: its wait is capped at
-# (its drafting time) / (PROBE_SHARE * a plain step), so a cheap part (the n-gram lookup) is tried every
-# few steps and catches the text's copy bursts, a dear one (the heads) more rarely
+# a held-back part's wait is capped where its trials would cost this share of the decoding time, (its
+# drafting time) / (PROBE_SHARE * a plain step) steps: a cheap part (the n-gram lookup) is tried every few
+# steps, at about that cost, and catches the text's copy bursts; a dear one (the heads) waits up to MAX_WAIT
 PROBE_SHARE = 0.01
 # a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
 # factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
@@ -96,10 +100,14 @@ class Calibration:
         seq = (self.seq_accepted + SEQ_PRIOR_WEIGHT * run) / (self.seq_tested + SEQ_PRIOR_WEIGHT)  # [B, K]
         return seq.gather(1, keys)
 
-    def update(self, keys: torch.Tensor, tested: torch.Tensor, accepted: torch.Tensor) -> None:
-        """keys [B, T]; tested / accepted float [B, T] (0 / 1)."""
+    def decay(self) -> None:
+        """Every step, verified or not: counts fade, so a key that stops being verified drifts back to its
+        prior and is tried again (a low rate learned once is not kept for good)."""
         for t in (self.tested, self.accepted, self.seq_tested, self.seq_accepted):
             t.mul_(DECAY)
+
+    def update(self, keys: torch.Tensor, tested: torch.Tensor, accepted: torch.Tensor) -> None:
+        """keys [B, T]; tested / accepted float [B, T] (0 / 1)."""
         self.seq_tested.scatter_add_(1, keys, tested)
         self.seq_accepted.scatter_add_(1, keys, accepted)
         self.tested.index_add_(0, keys.flatten(), tested.flatten())
@@ -114,31 +122,39 @@ class Calibration:
 class StepCosts:
     """A step's wall time without its drafting (ms) ~ a + b (T - 1), T the verified nodes per sequence,
     fitted by decayed ridge regression toward a prior (the previous run's fit, else a guess scaled by the
-    first plain step). One observation counts at most twice its prediction plus 2 ms: a one-time cost (a
+    first plain steps). One observation counts at most twice its prediction plus 2 ms: a one-time cost (a
     first call's warm-up, a page fault) must not teach the policy that rows are dear for the rest of a run."""
+
+    PLAIN_STEPS_TO_SCALE = 3  # the guess follows the fastest of the first plain steps (the first may catch up
+    # a drafter's layer over the whole prompt: EAGLE's, Amphista's skip_step)
 
     def __init__(self, memory: dict, key, device_type: str):
         self.memory, self.key = memory, key
         prior = memory.get(key)
         self.known = prior is not None
-        # until the first plain step is timed: a row costs 0.05 of a step on the CPU (weights streamed per
-        # row group), ~0 on a GPU (a step is memory-bound well past 16 rows)
-        self.prior = list(prior) if prior is not None else [10.0, 0.5 if device_type == "cpu" else 0.05]
+        # until plain steps are timed: a row costs 0.05 of a step on the CPU (weights streamed per row group),
+        # ~0 on a GPU (a step is memory-bound well past 16 rows)
+        self.row_share = 0.05 if device_type == "cpu" else 0.005
+        self.prior = list(prior) if prior is not None else [10.0, 10.0 * self.row_share]
         self.weight = 3.0 if prior is not None else 1.0
         self.A = [[self.weight, 0.0], [0.0, self.weight]]
         self.r = [self.weight * p for p in self.prior]
         self.coef = list(self.prior)
+        self.plain_seen, self.wide_seen = 0, False
 
     def predict(self, width: int) -> float:
         return max(self.coef[0] + self.coef[1] * (width - 1), 1e-3)
 
     def observe(self, width: int, ms: float) -> None:
-        if not self.known and width == 1:  # the first plain step scales the guess
-            scale = ms / self.prior[0]
-            self.prior = [p * scale for p in self.prior]
-            self.coef = list(self.prior)
-            self.r = [self.weight * p for p in self.prior]
-            self.known = True
+        if not self.known and width == 1 and self.plain_seen < self.PLAIN_STEPS_TO_SCALE:
+            self.plain_seen += 1
+            if self.plain_seen == 1 or ms < self.prior[0]:  # the guess scaled to the fastest plain step yet
+                self.prior = [ms, ms * self.row_share]
+                self.A = [[self.weight, 0.0], [0.0, self.weight]]
+                self.r = [self.weight * p for p in self.prior]
+                self.coef = list(self.prior)
+                return
+        self.wide_seen = self.wide_seen or width > 1
         ms = min(ms, 2.0 * self.predict(width) + 2.0)
         x = (1.0, float(width - 1))
         for i in range(2):
@@ -150,12 +166,17 @@ class StepCosts:
                      (self.A[0][0] * self.r[1] - self.A[1][0] * self.r[0]) / det]
 
     def remember(self) -> None:
-        self.memory[self.key] = tuple(self.coef)
+        """The next run's prior: the fit, its row cost only where a wide step was timed (a row cost never
+        observed stays a guess, not a learned value)."""
+        if self.known or self.wide_seen:
+            self.memory[self.key] = tuple(self.coef)
+        elif self.plain_seen:
+            self.memory[self.key] = (self.coef[0], self.coef[0] * self.row_share)
 
 
 class PartGate:
     """Whether a drafter part runs next step: while its recent gain pays for its cost, else after a wait
-    that doubles each time a trial does not pay (1, 2, 4, ... MAX_WAIT steps)."""
+    that doubles each time a trial does not pay (2, 4, 8, ... steps, at most the judge's max_wait)."""
 
     def __init__(self):
         self.gain = None  # tokens per step its nodes earned (decayed mean over the steps it ran)
@@ -195,7 +216,7 @@ class AdaptiveBudget:
     def __init__(self, drafter, batch: int, cap: int, model, device: torch.device, *, clock=time.perf_counter):
         self.parts = tuple(drafter.parts)
         self.prunable = drafter.prunable_proposals
-        self.cap, self.batch, self.device = cap, batch, device
+        self.cap, self.batch = cap, batch
         self.memory = memory(drafter, "memory")
         self.calib = Calibration(batch, len(self.parts), self.memory, device)
         self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type)
@@ -264,9 +285,9 @@ class AdaptiveBudget:
         # a proposal that cannot be cut is verified whole once drafted (its drafter expects that step)
         widths = range(1, min(self.cap, T0) + 1) if self.prunable else (T0,)
         drafted = sum(part_ms)  # paid already, by every width alike
-        rate = {w: expected[w - 1] / (drafted + self.costs.predict(w)) for w in widths}
-        best = max(widths, key=rate.get)
-        if self.prunable and best > 1 and rate[best] < MARGIN * rate[1]:
+        per_ms = {w: expected[w - 1] / (drafted + self.costs.predict(w)) for w in widths}
+        best = max(widths, key=per_ms.get)
+        if self.prunable and best > 1 and per_ms[best] < MARGIN * per_ms[1]:
             best = 1
         if best == T0:
             out, vp = prop, (keys, depths, valid, parents, groups)
@@ -289,6 +310,7 @@ class AdaptiveBudget:
         if self.last_t is not None:
             self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
         self.first = False
+        self.calib.decay()
         earned, rows = [0.0] * len(parts), [0.0] * len(parts)
         if vp is not None and accept_indices is not None:
             keys, depths, valid, parents, groups = vp

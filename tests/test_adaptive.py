@@ -188,3 +188,39 @@ def test_budget_argument():
     assert not choose(None, d, tree, None, "cpu").adaptive
     with pytest.raises(ValueError, match="'adaptive', 'auto' or a node count"):
         choose("fast", d, tree, None, "cpu")
+
+
+def test_adaptive_runs_eagerly_where_the_runner_was_asked_for(model):  # noqa: F811
+    """Under runner.static_buffers() (the runner's path on the CPU: a batch of 3 padded to a bucket of 4) the
+    adaptive budget runs the eager loop: no crash on the padded rows, plain greedy's tokens."""
+    from hydra_kernels import runner as R
+
+    d, tree = make(model, "hydra")
+    plain = generate(model, PROMPTS, max_new_tokens=12, eos_token_id=[])
+    with R.static_buffers():
+        out = generate(model, PROMPTS, drafter=d, tree=tree, budget="adaptive", max_new_tokens=12, eos_token_id=[],
+                       backend="reference")
+    assert out.sequences == plain.sequences and out.policy_s > 0
+
+
+def test_step_costs_follow_the_fastest_first_plain_step_and_keep_row_costs_only_when_seen():
+    """A first plain step that caught up a drafter's layer over the prompt (slow) does not set the scale; a row
+    cost never observed is not remembered as learned."""
+    mem = {}
+    c = adaptive.StepCosts(mem, "k", "cpu")
+    for ms in (80.0, 10.0):
+        c.observe(1, ms)
+    assert c.predict(1) == pytest.approx(10.0) and c.coef[1] == pytest.approx(10.0 * c.row_share)
+    c.observe(1, 11.0)  # slower than the scale: an ordinary observation
+    assert 10.0 < c.predict(1) < 11.0
+    for _ in range(5):
+        c.observe(1, 10.0)
+    c.remember()
+    assert mem["k"][1] == pytest.approx(mem["k"][0] * c.row_share)  # no wide step seen: the guess, not a fit
+    c2 = adaptive.StepCosts(mem, "k", "cpu")
+    for _ in range(20):
+        c2.observe(1, 10.0)
+        c2.observe(4, 16.0)  # 2 ms a node
+    assert c2.coef[1] == pytest.approx(2.0, rel=0.1)
+    c2.remember()
+    assert mem["k"][1] == pytest.approx(c2.coef[1])

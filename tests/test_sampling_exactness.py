@@ -296,7 +296,7 @@ def test_adaptive_rejection_sampling_is_exact(model, name, monkeypatch):
     batch = [prompts[i % len(prompts)] for i in range(N)]
     static = getattr(drafter, "num_heads", 0) or isinstance(drafter, CombinedDrafter)
     out = generate(model, batch, drafter=drafter, tree=TREE if static else None, budget="adaptive",
-                   max_new_tokens=NEW, temperature=0.8 if temperature is None else temperature, seed=0,
+                   max_new_tokens=NEW, temperature=temperature, seed=0,
                    acceptance="rejection", eos_token_id=[], backend="reference")
     assert all(len(s) == NEW for s in out.sequences)
     assert max(out.step_nodes) > 1, out.step_nodes  # drafts were verified (a 3-token run has 2-3 steps)

@@ -126,8 +126,9 @@ class Drafter(nn.Module):
         state still follows the text (skip_step's catching up where it needs it). Default: one part."""
 
     def part_times(self, state) -> list[float] | None:
-        """Seconds each part spent drafting in the last propose() (0 for a part held back), for the adaptive
-        budget's costs; None (default): it times the whole propose() call."""
+        """Seconds each part spent in the last propose() (a part held back: what it still did, e.g. the heads'
+        catching up in skip_step), for the adaptive budget's costs; None (default): it times the whole
+        propose() call (catching up included: a conservative price for drafting)."""
         return None
 
     def skip_step(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ class GenerateOutput:
     prefill_s: float = 0.0  # prefill forward and the first token
     decode_s: float = 0.0  # every step after it
     step_nodes: list[int] = field(default_factory=list)  # speculative: each step's node budget (1 = a plain step)
-    # speculative: per sequence, the nodes it verified at each step it was active (root included; 1 = plain)
+    # speculative: per sequence, its proposal's tree nodes at each step it was active (root included; 1 = plain)
     seq_step_nodes: list[list[int]] = field(default_factory=list)
     # speculative: [d] = (sequence, step) pairs whose verified tree reached depth d / whose accepted path did
     depth_drafted: list[int] = field(default_factory=list)
@@ -164,13 +164,16 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     if temperature > 0:
         gen = torch.Generator(device=device)
         gen.manual_seed(seed if seed is not None else int(torch.randint(2**62, ()).item()))
-    if step_budget is not None and step_budget.adaptive and drafter is not None and cuda_graphs is not False:
-        if cuda_graphs:  # the runner's steps report no node ids, which the adaptive budget learns from
+    if step_budget is not None and step_budget.adaptive and drafter is not None:
+        # the runner's steps report no node ids (what the adaptive budget learns from) and pad the batch to a
+        # bucket: the eager loop, whatever asked for the runner (cuda_graphs, runner.static_buffers())
+        if cuda_graphs:
             warnings.warn("budget='adaptive' runs the eager loop (the decode runner cannot report which nodes "
                           "were accepted yet); pass budget='auto' or an int to replay steps from CUDA graphs",
                           RuntimeWarning, stacklevel=2)
-        cuda_graphs = False
-    runner = runners.choose(cuda_graphs, model, drafter, acceptance, temperature)
+        runner = None
+    else:
+        runner = runners.choose(cuda_graphs, model, drafter, acceptance, temperature)
 
     B = len(prompts)
     bufs, sampler = None, None
