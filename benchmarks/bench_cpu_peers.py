@@ -15,7 +15,7 @@ CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU's instructions); without it its rows 
 says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
 
     python benchmarks/bench_cpu_peers.py [--mtbench 8] [--editing 4] [--new-tokens 128] [--rounds 2]
-        [--threads 2] [--decoders plain combined llama.cpp llama.cpp-lookup transformers plain-fp32]
+        [--threads 2] [--decoders plain combined combined-adaptive llama.cpp llama.cpp-lookup transformers plain-fp32]
         [--rss] [--prefill 2048] [--out benchmarks/results]
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from report import print_table, write_results
 import hydra_kernels as hk
 from hydra_kernels.generate import generate
 
-ALL_DECODERS = ["plain", "combined", "llama.cpp", "llama.cpp-lookup", "transformers", "plain-fp32"]
+ALL_DECODERS = ["plain", "combined", "combined-adaptive", "llama.cpp", "llama.cpp-lookup", "transformers", "plain-fp32"]
 
 
 def have_llama_cpp() -> bool:
@@ -47,13 +47,13 @@ def have_llama_cpp() -> bool:
 
 
 class Ours:
-    """generate() on a model (quantized or fp32), plain or with a drafter."""
+    """generate() on a model (quantized or fp32), plain or with a drafter (and its budget)."""
 
-    def __init__(self, model, drafter=None):
-        self.model, self.drafter = model, drafter
+    def __init__(self, model, drafter=None, budget=None):
+        self.model, self.drafter, self.budget = model, drafter, budget
 
     def run(self, ids: list[int], n: int) -> list[int]:
-        return generate(self.model, [ids], drafter=self.drafter, max_new_tokens=n).sequences[0]
+        return generate(self.model, [ids], drafter=self.drafter, max_new_tokens=n, budget=self.budget).sequences[0]
 
 
 class LlamaCpp:
@@ -108,6 +108,8 @@ def build(name: str, gguf: Path, threads: int, quantized, fp32, model_dir: Path)
         return Ours(quantized)
     if name == "combined":
         return Ours(quantized, hk.load_drafter(model=quantized))
+    if name == "combined-adaptive":  # the same drafter, each step's draft sized by its expected gain
+        return Ours(quantized, hk.load_drafter(model=quantized), budget="adaptive")
     if name == "plain-fp32":
         return Ours(fp32)
     if name.startswith("llama.cpp"):
@@ -133,7 +135,8 @@ def rss_probe(decoder: str, threads: int) -> None:
     from hydra_kernels.model.pretrained import embedded_gguf_path
 
     model, tok = hk.load_model(weights="fp32" if decoder == "plain-fp32" else None)
-    dec = Ours(model, hk.load_drafter(model=model) if decoder == "combined" else None)
+    dec = Ours(model, hk.load_drafter(model=model) if decoder.startswith("combined") else None,
+               budget="adaptive" if decoder == "combined-adaptive" else None)
     dec.run(chat_prompt_ids(tok, "Explain how a hash map works."), 64)
     print(json.dumps({"decoder": decoder, "peak_rss_mb": peak_rss_mb()}))
 

@@ -1,5 +1,6 @@
 """The native small-M packed linear (csrc/packed_linear_cpu.cpp: pack_linear_weight / packed_linear, the
-CPU model's and draft heads' linears) against fp64 matmuls on fresh random inputs with awkward shapes;
+CPU model's and draft heads' linears; its panel loop: csrc/panel_loop.h, N not a multiple of the 64-column
+panel and M not one of the row tile below) against fp64 matmuls on fresh random inputs with awkward shapes;
 the Linear module that uses it; the CPU feature check that decides its AVX-512 path."""
 import platform
 from pathlib import Path

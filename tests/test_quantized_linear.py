@@ -1,5 +1,6 @@
 """The native quantized linear (csrc/quantized_linear_cpu.cpp: pack_quantized_weight / quantized_linear /
-quantized_rows) on fresh random blocks with awkward shapes, on every ISA this machine runs (the AVX2 and
+quantized_rows; its panel loop over threads, row tiles and the padded bias row is csrc/panel_loop.h, shared
+with the fp32 kernel, so these shapes test it on every ISA) on fresh random blocks with awkward shapes, on every ISA this machine runs (the AVX2 and
 portable paths forced on an AVX-512 machine): bit-identical to the fp32 packed kernel on the dequantized
 weight (its definition: the same in-order FMA chain), within fp32 accuracy of an fp64 matmul, each row
 independent of the rows beside it; the GGUF block decoders against gguf's own dequantize, bit for bit."""
