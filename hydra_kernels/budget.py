@@ -100,7 +100,7 @@ class StepBudget:
         is adaptive, else None."""
         if not self.adaptive:
             return None
-        from .adaptive import AdaptiveBudget
+        from .adaptive import AdaptiveBudget  # here, not at the top: adaptive imports the drafters, which import us
 
         return AdaptiveBudget(drafter, batch, cap, model, device)
 

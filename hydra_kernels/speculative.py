@@ -18,7 +18,7 @@ from .budget import StepBudget
 from .drafters.protocol import Proposal
 from .emit import Emitter
 from .sampling import filter_top_k_top_p
-from .tree import Tree
+from .tree import Tree, TreeBatch
 
 
 def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root, emitter: Emitter, *,
@@ -133,13 +133,16 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.num_steps += 1
         # the one host read of the step: per sequence its tree's nodes and depth, the accepted tokens (root
         # first, already emitted), the next root and the committed length
-        if isinstance(tr, Tree):
-            shape = torch.tensor([tr.num_nodes, tr.depth], device=dev).expand(B, 2)
-        else:
-            shape = torch.stack([tr.valid.sum(1), tr.depths.max(1).values], 1)
-        rows = torch.cat([shape, accepted_tokens, root[:, None], n[:, None]], dim=1).tolist()
-        record_step(stats, [(r[0], r[1]) for r in rows], [r[-1] for r in rows])
-        _emit_step(drafter, state, [r[2:] for r in rows], target, host_seqlens, emitter, active)
+        report = [accepted_tokens, root[:, None], n[:, None]]
+        if isinstance(tr, TreeBatch):  # each sequence's own tree size and depth ride on the same read
+            report = [tr.valid.sum(1, keepdim=True), tr.depths.amax(1, keepdim=True)] + report
+        rows = torch.cat(report, dim=1).tolist()
+        if isinstance(tr, TreeBatch):
+            shapes, rows = [(r[0], r[1]) for r in rows], [r[2:] for r in rows]
+        else:  # a static tree: known on the host
+            shapes = [(tr.num_nodes, tr.depth)] * B
+        record_step(stats, shapes, [r[-1] for r in rows])
+        _emit_step(drafter, state, rows, target, host_seqlens, emitter, active)
         last_accept[0] = v.accept_indices
         return root
 
