@@ -232,7 +232,7 @@ def graphs_main(argv=None) -> list[dict]:
                 with ctx:
                     out = generate(ours, prompts, drafter=drafter, max_new_tokens=n, eos_token_id=[],
                                    cuda_graphs=graphs)
-                return out.sequences, out.mean_accepted_tokens
+                return out.sequences, out.mean_accepted_tokens, out.num_steps
 
             def hf_run(compiled):
                 x = torch.tensor(prompts, device=dev)
@@ -240,7 +240,7 @@ def graphs_main(argv=None) -> list[dict]:
                 y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                 pad_token_id=0, **kw)
                 assert y.shape[1] == x.shape[1] + n, "transformers stopped early: the work would not be equal"
-                return y[:, x.shape[1]:].tolist(), float("nan")
+                return y[:, x.shape[1]:].tolist(), float("nan"), None
 
             decoders = {("ours plain", "eager"): lambda: ours_run(None, False),  # (decoder, mode) -> run
                         ("ours plain", "graphs"): lambda: ours_run(None, True),
@@ -257,9 +257,10 @@ def graphs_main(argv=None) -> list[dict]:
             for r in range(args.reps):
                 rot = order[r % len(order):] + order[:r % len(order)]
                 for k in rot:
-                    t, (seq, steps) = timed(decoders[k])
+                    t, (seq, steps, _) = timed(decoders[k])
                     times[k].append(B * n / t)
                     seqs[k], tps[k] = seq, steps
+            replay = {k: replay_profile(ours, decoders[k]) for k in decoders if k[1] == "graphs"}
             ceiling = B / (step_bytes(ours, B, args.prompt_tokens + n // 2, 1) / (bw * 1e9))  # tokens/s at the ceiling
             for k, v in times.items():
                 tok_s = statistics.median(v)
@@ -270,11 +271,21 @@ def graphs_main(argv=None) -> list[dict]:
                 rows.append(dict(shapes=shapes, decoder=k[0], mode=k[1], batch=B, tokens_per_s=round(tok_s, 1),
                                  copy_fraction=round(tok_s / ceiling, 3), identical=same,
                                  tokens_per_step=round(tps[k], 2) if tps[k] == tps[k] else "",
+                                 **replay.get(k, dict.fromkeys(PROFILE_COLUMNS, "")), same_as_plain="",
                                  device=name, dtype=args.dtype, prompt_tokens=args.prompt_tokens, new_tokens=n,
                                  copy_gbs=round(bw, 1), runs=len(v)))
-            for k in decoders:  # ours n-gram must stay lossless in both modes
-                if k[0] == "ours n-gram":
-                    assert seqs[k] == seqs["ours plain", k[1]], f"{k}: n-gram drafting changed the output"
+            for row in rows[-len(decoders):]:  # n-gram drafting vs plain decoding, same mode: lossless = 1.0
+                if row["decoder"] == "ours n-gram":
+                    got, want = seqs["ours n-gram", row["mode"]], seqs["ours plain", row["mode"]]
+                    row["same_as_plain"] = round(sum(a == b for a, b in zip(got, want)) / B, 3)
+                    if row["same_as_plain"] < 1:
+                        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(got, want)]
+                        print(f"WARNING: {shapes} batch {B} {row['mode']}: n-gram drafting's tokens differ from plain "
+                              f"decoding's (first differing token per sequence: {first})")
+            print_table(rows[-len(decoders):], ["shapes", "decoder", "mode", "batch", "tokens_per_s", "copy_fraction",
+                                                "identical", "same_as_plain", "tokens_per_step", *PROFILE_COLUMNS])
+            # written after every batch size: a run stopped at its time limit keeps what it measured
+            write_results(rows, args.out, f"generate_graphs_{gpu_short_name(dev)}_{datetime.date.today().isoformat()}")
         del hf, ours, ngram
         gc.collect()  # a model and its decode runner (graphs, KV buffers) refer to each other
         if dev.type == "cuda":
@@ -282,10 +293,54 @@ def graphs_main(argv=None) -> list[dict]:
     print(f"\ngenerate() eager vs CUDA graphs on {name}, {args.dtype}, {args.prompt_tokens}-token prompts, {n} new "
           f"tokens, medians of {args.reps} rounds (prefill included); copy ceiling {bw:.0f} GB/s measured here")
     print_table(rows, ["shapes", "decoder", "mode", "batch", "tokens_per_s", "copy_fraction", "identical",
-                       "tokens_per_step"])
-    date = datetime.date.today().isoformat()
-    write_results(rows, args.out, f"generate_graphs_{gpu_short_name(dev)}_{date}")
+                       "same_as_plain", "tokens_per_step", *PROFILE_COLUMNS])
+    write_results(rows, args.out, f"generate_graphs_{gpu_short_name(dev)}_{datetime.date.today().isoformat()}",
+                  lambda ax: plot_graphs(ax, rows))
     return rows
+
+
+def plot_graphs(ax, rows: list[dict]) -> None:
+    """tokens/s (log scale) of every decoder and mode, grouped by (shapes, batch)."""
+    groups = list(dict.fromkeys((r["shapes"], int(r["batch"])) for r in rows))
+    series = list(dict.fromkeys((r["decoder"], r["mode"]) for r in rows))
+    width = 0.8 / len(series)
+    for i, (dec, mode) in enumerate(series):
+        val = {(r["shapes"], int(r["batch"])): float(r["tokens_per_s"]) for r in rows
+               if (r["decoder"], r["mode"]) == (dec, mode)}
+        xs = [g for g, key in enumerate(groups) if key in val]
+        ax.bar([x + i * width for x in xs], [val[groups[x]] for x in xs], width, label=f"{dec} ({mode})")
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{s}\nbatch {b}" for s, b in groups], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("tokens/s (median, end to end)")
+    ax.set_title(f"generate(): eager vs CUDA graphs, {rows[0]['device']}, {rows[0]['dtype']}", fontsize=9)
+    ax.legend(fontsize=6)
+
+
+PROFILE_COLUMNS = ["steps_replayed", "replay_ms_plain", "replay_ms_spec", "host_ms_per_step"]
+
+
+def replay_profile(model, run) -> dict:
+    """One more run of a graph-replayed decoder with each replay timed by device events (CUDA only):
+    steps_replayed (replays over the run's steps: 1.0 = no step ran eagerly), the median replay of a plain
+    and of a speculative step (ms), and host_ms_per_step, the median gap between one replay's end and the
+    next one's start: the device idles while the host reads the step, runs the drafter and launches the next
+    replay (the issue's "everything outside the replay")."""
+    import hydra_kernels.runner as runner
+
+    if model.device.type != "cuda":
+        return dict.fromkeys(PROFILE_COLUMNS, "")
+    ex = runner.runner_for(model, "graphs").executor
+    ex.timed = []
+    try:
+        steps = run()[2]  # (sequences, mean accepted tokens, steps)
+    finally:
+        torch.cuda.synchronize()
+        timed, ex.timed = ex.timed, None
+    med = lambda xs: round(statistics.median(xs), 3) if xs else ""  # noqa: E731
+    ms = {kind: [s.elapsed_time(e) for k, s, e in timed if k[0] == kind] for kind in ("plain", "spec")}
+    gaps = [a[2].elapsed_time(b[1]) for a, b in zip(timed, timed[1:])]
+    return dict(steps_replayed=round(len(timed) / steps, 3), replay_ms_plain=med(ms["plain"]), replay_ms_spec=med(ms["spec"]),
+                host_ms_per_step=med(gaps))
 
 
 if __name__ == "__main__":

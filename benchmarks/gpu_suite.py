@@ -24,7 +24,7 @@ limit (a step that runs over is killed with its whole process group: ninja / nvc
 H100 (2026-11-24) the whole suite took 8-9.5 minutes; --deadline-s caps it. Without CUDA it says so and
 exits 0. The build uses the gcc / g++ on PATH (see _build_env; HYDRA_KERNELS_KEEP_CXX=1 keeps CC / CXX).
 
-    python benchmarks/gpu_suite.py [--out benchmarks/out] [--only STEP ...] [--deadline-s S]
+    python benchmarks/gpu_suite.py [--out benchmarks/out] [--only STEP ...] [--tests FILE ...] [--deadline-s S]
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _pytest_workers() -> list[str]:
     return ["-n", str(max(1, min(8, (os.cpu_count() or 2) // 2)))]
 
 
-def steps(out: str) -> list[tuple[str, list[str], dict, int]]:
+def steps(out: str, tests: list[str] | None = None) -> list[tuple[str, list[str], dict, int]]:
     """(name, command, extra environment, time limit in seconds) of each step, in order."""
     py = sys.executable
     real = {"TRITON_INTERPRET": "0"}
@@ -69,7 +69,7 @@ def steps(out: str) -> list[tuple[str, list[str], dict, int]]:
         # every failure listed (no -x): the first GPU run of a kernel should show all that is wrong at once
         ("GPU test tier", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=50", *_pytest_workers(),
                            # the embedded model (a 98 MB GGUF) is not on a GPU machine without network
-                           "-k", "not real_model", *GPU_TESTS], real, 300),
+                           "-k", "not real_model", *(tests or GPU_TESTS)], real, 300),
         # 18 points (each compiles a FlexAttention peer): contexts 1k-16k, T 1 / 16 / 64, batch 1 and 8
         ("bench_tree_attn", [py, "benchmarks/bench_tree_attn.py", "--models", "llama-3-8b", "--contexts", "1024", "4096",
                              "16384", "--T", "1", "16", "64", "--batch", "1", "8", "--out", out], real, 150),
@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/out")
     ap.add_argument("--only", nargs="+", default=None, metavar="STEP",
                     help="run only the steps whose names start with these words (e.g. --only build bench_tree)")
+    ap.add_argument("--tests", nargs="+", default=None, metavar="FILE",
+                    help="the GPU test tier runs these test files instead of all of GPU_TESTS (a short lease)")
     ap.add_argument("--deadline-s", type=float, default=None,
                     help="stop starting steps, and cut each step's limit, so that all ends within this many seconds")
     args = ap.parse_args(argv)
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     print(f"make gpu on {torch.cuda.get_device_name()} (torch {torch.__version__}, CUDA {torch.version.cuda})")
     results = []
     start = time.time()
-    for name, cmd, env, limit in steps(args.out):
+    for name, cmd, env, limit in steps(args.out, args.tests):
         if args.only and not any(name.startswith(w) for w in args.only):
             continue
         if name.startswith("build"):

@@ -32,6 +32,20 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
     return filter_top_k_top_p(z.reshape(-1, shape[-1]), top_k, top_p).softmax(dim=-1).view(shape)
 
 
+def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [N, V] >= 0 (rows need not be normalised, each with some positive entry), u [N] uniforms in
+    [0, 1) -> token ids [N] drawn from weights / weights.sum(-1) by inverse CDF: the first i with
+    cdf[i] > u * cdf[V - 1]. A token of weight 0 is never drawn (its cdf equals its predecessor's; the clamp
+    to the last positive token covers u * total rounding up to total). No host read, no generator: the
+    caller's uniforms (device-side Philox in a CUDA graph) make the draw."""
+    V = weights.shape[-1]
+    cdf = weights.float().cumsum(dim=-1)  # [N, V]
+    x = (u * cdf[:, -1])[:, None]  # [N, 1]
+    idx = torch.searchsorted(cdf, x, right=True)[:, 0]
+    last = (V - 1) - (weights > 0).flip(-1).to(torch.int32).argmax(dim=-1)  # the last token with weight > 0
+    return torch.minimum(idx, last)
+
+
 def next_tokens(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64). temperature 0: argmax."""

@@ -25,7 +25,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                      temperature, acceptance, posterior_threshold, posterior_alpha, generator, backends,
                      host_seqlens: list[int], stats, prompts: list[list[int]], top_k: int = 0,
                      top_p: float = 1.0, budget: StepBudget | None = None, runner=None, buffers=None,
-                     batch: int | None = None) -> None:
+                     batch: int | None = None, sampler=None) -> None:
     """Decode until every sequence is done. tree: drafter.resolve_tree's (bounds every proposal);
     prefill_hidden [B, L, H] (right-padded; for a drafter with feature_layers, the prefill's captured
     layer inputs [B, L, n * H]), root [B] (already emitted); backends: the run's
@@ -39,9 +39,11 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     `stats.step_nodes` each step's node budget. budget: the run's StepBudget (None: the full tree every
     step; an adaptive one runs adaptive.AdaptiveBudget and sets `stats.policy_s`; `stats.seq_step_nodes`,
     `depth_drafted` and `depth_accepted` record each step per sequence). runner (hydra_kernels/runner,
-    greedy only): the steps run through it over `buffers` (its StepBuffers: the cache, `active`); the rows
-    are then the batch padded to its bucket (padding rows inactive throughout) and `batch` the real batch
-    size the budget is chosen by."""
+    greedy or rejection acceptance): the steps run through it over `buffers` (its StepBuffers: the cache,
+    `active`); the rows are then the batch padded to its bucket (padding rows inactive throughout) and
+    `batch` the real batch size the budget is chosen by; with rejection sampling `sampler` (the runner's
+    Sampler: the law's constants and its Philox stream) draws the acceptance noise, and a proposal with
+    sampled drafts (draft_probs) is verified eagerly."""
     B = root.shape[0]
     batch = batch or B
     dev = root.device
@@ -77,15 +79,18 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         stats.step_nodes.append(nodes)
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = context + tr.num_nodes
-        so = None if runner is None else runner.greedy_spec(buffers, tokens, tr, context, backends, capture=capture,
-                                                            nodes=nodes, depth=tree.depth)
+        so = None
+        if runner is not None and prop.draft_probs is None:
+            so = runner.spec(buffers, tokens, tr, context, backends, capture=capture, nodes=nodes, depth=tree.depth,
+                             sampler=None if greedy else sampler)
         if so is not None:  # the step replayed (or run) by the runner over its static buffers
             drafter.after_step(state, so.accepted_feats, so.accepted_tokens, so.n)
             root = so.next_root
             stats.num_steps += 1
             report = runner.read(so.report)
             record_step(stats, [(tr.num_nodes, tr.depth)] * len(report), [row[-1] for row in report])  # bounds
-            _emit_step(drafter, state, report, so.target, host_seqlens, emitter, active)
+            # the base argmax goes to the drafter after greedy steps only, as in the eager loop
+            _emit_step(drafter, state, report, so.target if greedy else None, host_seqlens, emitter, active)
             last_accept[0] = None  # the runner's report holds no node ids
             return root
         if greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)

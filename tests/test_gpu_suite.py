@@ -58,13 +58,22 @@ def test_generate_device_bench_cpu(tmp_path):
     assert (tmp_path / "generate_device_smollm2-135m.csv").exists()
 
 
+def test_gpu_suite_tests_option_replaces_the_tier_files():
+    """--tests (a short lease): the GPU test tier runs the named files, and only them."""
+    suite = _load("gpu_suite")
+    tier = lambda tests: next(cmd for name, cmd, *_ in suite.steps("out", tests) if name == "GPU test tier")  # noqa: E731
+    assert set(suite.GPU_TESTS) <= set(tier(None))
+    short = tier(["tests/test_runner_gpu.py"])
+    assert "tests/test_runner_gpu.py" in short and not set(suite.GPU_TESTS) - {"tests/test_runner_gpu.py"} & set(short)
+
+
 def test_gpu_suite_runs_its_steps_and_kills_a_step_that_runs_over(monkeypatch, tmp_path, capsys):
     """The suite's loop without a GPU: steps run in order, a failing step does not stop the next, a step over
     its limit is killed with the processes it started (its process group), --only and --deadline-s apply."""
     suite = _load("gpu_suite")
     marker = tmp_path / "grandchild_survived"
     slow = ["bash", "-c", f"(sleep 3; touch {marker}) & sleep 30"]  # a child that would outlive its parent
-    monkeypatch.setattr(suite, "steps", lambda out: [
+    monkeypatch.setattr(suite, "steps", lambda out, tests=None: [
         ("build extension (CUDA)", ["true"], {}, 10), ("fails", ["false"], {}, 10), ("slow", slow, {}, 1),
         ("after", ["true"], {}, 10)])
     monkeypatch.setattr(suite, "_build_env", lambda: {})

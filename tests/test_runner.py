@@ -62,6 +62,24 @@ def test_buckets():
     assert R.kv_bucket(40, 33) == 33  # never past the buffer
 
 
+def test_eager_steps_on_cuda_read_the_runners_bucket(model, monkeypatch):
+    """Llama.step's attention reads kv_bucket rows on CUDA (what the graphs read: an eager step then splits
+    and tunes attention as its replay does) and its exact bound elsewhere (the CPU unchanged)."""
+    from hydra_kernels.model import kv_cache, llama
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [kv_cache.attention_rows(n, 4096, cuda) for n in (1, 130, 256, 257, 5000)] == [256, 256, 256, 512, 4096]
+    assert [kv_cache.attention_rows(n, 4096, cpu) for n in (1, 130, 257)] == [1, 130, 257]
+    assert kv_cache.attention_rows(None, 300, cpu) == kv_cache.attention_rows(None, 300, cuda) == 300
+    seen = []
+    real = llama.attention_rows
+    monkeypatch.setattr(llama, "attention_rows", lambda *a: seen.append(a) or real(*a))
+    cache = model.new_kv_cache(1, 64)
+    model.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3], dtype=torch.int32), cache)
+    model.step(torch.tensor([[4]]), cache, kv_len=4)
+    assert seen == [(4, 64, cpu)]  # the one place a step's rows are decided
+
+
 # ---- plain decoding -------------------------------------------------------------------------------
 def test_plain_greedy_equals_eager(model, plain):
     got = static(lambda: generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=[]))
@@ -120,16 +138,75 @@ def test_sample_tokens_draws_only_allowed_tokens_at_their_rates():
 @pytest.mark.parametrize("name", ["plain", "plain-top_p"])
 def test_plain_sampling_through_the_runner_is_exact(name):
     """The runner's sampler (Philox inverse CDF, the prefill's token too) against the enumerable exact law."""
-    hf = make_hf("gqa3-tied", seed=5, vocab_size=exact.V, num_hidden_layers=1, hidden_size=16, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=24)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(3.0)
-    m = hk.Llama.from_hf(hf)
+    m = law_model()
     _, temperature, top_k, top_p, _ = exact.SETTINGS[name]
     with R.static_buffers():
         _, hist = exact.sample(m, None, exact.PROMPTS, temperature, top_k, top_p, None)
     law = exact.exact_law(m, exact.PROMPTS[0], temperature, top_k, top_p)
     assert exact.g_test(hist[0], law) > 1e-3 / 2
+
+
+def law_model():
+    """test_sampling_exactness's enumerable model: a 1-layer Llama over exact.V tokens, sharpened."""
+    hf = make_hf("gqa3-tied", seed=5, vocab_size=exact.V, num_hidden_layers=1, hidden_size=16, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=24)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)
+    return hk.Llama.from_hf(hf)
+
+
+RUNNER_REJECTION = {  # name -> (exact.make_drafter kind, temperature, top_k, top_p)
+    "hydra": ("hydra", 0.8, 0, 1.0),  # a static tree: one graph
+    "per-sequence-trees-top_k-top_p": ("random-trees", 1.0, 5, 0.9),  # TreeBatch padded to the step's budget
+    "hydra-varying-budget": ("hydra-budget", 0.8, 0, 1.0),  # full-tree steps and root-only steps
+    "sampled-hydra": ("sampled-hydra", 0.8, 0, 1.0),  # draft_probs: verified eagerly (the generator's noise)
+}
+
+
+@pytest.mark.parametrize("name", list(RUNNER_REJECTION))
+def test_speculative_rejection_sampling_through_the_runner_is_exact(name):
+    """The runner's rejection step (verify, the walk with Philox uniforms, the next root by inverse CDF,
+    commit) against the exact law of the first 3 tokens, through the static-buffer path the graphs replay;
+    and the same seed draws the same tokens."""
+    m = law_model()
+    kind, temperature, top_k, top_p = RUNNER_REJECTION[name]
+    steps = []
+    real = R.DecodeRunner.spec
+    with R.static_buffers(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R.DecodeRunner, "spec", lambda self, *a, **kw: steps.append(kw["sampler"]) or real(self, *a, **kw))
+        out, hist = exact.sample(m, exact.make_drafter(m, kind), exact.PROMPTS[:1], temperature, top_k, top_p,
+                                 "rejection")
+        again, _ = exact.sample(m, exact.make_drafter(m, kind), exact.PROMPTS[:1], temperature, top_k, top_p,
+                                "rejection")
+    if kind.startswith("sampled-"):  # every proposal carries draft_probs: none reaches the runner's step
+        assert steps == []
+    else:
+        assert steps and all(s is not None for s in steps), "the steps did not go through the runner's rejection step"
+    assert again.sequences == out.sequences, "the same seed drew different tokens"
+    lens = torch.tensor([a for row in out.accept_lengths for a in row])
+    assert (lens > 1).float().mean() > 0.05 and (lens == 1).float().mean() > 0.05, lens.float().mean()
+    law = exact.exact_law(m, exact.PROMPTS[0], temperature, top_k, top_p)
+    assert exact.g_test(hist[0], law) > 1e-3 / (len(RUNNER_REJECTION) + 1)
+
+
+def test_runner_noise_reused_every_step_is_refused_by_the_same_test(monkeypatch):
+    """Negative control: a rejection step whose Philox counter never advances (every replay the same
+    uniforms) draws correlated tokens; the same test must refuse it."""
+    from hydra_kernels.runner import steps as S
+
+    real = S.philox_draws
+
+    def stuck(s, n):
+        u = real(s, n)
+        s.offset.sub_(n)  # the counter put back: the next step draws the same uniforms
+        return u
+
+    monkeypatch.setattr(S, "philox_draws", stuck)
+    m = law_model()
+    with R.static_buffers():
+        _, hist = exact.sample(m, exact.make_drafter(m, "hydra"), exact.PROMPTS[:1], 0.8, 0, 1.0, "rejection")
+    p = exact.g_test(hist[0], exact.exact_law(m, exact.PROMPTS[0], 0.8, 0, 1.0))
+    assert p < exact.NEGATIVE_P, f"reused noise passed the exactness test (p = {p:.2e}): the harness has no power"
 
 
 # ---- greedy speculative decoding ------------------------------------------------------------------
@@ -170,17 +247,22 @@ def test_speculative_with_sequences_stopping_at_different_steps(model, plain):
 
 
 def run_of(model, kind):
-    """generate() over PROMPTS as `kind` decodes them: None plain greedy, "sampling" seeded, else a drafter family."""
+    """generate() over PROMPTS as `kind` decodes them: None plain greedy, "sampling" seeded, "rejection" seeded
+    speculative sampling (Hydra), else a drafter family (greedy)."""
     if kind is None:
         return lambda: generate(model, PROMPTS, max_new_tokens=NEW, eos_token_id=[])
     if kind == "sampling":
         return lambda: generate(model, PROMPTS, max_new_tokens=NEW, temperature=0.7, seed=1, eos_token_id=[])
+    if kind == "rejection":  # speculative sampling: the runner's rejection step
+        drafter, tree = make(model, "hydra")
+        return lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW, temperature=0.7, seed=1,
+                                eos_token_id=[])
     drafter, tree = make(model, kind)
     return lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW, eos_token_id=[])
 
 
 # ---- traced steps: no graph break, no per-step host int ------------------------------------------
-@pytest.mark.parametrize("kind", [None, "sampling", "hydra", "eagle-3", "ngram"])
+@pytest.mark.parametrize("kind", [None, "sampling", "rejection", "hydra", "eagle-3", "ngram"])
 def test_traced_steps_equal_eager_and_trace_once_per_key(model, plain, kind):
     """graphs.Compiled traces each runner key's step with torch.compile(fullgraph=True, dynamic=False): a graph
     break (a host read) fails, and a host int that changes per step would trace again every step. Each key
@@ -191,7 +273,7 @@ def test_traced_steps_equal_eager_and_trace_once_per_key(model, plain, kind):
     run = run_of(model, kind)
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         got = static(run, ex)
-    want = static(run) if kind == "sampling" else run()
+    want = static(run) if kind in ("sampling", "rejection") else run()
     assert_same(got, want, f"traced {kind}")
     assert ex.fns and ex.compiles == len(ex.fns), f"{ex.compiles} traces for {len(ex.fns)} keys: a key traced again"
     assert got.num_steps > len(ex.fns), "fewer steps than keys: the test has no power"
@@ -230,13 +312,37 @@ class WarmedEager(R.Eager):
         return step()
 
 
-@pytest.mark.parametrize("kind", [None, "sampling", "hydra", "eagle-3", "ngram", "lookahead"])
+@pytest.mark.parametrize("kind", [None, "sampling", "rejection", "hydra", "eagle-3", "ngram", "lookahead"])
 def test_warm_up_before_capture_is_undone(model, kind):
     run = run_of(model, kind)
     ex = WarmedEager()
     got = static(run, ex)
     assert len(ex.warmed) >= 1
-    assert_same(got, static(run) if kind == "sampling" else run(), f"warmed {kind}")
+    assert_same(got, static(run) if kind in ("sampling", "rejection") else run(), f"warmed {kind}")
+
+
+class NoHostTensors(R.Eager):
+    """Runs each step with torch.tensor / torch.as_tensor refusing: a step that builds a tensor from host values
+    copies host memory to the device on every call, which a CUDA capture refuses (an H200 run, 2026-11-27:
+    philox_uniform's scale built that way failed every sampling capture). Tracing does not catch it: dynamo
+    folds such a tensor into a constant."""
+
+    def run(self, key, step, restore, hold=None):
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"a {key[0]} step built a tensor from host values")
+
+        real = torch.tensor, torch.as_tensor
+        torch.tensor, torch.as_tensor = refuse, refuse
+        try:
+            return step()
+        finally:
+            torch.tensor, torch.as_tensor = real
+
+
+@pytest.mark.parametrize("kind", [None, "sampling", "rejection", "hydra", "eagle-3", "ngram"])
+def test_steps_build_no_tensor_from_host_values(model, kind):
+    run = run_of(model, kind)
+    assert_same(static(run, NoHostTensors()), static(run), f"{kind} without host tensors")
 
 
 def test_a_per_step_host_int_would_be_caught(model):
@@ -274,6 +380,7 @@ def test_generate_graphs_bench_cpu(tmp_path):
         ("ours n-gram", "graphs", 1), ("transformers generate", "eager", 1)]
     assert len(rows) == 10 and all(r["tokens_per_s"] > 0 and r["copy_fraction"] > 0 for r in rows)
     assert all(r["identical"] == 1.0 for r in rows if r["mode"] == "graphs")
+    assert [r["same_as_plain"] for r in rows if r["decoder"] == "ours n-gram"] == [1.0] * 4  # lossless on the CPU
     assert len(list(tmp_path.glob("generate_graphs_cpu_*.csv"))) == 1
 
 
@@ -291,6 +398,6 @@ def test_cuda_graphs_argument_and_fallback_warnings(model, plain):
         generate(model, PROMPTS, max_new_tokens=2, eos_token_id=[])  # the CPU default: no runner, no warning
     assert not model.__dict__.get("_decode_runners", {}).get("graphs")
     drafter, tree = make(model, "hydra")
-    with pytest.warns(RuntimeWarning, match="speculative sampling .*rejection.* is not captured"):
+    with pytest.warns(RuntimeWarning, match="typical acceptance is not captured"):
         static(lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=4, temperature=0.8,
-                                seed=0, eos_token_id=[]))
+                                acceptance="typical", seed=0, eos_token_id=[]))

@@ -7,7 +7,8 @@ without CUDA). The CPU tier checks the same step functions and buffers without g
   every drafter family (test_drafters_on_device's list);
 - a second generate() call replays the graphs the first captured (no new capture), and the default
   (cuda_graphs=None) on a CUDA model is the graphs;
-- seeded sampling through graphs: reproducible, and the exactness harness's G-test against the exact law.
+- seeded sampling through graphs, plain and speculative rejection sampling: reproducible, and the exactness
+  harness's G-test against the exact law.
 """
 from __future__ import annotations
 
@@ -76,6 +77,17 @@ def test_second_call_reuses_the_graphs_and_none_means_graphs(model):
     assert ex.replays - replays == second.num_steps, "not every step replayed a cached graph"
 
 
+def test_a_longer_request_recaptures_after_its_cache_is_replaced(model):
+    """A request that needs more KV rows replaces its bucket's cache, and with it every graph of the bucket;
+    the next capture must not go into the pool those graphs released (torch's allocator asserted there on an
+    H200, 2026-11-27)."""
+    R.runner_for(model, "graphs").release()
+    for n in (8, 200):  # the second needs a longer cache (the model has 256 positions): the first's graphs dropped
+        want, got = run_both(lambda **kw: generate(model, PROMPTS, max_new_tokens=n, eos_token_id=[], **kw))
+        assert_same(got, want, f"plain greedy, {n} tokens")
+    assert graphs(model).entries and all(v is not None for v in graphs(model).entries.values())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculative_graphs_equal_eager(model, kind):
     drafter, tree = make(model, kind)
@@ -97,14 +109,21 @@ def law_model():
     return hk.Llama.from_hf(hf), hk.Llama.from_hf(hf).to("cuda")
 
 
-@pytest.mark.parametrize("name", ["plain", "plain-top_p"])
+@pytest.mark.parametrize("name", ["plain", "plain-top_p", "hydra", "per-sequence-trees-top_k-top_p"])
 def test_seeded_sampling_through_graphs_is_exact(law_model, name):
+    """Plain sampling and speculative rejection sampling (a static tree; per-sequence trees padded to the
+    step's budget) replayed from graphs: reproducible, every step captured, and the exact law."""
     cpu, dev = law_model
-    _, temperature, top_k, top_p, _ = exact.SETTINGS[name]
+    kind, temperature, top_k, top_p, _ = exact.SETTINGS[name]
+    drafter = lambda: exact.make_drafter(dev, kind)  # noqa: E731 (a fresh drafter per run: same proposals)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        out, hist = exact.sample(dev, None, exact.PROMPTS, temperature, top_k, top_p, None)
-        again, _ = exact.sample(dev, None, exact.PROMPTS, temperature, top_k, top_p, None)
+        out, hist = exact.sample(dev, drafter(), exact.PROMPTS[:1], temperature, top_k, top_p, "rejection")
+        again, _ = exact.sample(dev, drafter(), exact.PROMPTS[:1], temperature, top_k, top_p, "rejection")
     assert again.sequences == out.sequences, "the same seed drew different tokens"
-    assert any(k[0] == "plain" and k[4] is not None for k in graphs(dev).entries), "sampling was not captured"
-    assert exact.g_test(hist[0], exact.exact_law(cpu, exact.PROMPTS[0], temperature, top_k, top_p)) > 1e-3 / 2
+    entries = graphs(dev).entries
+    step = "plain" if kind is None else "spec"
+    sampler_at = 4 if kind is None else 5  # the key's sampler constants (runner/decode.py)
+    assert any(k[0] == step and k[sampler_at] is not None for k in entries), "sampling was not captured"
+    assert all(v is not None for v in entries.values()), "a step's capture failed (it ran eagerly)"
+    assert exact.g_test(hist[0], exact.exact_law(cpu, exact.PROMPTS[0], temperature, top_k, top_p)) > 1e-3 / 4

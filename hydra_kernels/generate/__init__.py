@@ -117,10 +117,11 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     cuda_graphs: None (default): on a CUDA model each decode step is replayed from CUDA graphs (the decode
     runner, hydra_kernels/runner: captured on first use, cached on the model, reused by later calls; the
     batch padded to a bucket; one host read per step); elsewhere the eager loop. True: the same, with a
-    warning where it cannot apply; False: the eager loop. A request the runner cannot capture (speculative
-    sampling) decodes eagerly and says why once (a RuntimeWarning). Greedy tokens are the eager loop's;
-    sampling through the runner draws from the same law with device-side Philox noise (a seed gives
-    the same tokens on every run, not the eager sampler's tokens).
+    warning where it cannot apply; False: the eager loop. A request the runner cannot capture (typical
+    acceptance) decodes eagerly and says why once (a RuntimeWarning). Greedy tokens are the eager loop's;
+    sampling through the runner, plain or speculative (rejection; a proposal of sampled drafts is verified
+    eagerly), draws from the same law with device-side Philox noise (a seed gives the same tokens on every
+    run, not the eager sampler's tokens).
     Raises TypeError / ValueError before any work on bad input (generate/arguments.py); GenerationError
     (with .output) on a mid-run failure; GenerationInterrupted, a KeyboardInterrupt with .output (the
     tokens produced so far), on Ctrl-C or a KeyboardInterrupt raised by the streamer.
@@ -225,7 +226,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha,
                                  generator=gen, backends=backends, host_seqlens=list(run_lens), stats=out,
                                  top_k=top_k, top_p=top_p, prompts=prompts, budget=step_budget,
-                                 runner=runner, buffers=bufs, batch=B)
+                                 runner=runner, buffers=bufs, batch=B, sampler=sampler)
     except KeyboardInterrupt as exc:
         _finish_timing(out, t0, t1)
         raise GenerationInterrupted(out) from exc

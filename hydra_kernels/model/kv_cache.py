@@ -5,6 +5,30 @@ import torch
 
 from .config import LlamaConfig
 
+# The smallest KV bucket (rows): contexts below it share one bucket. Attention reads rows [0, kv_len) masked by
+# seqlens, so a bucket changes no value on the CPU (the native kernel reads each sequence's own rows); on a
+# GPU, Triton's split-KV partition and its tuned launch config are chosen from kv_len (ops/triton/
+# tree_attention.py), so steps that read the same bucket split and round alike.
+KV_MIN = 256
+
+
+def kv_bucket(rows: int, max_rows: int) -> int:
+    """Rows of the KV buffer a step reads (attention's kv_len) when its sequences need at most `rows`:
+    the next power of two >= rows, at least KV_MIN, at most the buffer's max_rows."""
+    return min(max_rows, max(KV_MIN, 1 << max(rows - 1, 0).bit_length()))
+
+
+def attention_rows(kv_len: int | None, max_rows: int, device: torch.device) -> int:
+    """The rows [0, n) a decoding step's attention reads, for a host bound kv_len on seqlens + T (None: the
+    whole buffer). On CUDA the bucket (kv_bucket), on every path, eager or replayed: the decode runner's
+    graphs must read a bucket (no per-step host int in a graph), and an eager step that read its exact
+    bound would split attention's rows differently and could take another tuned launch config, so a
+    replay would differ from the eager step in the last bits (seen on an H200, 2026-11-27: Llama-3-8B
+    shapes, bf16). The kernel stops at each sequence's own seqlen, so the bucket reads no extra rows.
+    Elsewhere the bound itself (the CPU's speed is unchanged)."""
+    n = max_rows if kv_len is None else kv_len
+    return kv_bucket(n, max_rows) if device.type == "cuda" else n
+
 
 class KVCache:
     """kv: [n_layers, 2, B, S_max, Hkv, D] (index 1: 0 = K, 1 = V); seqlens: int32 [B] on the device.

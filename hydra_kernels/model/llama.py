@@ -25,7 +25,7 @@ from ..ops.backend import BackendPlan, plan_backends
 from .attention import AttentionSite, prefill_site
 from .config import LlamaConfig
 from .hf_names import hf_to_ours
-from .kv_cache import KVCache
+from .kv_cache import KVCache, attention_rows
 from .layers import RMSNorm, TransformerBlock
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from .packed_linear import Linear, packed_linear_available
@@ -300,7 +300,7 @@ class Llama(nn.Module):
             positions = start + depths.long()  # [B, T]: one depth row for all, or one per sequence
         x = self.tok_embeddings(tokens)  # [B, T, H]
         cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)  # [B, T, D]
-        site = AttentionSite(rows, cache.seqlens, tree_mask, cache.max_seq_len if kv_len is None else kv_len,
+        site = AttentionSite(rows, cache.seqlens, tree_mask, attention_rows(kv_len, cache.max_seq_len, dev),
                              plan["tree_attention"])
         if capture is not None:
             x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, self.check_capture(capture))

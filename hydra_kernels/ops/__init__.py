@@ -251,7 +251,7 @@ def typical_verify(logits, tree_tokens, paths, *, temperature, posterior_thresho
 
 
 def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=1.0, generator=None,
-                     draft_probs=None, backend="auto") -> Verification:
+                     draft_probs=None, noise=None, backend="auto") -> Verification:
     """Lossless acceptance of one step's tree by recursive rejection sampling: the emitted tokens are
     distributed exactly as plain sampling with the same temperature / top_k / top_p
     (sampling.sampling_probs); see reference.rejection_verify for the rules and why they are exact.
@@ -267,6 +267,9 @@ def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=
     Rows of the root and of padded nodes are ignored; the other rows must be distributions holding
     their node's token (checked in eager calls on CPU tensors: values_checkable). Sampled drafts run the
     reference walk (a [B, V] residual per step).
+    noise: None (the generator draws) or (u float [B, T], u_root float [B]): the caller's uniforms in [0, 1)
+    (device-side Philox in a CUDA graph, where a generator cannot be replayed): node j's acceptance draw and
+    the next root's inverse-CDF draw.
     """
     _check_tree_inputs(tree_tokens, paths)
     _check(tree_tokens.dtype == torch.long, f"tree_tokens must be int64, got {tree_tokens.dtype}")
@@ -275,13 +278,19 @@ def rejection_verify(logits, tree_tokens, paths, *, temperature, top_k=0, top_p=
     _check(temperature > 0, f"rejection sampling needs temperature > 0, got {temperature}")
     _check(isinstance(top_k, int) and top_k >= 0, f"top_k must be an int >= 0, got {top_k!r}")
     _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {top_p!r}")
+    if noise is not None:
+        B, T = tree_tokens.shape
+        _check(isinstance(noise, (tuple, list)) and len(noise) == 2
+               and all(torch.is_tensor(x) and x.is_floating_point() and x.device == logits.device for x in noise)
+               and tuple(noise[0].shape) == (B, T) and tuple(noise[1].shape) == (B,),
+               f"noise must be (u float [B, T] = [{B}, {T}], u_root float [B] = [{B}]) on {logits.device}")
     if draft_probs is None:
         fn = resolve("rejection_verify", backend, tree_tokens.device)
-        return Verification(*fn(logits, tree_tokens, paths, temperature, top_k, top_p, generator))
+        return Verification(*fn(logits, tree_tokens, paths, temperature, top_k, top_p, generator, noise=noise))
     _check_draft_probs(draft_probs, logits, tree_tokens, paths)
     resolved_name("rejection_verify", backend, tree_tokens.device)  # a bad backend is refused all the same
     return Verification(*reference.rejection_verify(logits, tree_tokens, paths, temperature, top_k, top_p, generator,
-                                                    draft_probs))
+                                                    draft_probs, noise))
 
 
 DRAFT_PROBS_SUM_TOL = 1e-4  # |sum(q_j) - 1| allowed for a drafted node's row of draft_probs

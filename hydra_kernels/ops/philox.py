@@ -42,4 +42,6 @@ def philox_uniform(seed: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
     x = torch.where(c0 >= 2**31, c0 - 2**32, c0)  # the word as int32
     x = torch.where(x < 0, -x - 1, x)  # ~x for negative words: [0, 2^31)
-    return x.to(torch.int32).float() * torch.tensor(_UNIFORM_SCALE, dtype=torch.float32, device=x.device)
+    # a Python float (no tensor built from a host value: a CUDA graph cannot capture that copy); the op
+    # multiplies in fp32 by the scale rounded to fp32, as tl.rand does
+    return x.to(torch.int32).float() * _UNIFORM_SCALE

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import sampling_probs
+from ..sampling import inverse_cdf_sample, sampling_probs
 from .philox import philox_uniform
 
 
@@ -175,7 +175,8 @@ def tree_structure_from_paths(paths, num_nodes):
     return parents[:, :num_nodes], depths[:, :num_nodes]
 
 
-def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0, generator=None, draft_probs=None):
+def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0, generator=None, draft_probs=None,
+                     noise=None):
     """Lossless tree verification by recursive rejection sampling (the SpecInfer / EAGLE / Recursive
     Speculative Decoding family): the emitted tokens are distributed exactly as plain sampling from the
     base model, for deterministic drafts (draft_probs None) and for drafts sampled from a draft
@@ -230,6 +231,10 @@ def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0
     > 0; generator: a torch.Generator on logits' device (the draw is reproducible from its state);
     draft_probs [B, T, V] (float) or None: row j is the distribution node j's token was drawn from
     (rows of the root and padded nodes are ignored).
+    noise: None (the generator draws) or (u [B, T], u_root [B]): i.i.d. uniforms in [0, 1) the caller drew
+    (a CUDA graph's device-side Philox stream): u[b, j] is node j's acceptance draw, u_root[b] draws the next
+    root from the residual by inverse CDF (sampling.inverse_cdf_sample). The argument above needs only that
+    the draws are independent uniforms drawn after the tokens were fixed.
     Returns (accept_lengths [B], accept_indices [B, D+1] (-1 after the length), next_root [B],
     last_node [B]). No host read: a loop of T small [B] (sampled: [B, V]) steps.
     """
@@ -240,12 +245,17 @@ def rejection_verify(logits, tree_tokens, paths, temperature, top_k=0, top_p=1.0
     probs = sampling_probs(logits, temperature, top_k, top_p)  # [B, T, V]
     idx = torch.full((B, paths.shape[-1]), -1, dtype=torch.long, device=dev)
     idx[:, 0] = 0
+    # one uniform per node: each is tried at most once
+    u = torch.rand(B, T, generator=generator, device=dev) if noise is None else noise[0]
     if draft_probs is None:
-        cur, r_res = _walk_deterministic(probs, tree_tokens, parents, idx, generator)
+        cur, r_res = _walk_deterministic(probs, tree_tokens, parents, idx, u)
     else:
-        cur, r_res = _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, generator)
+        cur, r_res = _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, u)
     accept_len = depths.gather(1, cur[:, None])[:, 0] + 1
-    next_root = torch.multinomial(r_res, 1, generator=generator)[:, 0]
+    if noise is None:
+        next_root = torch.multinomial(r_res, 1, generator=generator)[:, 0]
+    else:
+        next_root = inverse_cdf_sample(r_res, noise[1])
     return accept_len, idx, next_root, cur
 
 
@@ -279,15 +289,14 @@ def _walk_children(p_child, u, tree_tokens, parents, idx):
     return cur, level
 
 
-def _walk_deterministic(probs, tree_tokens, parents, idx, generator):
+def _walk_deterministic(probs, tree_tokens, parents, idx, u):
     """rejection_verify's walk for deterministic drafts -> (last accepted node [B], the residual there [B, V]);
-    records the accepted nodes in idx."""
+    records the accepted nodes in idx. u [B, T]: node j's acceptance uniform."""
     B, T, V = probs.shape
     dev = probs.device
     bidx = torch.arange(B, device=dev)
     # p_child[b, j] = p(token_j | parent_j): the probability node j's token has under its parent
     p_child = probs[bidx[:, None], parents.clamp(min=0), tree_tokens]  # [B, T]
-    u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
     cur, _ = _walk_children(p_child, u, tree_tokens, parents, idx)
     # residual at the last node: its children (all tried, all rejected) removed, renormalised
     r = probs[bidx, cur]  # [B, V]
@@ -298,7 +307,7 @@ def _walk_deterministic(probs, tree_tokens, parents, idx, generator):
     return cur, torch.where(r_res.sum(-1, keepdim=True) > 0, r_res, r)
 
 
-def _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, generator):
+def _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, u):
     """rejection_verify's walk for sampled drafts (child j drawn from q_j = draft_probs[:, j]) -> (last
     accepted node [B], the residual there [B, V]); records the accepted nodes in idx."""
     B, T, V = probs.shape
@@ -306,7 +315,6 @@ def _walk_sampled(probs, draft_probs, tree_tokens, parents, depths, idx, generat
     q = draft_probs.float()  # [B, T, V]
     q_x = q.gather(2, tree_tokens[:, :, None])[:, :, 0]  # [B, T]: q_j(x_j)
     drawn = q_x > 0  # q_j(x_j) = 0: x_j was not drawn from q_j; skipped (see the docstring)
-    u = torch.rand(B, T, generator=generator, device=dev)  # one uniform per node: each is tried at most once
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # current node of the walk
     r = probs[:, 0]  # [B, V] the residual at the current node, normalised
     for j in range(1, T):  # children come after their parents: one pass in index order walks the tree

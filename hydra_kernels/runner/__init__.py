@@ -6,11 +6,12 @@ changes per step (steps.py), either eagerly or replayed from CUDA graphs capture
 bucket, tree or node budget, dtype, ...) into one memory pool and cached on the model (graphs.py). The
 host reads each step's result once (DecodeRunner.read).
 
-What goes through it: plain decoding (greedy, and sampling with device-side Philox noise) and greedy
-speculative decoding (the verify forward, greedy acceptance, commit_kv and the seqlens advance; a
-proposal's static Tree gets its own graph, a TreeBatch is padded to the step's node budget). The
-drafter's propose and after_step run eagerly between replays. Speculative sampling (rejection, typical)
-is not captured: such a run is eager, with a warning (choose).
+What goes through it: plain decoding (greedy, and sampling with device-side Philox noise) and speculative
+decoding with greedy or exact rejection acceptance (the verify forward, the acceptance with Philox noise
+for rejection, commit_kv and the seqlens advance; a proposal's static Tree gets its own graph, a TreeBatch
+is padded to the step's node budget). The drafter's propose and after_step run eagerly between replays;
+a proposal of sampled drafts (draft_probs) is verified eagerly. Typical acceptance is not captured: such
+a run is eager, with a warning (choose).
 
 `choose(cuda_graphs, model, ...)` is generate()'s decision: on CUDA, graphs unless cuda_graphs=False or
 the case cannot be captured (then a warning naming the reason, once per reason); elsewhere no runner
@@ -25,7 +26,7 @@ import contextvars
 from .decode import (BATCH_BUCKETS, KV_MIN, DecodeRunner, StepBuffers, batch_bucket, kv_bucket,  # noqa: F401
                      runner_for)
 from .graphs import _WARNED, Compiled, CudaGraphs, Eager, warn_once  # noqa: F401
-from .steps import Sampler, SpecOut, greedy_spec_step, plain_step, sample_tokens  # noqa: F401
+from .steps import Sampler, SpecOut, greedy_spec_step, plain_step, rejection_spec_step, sample_tokens  # noqa: F401
 
 _STATIC = contextvars.ContextVar("hydra_kernels_static_buffers", default=None)
 
@@ -44,8 +45,8 @@ def static_buffers(executor=None):
 
 def uncapturable(drafter, acceptance: str, temperature: float) -> str | None:
     """Why this request's steps cannot go through the runner, or None."""
-    if drafter is not None and not (acceptance == "greedy" or temperature == 0.0):
-        return f"speculative sampling (acceptance={acceptance!r}) is not captured yet; the run decodes eagerly"
+    if drafter is not None and temperature > 0.0 and acceptance == "typical":
+        return "typical acceptance is not captured yet; the run decodes eagerly"
     return None
 
 

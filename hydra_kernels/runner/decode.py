@@ -9,7 +9,7 @@ no value that changes per step is baked into one. Keys: (kind, batch bucket, KV 
 budget, capture, sampler constants, backends, dtype).
 
 The loop (generate/ plain decoding, speculative.py) decides the step (budget, drafter, acceptance), calls
-plain() or greedy_spec(), and reads the step's result once with read() (CUDA: one pinned, non-blocking
+plain() or spec(), and reads the step's result once with read() (CUDA: one pinned, non-blocking
 copy and an event; the CPU: tolist).
 """
 from __future__ import annotations
@@ -19,17 +19,12 @@ from typing import NamedTuple
 
 import torch
 
+from ..model.kv_cache import KV_MIN, kv_bucket  # noqa: F401 (KV_MIN: re-exported)
 from ..tree import Tree
 from .graphs import CudaGraphs, Eager, warn_once
-from .steps import Sampler, SpecOut, greedy_spec_step, plain_step
+from .steps import Sampler, SpecOut, greedy_spec_step, plain_step, rejection_spec_step
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-# The smallest KV bucket (rows): contexts below it share one graph. Attention reads rows [0, kv_len) masked by
-# seqlens, so a bucket changes no value on the CPU (the native kernel reads each sequence's own rows) and, on
-# a GPU, Triton's split-KV partition only where kv_len passes 256 rows (its shortest split): below that the
-# replayed step is the eager step bit for bit; above it the splits' merge may round differently in the
-# last bits (a token can change only at a near-tie).
-KV_MIN = 256
 
 
 def batch_bucket(batch: int) -> int:
@@ -39,12 +34,6 @@ def batch_bucket(batch: int) -> int:
         if b >= batch:
             return b
     return -(-batch // 16) * 16
-
-
-def kv_bucket(rows: int, max_rows: int) -> int:
-    """Rows of the KV buffer a step reads (attention's kv_len) when its sequences need at most `rows`:
-    the next power of two >= rows, at least KV_MIN, at most the buffer's max_rows."""
-    return min(max_rows, max(KV_MIN, 1 << max(rows - 1, 0).bit_length()))
 
 
 def plan_key(plan) -> tuple:
@@ -159,13 +148,14 @@ class DecodeRunner:
         out = self.executor.run(key, step, lambda: _snapshot(c.seqlens, bufs.tokens, bufs.offset), self._hold)
         return tuple(t.clone() for t in out) if keep and self.executor.graphs else out
 
-    def greedy_spec(self, bufs: StepBuffers, tokens: torch.Tensor, tree, context: int, backends, *, capture=None,
-                    nodes: int | None = None, depth: int | None = None) -> SpecOut | None:
-        """One greedy speculative step over a proposal: tokens [bucket, T] and its tree (a Tree: its own
-        graph per tree; a TreeBatch: padded into buffers of `nodes` nodes and `depth` levels, the step's
-        bounds, so that every step of one budget shares a graph). context: a host bound on every committed
-        length. Returns the step's outputs (rows past the proposal's own depth trimmed) or None when the
-        proposal does not fit the bounds (the caller runs that step eagerly)."""
+    def spec(self, bufs: StepBuffers, tokens: torch.Tensor, tree, context: int, backends, *, capture=None,
+             nodes: int | None = None, depth: int | None = None, sampler: Sampler | None = None) -> SpecOut | None:
+        """One speculative step over a proposal: tokens [bucket, T] and its tree (a Tree: its own graph per
+        tree; a TreeBatch: padded into buffers of `nodes` nodes and `depth` levels, the step's bounds, so
+        that every step of one budget shares a graph), accepted greedily (sampler None) or by exact
+        rejection sampling with the sampler's law and Philox noise (rejection_spec_step). context: a host
+        bound on every committed length. Returns the step's outputs (rows past the proposal's own depth
+        trimmed) or None when the proposal does not fit the bounds (the caller runs that step eagerly)."""
         c = bufs.cache
         if isinstance(tree, Tree):
             T, D = tree.num_nodes, tree.depth
@@ -178,7 +168,8 @@ class DecodeRunner:
                           f"{tree.paths.shape[1]} leaves for {nodes} nodes) is verified eagerly")
                 return None
         kv = kv_bucket(context + T, c.max_seq_len)
-        key = ("spec", bufs.bucket, kv, capture, shape, plan_key(backends), self.model.dtype)
+        skey = None if sampler is None else sampler[:3]
+        key = ("spec", bufs.bucket, kv, capture, shape, skey, plan_key(backends), self.model.dtype)
         inputs = bufs.spec.get(shape)
         if inputs is None:
             inputs = bufs.spec[shape] = _spec_inputs(tree, bufs.bucket, shape, c.kv.device)
@@ -191,10 +182,16 @@ class DecodeRunner:
         if step is None:
             m = self.model
 
-            def step():
-                return greedy_spec_step(m, c, tok_in, st, bufs.active, kv_len=kv, backends=backends, capture=capture)
+            if sampler is None:
+                def step():
+                    return greedy_spec_step(m, c, tok_in, st, bufs.active, kv_len=kv, backends=backends,
+                                            capture=capture)
+            else:
+                def step():
+                    return rejection_spec_step(m, c, tok_in, st, bufs.active, kv_len=kv, backends=backends,
+                                               sampler=sampler, capture=capture)
             bufs.steps[key] = step
-        out = self.executor.run(key, step, lambda: _snapshot(c.seqlens), self._hold)
+        out = self.executor.run(key, step, lambda: _snapshot(c.seqlens, bufs.offset), self._hold)
         if self.executor.graphs:  # the drafter may keep what it gets past the next replay: its own copies
             out = SpecOut(*(t.clone() for t in out))
         if not isinstance(tree, Tree):  # the proposal's own depth: what the eager step hands the drafter

@@ -85,6 +85,9 @@ class CudaGraphs:
         # or None: the key's capture failed, its step runs eagerly
         self.entries: dict = {}
         self.replays = 0
+        # None, or a list that each replay appends (key, start event, end event) to (benchmarks: the replay's
+        # device time, and the device's idle gap between replays = the host's time per step)
+        self.timed: list | None = None
 
     def run(self, key, step: Callable, restore: Callable[[], Callable[[], None]], hold: Callable | None = None):
         """Replay key's graph (captured now if new). restore() snapshots what the step mutates and returns
@@ -95,7 +98,14 @@ class CudaGraphs:
         entry = self.entries[key]
         if entry is None:
             return step()
-        entry[0].replay()
+        if self.timed is None:
+            entry[0].replay()
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            entry[0].replay()
+            end.record()
+            self.timed.append((key, start, end))
         self.replays += 1
         return entry[1]
 
@@ -122,3 +132,7 @@ class CudaGraphs:
         """Forget the graphs whose key matches (their buffers were replaced)."""
         for k in [k for k in self.entries if predicate(k)]:
             del self.entries[k]
+        if all(v is None for v in self.entries.values()):
+            # the old pool was released with its last graph (use count 0) while blocks of it may still be
+            # alive; torch's allocator asserts on a capture into such a pool: later captures take a new one
+            self.pool = torch.cuda.graph_pool_handle()

@@ -17,8 +17,9 @@ from typing import NamedTuple
 import torch
 
 from ..ops.philox import philox_uniform
-from ..sampling import sampling_probs
-from ..speculative import greedy_verify_step
+from .. import ops
+from ..sampling import inverse_cdf_sample, sampling_probs
+from ..speculative import commit_step, greedy_verify_step, verify_forward
 
 
 class Sampler(NamedTuple):
@@ -35,19 +36,18 @@ class Sampler(NamedTuple):
 
 def sample_tokens(logits: torch.Tensor, s: Sampler) -> torch.Tensor:
     """logits [N, V] -> token ids [N], drawn from sampling_probs(logits, temperature, top_k, top_p) (the
-    law plain sampling's torch.multinomial draws from) by inverse CDF with one Philox uniform per row
-    (ops.philox: tl.rand's bits): token = the first i with cdf[i] > u * cdf[V - 1]. A token of probability
-    0 is never drawn (its cdf equals its predecessor's; the clamp to the last positive token covers u * total
-    rounding up to total). Advances s.offset by N."""
+    law plain sampling's torch.multinomial draws from) by inverse CDF (sampling.inverse_cdf_sample) with one
+    Philox uniform per row (ops.philox: tl.rand's bits). Advances s.offset by N."""
     probs = sampling_probs(logits, s.temperature, s.top_k, s.top_p)  # [N, V] fp32
-    N, V = probs.shape
-    u = philox_uniform(s.seed, s.offset + torch.arange(N, device=logits.device))  # [N] in [0, 1)
-    s.offset.add_(N)
-    cdf = probs.cumsum(dim=-1)  # [N, V]
-    x = (u * cdf[:, -1])[:, None]  # [N, 1]
-    idx = torch.searchsorted(cdf, x, right=True)[:, 0]
-    last = (V - 1) - (probs > 0).flip(-1).to(torch.int32).argmax(dim=-1)  # the last token with p > 0
-    return torch.minimum(idx, last)
+    return inverse_cdf_sample(probs, philox_draws(s, probs.shape[0]))
+
+
+def philox_draws(s: Sampler, n: int) -> torch.Tensor:
+    """n fresh uniforms [n] in [0, 1) from the sampler's Philox stream: counters offset .. offset + n - 1,
+    then offset += n (on the device: each replay of a graph draws the next ones)."""
+    u = philox_uniform(s.seed, s.offset + torch.arange(n, device=s.offset.device))
+    s.offset.add_(n)
+    return u
 
 
 def plain_step(model, cache, tokens: torch.Tensor, live: torch.Tensor, *, kv_len: int, backends,
@@ -88,6 +88,31 @@ def greedy_spec_step(model, cache, tokens: torch.Tensor, tree, active: torch.Ten
     active int64 [B] (0: finished or padding, commits nothing), kv_len a bucket >= every seqlens + T."""
     feats, target, v, n = greedy_verify_step(model, cache, tokens, tree, active, kv_len=kv_len, backends=backends,
                                              capture=capture)
+    return _spec_out(tokens, feats, v, n, target)
+
+
+def rejection_spec_step(model, cache, tokens: torch.Tensor, tree, active: torch.Tensor, *, kv_len: int, backends,
+                        sampler: Sampler, capture=None) -> SpecOut:
+    """One speculative step accepted by exact rejection sampling (ops.rejection_verify, deterministic
+    drafts: the emitted tokens follow sampling_probs(temperature, top_k, top_p), the plain sampler's law), its
+    B x (T + 1) uniforms from the sampler's Philox stream instead of a torch.Generator: one per node (the
+    acceptance draws) and one per sequence (the next root, by inverse CDF over the residual). The uniforms
+    are i.i.d. U[0, 1) and drawn after the tokens were fixed, which is all the exactness argument in
+    rejection_verify's docstring needs. target: the base argmax after each node (lookahead's observe_tokens
+    reads it, as it does after an eager sampled step's logits)."""
+    B, T = tokens.shape
+    hidden, feats = verify_forward(model, cache, tokens, tree, kv_len=kv_len, backends=backends, capture=capture)
+    logits = model.output(hidden)  # [B, T, V]
+    noise = philox_draws(sampler, B * (T + 1))
+    v = ops.rejection_verify(logits, tokens, tree.paths, temperature=sampler.temperature, top_k=sampler.top_k,
+                             top_p=sampler.top_p, noise=(noise[:B * T].view(B, T), noise[B * T:]),
+                             backend=backends["rejection_verify"])
+    n = commit_step(cache, v, active, backends)
+    return _spec_out(tokens, feats, v, n, logits.argmax(dim=-1))
+
+
+def _spec_out(tokens, feats, v, n, target) -> SpecOut:
+    """The gathers the loop and the drafter read after a verified step (v: ops.Verification-like)."""
     idx = v.accept_indices.clamp(min=0)  # [B, D+1]
     bidx = torch.arange(tokens.shape[0], device=tokens.device)[:, None]
     accepted = tokens.gather(1, idx)  # [B, D+1], root first
