@@ -22,9 +22,11 @@ import torch
 
 from .config import LlamaConfig
 from .gguf_blocks import DECODERS, BlockWeight, concat_rows, decode_blocks
-from .gguf_convert import check_finite, gguf_config, hf_name, open_gguf, unpermute_rope_rows
+from .gguf_convert import check_finite, gguf_config, hf_name, unpermute_rope_rows
+from .gguf_index import GGUFIndex
 from .hf_names import _key_map, hf_to_ours
 from .llama import Llama
+from .memory import return_freed_memory
 
 _PROJECTIONS = (".wqkv.weight", ".wo.weight", ".w13.weight", ".w2.weight")
 
@@ -42,7 +44,7 @@ class _GGUFTensors:
 
     def __init__(self, path):
         self.path = path
-        self.reader = open_gguf(path)
+        self.reader = GGUFIndex(path)  # not gguf's reader: its parsed tokenizer arrays would double the load's peak
         self.cfg = gguf_config(self.reader)
         self.tensors = {hf_name(t.name): t for t in self.reader.tensors}
 
@@ -78,6 +80,17 @@ class _GGUFTensors:
         return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
 
+def _input_major_values(panels, chunk: int = 4096) -> torch.Tensor:
+    """The panels' exact fp32 values [n, k], stored input-major ([k, n] memory seen transposed: the layout
+    Llama.use_input_major_weights gives the LM head, which then leaves it as is), filled `chunk` rows at a
+    time: the load never holds a second full fp32 copy (113 MB for SmolLM2's tied embedding)."""
+    out = torch.empty(panels.k, panels.n)
+    for i in range(0, panels.n, chunk):
+        ids = torch.arange(i, min(i + chunk, panels.n))
+        out[:, i:i + len(ids)] = panels.rows(ids).t()
+    return out.t()
+
+
 def load_gguf_quantized(path: str | os.PathLike) -> Llama:
     """An fp32 CPU Llama whose projections (and LM head) run on the GGUF's own blocks (see the module doc).
     One fused weight's blocks are decoded and packed at a time (peak memory: the panels plus one weight)."""
@@ -88,18 +101,20 @@ def load_gguf_quantized(path: str | os.PathLike) -> Llama:
         present = [n for n in names if n in f.tensors]
         if ours.endswith(_PROJECTIONS) and present == names and all(f.decodable(n) for n in names):
             panels[ours] = concat_rows([f.blocks(n) for n in names]).panels()
+            return_freed_memory()  # the decoded blocks' pages, before the next weight's: one weight's at a time
             continue
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         for n in present:  # norms, biases, embedding, and weights in formats not decoded here: fp32
             if n == head and f.decodable(n):
                 # the LM head's panels, and its fp32 values (the lookup, the drafters) read back from them
                 panels["output.weight"] = f.blocks(n).panels()
-                dense[n] = panels["output.weight"].dequantize()
+                dense[n] = _input_major_values(panels["output.weight"])
             else:
                 dense[n] = f.dense(n)
+    del f  # the file's mapping
+    return_freed_memory()  # before the layout passes below take their transient copies: a lower peak
     quantized_layers = {k for k in panels if k != "output.weight"}
-    with torch.device("meta"):
-        model = Llama(cfg)
+    model = Llama.empty(cfg)
     model.load_state_dict(hf_to_ours(cfg, dense, allow_missing=quantized_layers), strict=False, assign=True)
     del dense
     model.tie_weights()

@@ -83,6 +83,14 @@ def chunked_prefill(run_chunk, lengths: torch.Tensor, length: int, *, all_rows: 
     return [None if k[0] is None else (k[0] if len(k) == 1 else torch.cat(k, dim=1)) for k in kept]
 
 
+_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_")  # Llama.empty
+
+
+def _keep(tensor, *args, **kwargs):
+    """An init function that leaves a (meta) tensor as it is."""
+    return tensor
+
+
 class Llama(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -100,12 +108,28 @@ class Llama(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @classmethod
+    def empty(cls, config: LlamaConfig) -> "Llama":
+        """A Llama of meta parameters (shapes and dtypes only) for a loader to assign weights to, built
+        without the layers' random initialisation: on the meta device torch routes init.normal_ through its
+        Python refs, which import torch._dynamo and with it Triton, ~90 MB of resident memory in a CPU
+        process that then runs neither."""
+        init = torch.nn.init
+        saved = {n: getattr(init, n) for n in _INIT_FUNCTIONS}
+        try:
+            for n in _INIT_FUNCTIONS:
+                setattr(init, n, _keep)
+            with torch.device("meta"):
+                return cls(config)
+        finally:
+            for n, fn in saved.items():
+                setattr(init, n, fn)
+
+    @classmethod
     def from_hf_state_dict(cls, config: LlamaConfig, hf_sd: dict[str, torch.Tensor], *, dtype=None,
                            device=None) -> "Llama":
         """A Llama holding the given HF-named weights (model/hf_names.py), without a throwaway random
         initialisation; on the CPU with the CPU layouts (input-major, packed) applied."""
-        with torch.device("meta"):
-            model = cls(config)
+        model = cls.empty(config)
         sd = hf_to_ours(config, hf_sd)
         if dtype is not None or device is not None:
             sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}

@@ -12,6 +12,7 @@ import torch
 from ..ops.quantized_linear import quantized_linear_available
 from .gguf_convert import convert_gguf_cached
 from .gguf_quantized import load_gguf_quantized
+from .memory import return_freed_memory
 from .weight_quantize import quantize_model_weights
 from .hf_checkpoint import load_hf_dir
 from .llama import Llama
@@ -52,9 +53,16 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def load_tokenizer(model_dir: Path):
-    """The directory's tokenizer through transformers, or None when it ships none."""
+    """The directory's tokenizer through transformers, or None when it ships none. A tokenizer.json loads
+    through PreTrainedTokenizerFast directly: the same tokenizer class, ids and chat template as AutoTokenizer
+    gives (tests/test_tokenizer_load.py), without AutoTokenizer's extra ~70 MB of resident memory (measured
+    for SmolLM2; the peak RSS beside llama.cpp, issue 44)."""
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    if (model_dir / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
@@ -106,12 +114,12 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
         if weights in ("int8", "int4") and not quantize_model_weights(model, weights):
             raise ValueError(f"{model_dir}: weights={weights!r} needs every projection's inputs in groups of 32")
-        _return_freed_memory()
+        return_freed_memory()
         return model, load_tokenizer(model_dir)
     model_dir = convert_gguf_cached(gguf, sha256=digest)  # config, tokenizer files (and the fp32 copy)
     if weights == "quantized" or (weights is None and quantized_here):
         model = load_gguf_quantized(gguf)
-        _return_freed_memory()
+        return_freed_memory()
         return model, load_tokenizer(model_dir)
     try:
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
@@ -119,18 +127,5 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
         warnings.warn(f"the cached conversion {model_dir} is unreadable ({e}); converting {gguf.name} again")
         model_dir = convert_gguf_cached(gguf, sha256=digest, rebuild=True)
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
-    _return_freed_memory()
+    return_freed_memory()
     return model, load_tokenizer(model_dir)
-
-
-def _return_freed_memory() -> None:
-    """Loading frees about as much as it keeps (the checkpoint's tensors, fused and re-laid-out copies), in
-    blocks glibc's heap keeps for reuse; give the free pages back to the OS (~260 MB of resident memory
-    for SmolLM2 on the CPU). A no-op where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
