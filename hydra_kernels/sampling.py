@@ -35,14 +35,18 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 def inverse_cdf_sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """weights [N, V] >= 0 (rows need not be normalised, each with some positive entry), u [N] uniforms in
     [0, 1) -> token ids [N] drawn from weights / weights.sum(-1) by inverse CDF: the first i with
-    cdf[i] > u * cdf[V - 1]. A token of weight 0 is never drawn (its cdf equals its predecessor's; the clamp
-    to the last positive token covers u * total rounding up to total). No host read, no generator: the
-    caller's uniforms (device-side Philox in a CUDA graph) make the draw."""
+    cdf[i] > u * cdf[V - 1]. A token of weight 0 is never drawn: its cdf entry is set to the running maximum
+    of the entries before it, so an earlier index always holds the same value (a sequential cumsum gives
+    that already; a GPU's parallel scan can round entries i - 1 and i differently, even out of order, and
+    the running maximum also keeps the cdf monotone for searchsorted). The clamp to the last positive token
+    covers u * total rounding up to total. No host read, no generator: the caller's uniforms (device-side
+    Philox in a CUDA graph) make the draw."""
     V = weights.shape[-1]
-    cdf = weights.float().cumsum(dim=-1)  # [N, V]
+    positive = weights > 0
+    cdf = torch.where(positive, weights.float().cumsum(dim=-1), 0.0).cummax(dim=-1).values  # [N, V]
     x = (u * cdf[:, -1])[:, None]  # [N, 1]
     idx = torch.searchsorted(cdf, x, right=True)[:, 0]
-    last = (V - 1) - (weights > 0).flip(-1).to(torch.int32).argmax(dim=-1)  # the last token with weight > 0
+    last = (V - 1) - positive.flip(-1).to(torch.int32).argmax(dim=-1)  # the last token with weight > 0
     return torch.minimum(idx, last)
 
 

@@ -80,9 +80,14 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         tokens, tr = prop.tokens, prop.tree  # [B, T]; tr: Tree or TreeBatch
         kv_len = context + tr.num_nodes
         so = None
-        if runner is not None and prop.draft_probs is None:
+        if runner is not None and (greedy or prop.draft_probs is None):  # greedy acceptance ignores draft_probs
             so = runner.spec(buffers, tokens, tr, context, backends, capture=capture, nodes=nodes, depth=tree.depth,
                              sampler=None if greedy else sampler)
+        elif runner is not None:
+            from .runner.graphs import warn_once  # here: the runner's modules import this one
+
+            warn_once("sampled drafts (draft_probs) are verified by the eager rejection step (min(1, p/q) "
+                              "is not captured yet)")
         if so is not None:  # the step replayed (or run) by the runner over its static buffers
             drafter.after_step(state, so.accepted_feats, so.accepted_tokens, so.n)
             root = so.next_root

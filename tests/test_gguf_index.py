@@ -69,6 +69,12 @@ def test_files_that_are_not_whole_ggufs_are_refused(tmp_path):
     cut.write_bytes(b"GGML" + data[4:])
     with pytest.raises(ValueError, match="no GGUF magic"):
         GGUFIndex(cut)
+    cut.write_bytes(data[:4] + (3 << 24).to_bytes(4, "little") + data[8:])  # version 3 written big-endian
+    with pytest.raises(ValueError, match="big-endian"):
+        GGUFIndex(cut)
+    cut.write_bytes(data[:10])
+    with pytest.raises(ValueError, match="not a readable GGUF file .* 10 bytes"):
+        GGUFIndex(cut)
     ref = GGUFReader(str(path))
     t = ref.tensors[0]
     type_at = int(t.field.offset) + sum(int(p.nbytes) for p in t.field.parts[:4])  # the tensor's type field

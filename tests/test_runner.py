@@ -189,6 +189,37 @@ def test_speculative_rejection_sampling_through_the_runner_is_exact(name):
     assert exact.g_test(hist[0], law) > 1e-3 / (len(RUNNER_REJECTION) + 1)
 
 
+def test_greedy_steps_with_sampled_drafts_still_replay(model, plain):
+    """Heads that sample their drafts attach draft_probs; greedy acceptance ignores them, so those steps
+    still go through the runner (only a sampled run's min(1, p/q) steps are eager)."""
+    drafter, tree = make(model, "hydra")
+    drafter.draft_temperature = 0.7
+    calls = []
+    real = R.DecodeRunner.spec
+    run = lambda: generate(model, PROMPTS, drafter=drafter, tree=tree, max_new_tokens=NEW, eos_token_id=[])  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(R.DecodeRunner, "spec", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+        got = static(run)
+    assert calls and got.sequences == plain.sequences
+
+
+def test_inverse_cdf_sample_never_draws_a_zero_weight_token():
+    """Rows with many zero weights (rejected children, filtered tokens), uniforms on a fine grid and on the
+    cdf's own boundaries: every draw has positive weight, and the draws follow the weights."""
+    from hydra_kernels.sampling import inverse_cdf_sample
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.rand(64, 50, generator=g) * (torch.rand(64, 50, generator=g) < 0.4)
+    w[:, 7] = 0.3  # every row has some mass
+    cdf = w.cumsum(-1)
+    edges = (cdf / cdf[:, -1:]).clamp(max=1 - 2**-24)  # u exactly at each boundary
+    for u in [torch.rand(64, generator=g) for _ in range(200)] + list(edges.T):
+        tok = inverse_cdf_sample(w, u.contiguous())
+        assert bool((w.gather(1, tok[:, None]) > 0).all())
+    counts = torch.bincount(inverse_cdf_sample(w[:1].expand(200000, -1), torch.rand(200000, generator=g)), minlength=50)
+    assert torch.allclose(counts / 200000, w[0] / w[0].sum(), atol=0.01)
+
+
 def test_runner_noise_reused_every_step_is_refused_by_the_same_test(monkeypatch):
     """Negative control: a rejection step whose Philox counter never advances (every replay the same
     uniforms) draws correlated tokens; the same test must refuse it."""

@@ -16,6 +16,7 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (little-endian
 """
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ class IndexTensor:
 
     @property
     def data(self) -> np.ndarray:
-        count = int(np.prod(self.np_shape, dtype=np.int64))
+        count = math.prod(self.np_shape)
         out = np.fromfile(self.path, dtype=self.dtype, count=count, offset=self.offset)
         if out.size != count:
             raise ValueError(f"{self.path} is truncated: tensor {self.name!r} could not be read whole")
@@ -93,7 +94,7 @@ class _Header:
         try:
             return raw.decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"{self.path} is not a readable GGUF file (corrupt or truncated): a key or name is not "
+            raise ValueError(f"{self.path} is not a readable GGUF file (corrupt or truncated): a string is not "
                              "UTF-8") from None
 
     def skip_string(self) -> None:
@@ -116,6 +117,10 @@ class _Header:
             for _ in range(n):
                 self.skip_string()
             return IndexField(None, n)
+        if itype == _ARRAY:  # an array of arrays: each skipped (the loader reads none)
+            for _ in range(n):
+                self.value(_ARRAY)
+            return IndexField(None, n)
         if itype not in _SCALARS:
             raise ValueError(f"{self.path} is not a readable GGUF file (corrupt or truncated): an array of field "
                              f"type {itype}")
@@ -133,11 +138,16 @@ class GGUFIndex:
         from gguf.quants import quant_shape_to_byte_shape
 
         self.path = path
+        if os.path.getsize(path) < 24:  # magic, version and the two counts
+            raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): {os.path.getsize(path)} "
+                             "bytes")
         buf = np.memmap(path, dtype=np.uint8, mode="r")
         h = _Header(buf, path)
         if h.take(4) != _MAGIC:
             raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): no GGUF magic")
         version = h.unpack("<I")
+        if version in (2 << 24, 3 << 24):
+            raise ValueError(f"{path} is a big-endian GGUF file; hydra_kernels reads little-endian ones")
         if version not in (2, 3):
             raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated): GGUF version {version} "
                              "(versions 2 and 3 are read)")
@@ -147,13 +157,17 @@ class GGUFIndex:
                                               IndexField(n_tensors), "GGUF.kv_count": IndexField(n_fields)}
         for _ in range(n_fields):
             key = h.string()
+            if key in self.fields:
+                raise ValueError(f"{path}: field {key!r} appears twice; the file is corrupt")
             self.fields[key] = h.value(h.unpack("<I"))
         infos = []
         for _ in range(n_tensors):
             name = h.string()
             dims = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
             infos.append((name, dims, h.unpack("<I"), h.unpack("<Q")))
-        align = self.fields.get("general.alignment", IndexField(_ALIGNMENT)).value or _ALIGNMENT
+        align = self.fields.get("general.alignment", IndexField(_ALIGNMENT)).value
+        if not isinstance(align, int) or isinstance(align, bool) or align <= 0:
+            raise ValueError(f"{path}: general.alignment is {align!r}, not a positive integer; the file is corrupt")
         start = -(-h.pos // align) * align
         typed = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                  "I32": np.int32, "I64": np.int64}
@@ -168,8 +182,7 @@ class GGUFIndex:
             if name in seen:
                 raise ValueError(f"{path}: tensor {name!r} appears twice; the file is corrupt")
             seen.add(name)
-            n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
-            n_bytes = n_elems * type_size // block
+            n_bytes = math.prod(dims) * type_size // block  # Python ints: corrupt dims cannot wrap around
             begin = start + offset
             if begin + n_bytes > len(buf):
                 raise ValueError(f"{path} is truncated: tensor {name!r} ends at byte {begin + n_bytes} but the file has "

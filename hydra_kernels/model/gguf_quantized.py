@@ -111,7 +111,7 @@ def load_gguf_quantized(path: str | os.PathLike) -> Llama:
                 dense[n] = _input_major_values(panels["output.weight"])
             else:
                 dense[n] = f.dense(n)
-    del f  # the file's mapping
+    del f  # the index (the tensors' bytes were read and freed one weight at a time)
     return_freed_memory()  # before the layout passes below take their transient copies: a lower peak
     quantized_layers = {k for k in panels if k != "output.weight"}
     model = Llama.empty(cfg)

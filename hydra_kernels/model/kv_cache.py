@@ -24,8 +24,9 @@ def attention_rows(kv_len: int | None, max_rows: int, device: torch.device) -> i
     graphs must read a bucket (no per-step host int in a graph), and an eager step that read its exact
     bound would split attention's rows differently and could take another tuned launch config, so a
     replay would differ from the eager step in the last bits (seen on an H200, 2026-11-27: Llama-3-8B
-    shapes, bf16). The kernel stops at each sequence's own seqlen, so the bucket reads no extra rows.
-    Elsewhere the bound itself (the CPU's speed is unchanged)."""
+    shapes, bf16). The Triton kernel stops at each sequence's own seqlen, so the bucket costs it no extra
+    rows; the reference backend on CUDA reads the masked rows up to the bucket (at most 2x). Elsewhere the
+    bound itself (the CPU's speed is unchanged). Never more than the buffer's max_rows."""
     n = max_rows if kv_len is None else kv_len
     return kv_bucket(n, max_rows) if device.type == "cuda" else n
 

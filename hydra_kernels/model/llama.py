@@ -83,12 +83,17 @@ def chunked_prefill(run_chunk, lengths: torch.Tensor, length: int, *, all_rows: 
     return [None if k[0] is None else (k[0] if len(k) == 1 else torch.cat(k, dim=1)) for k in kept]
 
 
-_INIT_FUNCTIONS = ("normal_", "uniform_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_")  # Llama.empty
+class _SkipInit(torch.overrides.TorchFunctionMode):
+    """Inside it the layers' init functions leave their tensors as they are (Llama.empty). A torch function
+    mode is thread-local: other threads keep their initialisation."""
 
+    SKIPPED = frozenset(getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_",
+                                                             "trunc_normal_", "ones_", "zeros_"))
 
-def _keep(tensor, *args, **kwargs):
-    """An init function that leaves a (meta) tensor as it is."""
-    return tensor
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:  # init.f(tensor, ...): the tensor, passed by position or by name
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 class Llama(nn.Module):
@@ -113,16 +118,8 @@ class Llama(nn.Module):
         without the layers' random initialisation: on the meta device torch routes init.normal_ through its
         Python refs, which import torch._dynamo and with it Triton, ~90 MB of resident memory in a CPU
         process that then runs neither."""
-        init = torch.nn.init
-        saved = {n: getattr(init, n) for n in _INIT_FUNCTIONS}
-        try:
-            for n in _INIT_FUNCTIONS:
-                setattr(init, n, _keep)
-            with torch.device("meta"):
-                return cls(config)
-        finally:
-            for n, fn in saved.items():
-                setattr(init, n, fn)
+        with torch.device("meta"), _SkipInit():
+            return cls(config)
 
     @classmethod
     def from_hf_state_dict(cls, config: LlamaConfig, hf_sd: dict[str, torch.Tensor], *, dtype=None,

@@ -3,6 +3,16 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+
+
+@functools.cache
+def _libc():
+    """The C library (find_library runs ldconfig in a subprocess: once), or None."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def return_freed_memory() -> None:
@@ -10,7 +20,6 @@ def return_freed_memory() -> None:
     copies), in blocks glibc's heap keeps for reuse (its mmap threshold rises after large frees, so later
     large buffers come from the heap); malloc_trim gives the free pages back (~260 MB of resident memory for
     SmolLM2 on the CPU). A no-op where the C library has no malloc_trim."""
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

@@ -52,14 +52,28 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return dtype
 
 
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _tokenizer_class(model_dir: Path) -> str | None:
+    """tokenizer_config.json's tokenizer_class, or None (no file, unreadable, no such key)."""
+    import json
+
+    try:
+        return json.loads((model_dir / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_tokenizer(model_dir: Path):
-    """The directory's tokenizer through transformers, or None when it ships none. A tokenizer.json loads
-    through PreTrainedTokenizerFast directly: the same tokenizer class, ids and chat template as AutoTokenizer
-    gives (tests/test_tokenizer_load.py), without AutoTokenizer's extra ~70 MB of resident memory (measured
-    for SmolLM2; the peak RSS beside llama.cpp, issue 44)."""
+    """The directory's tokenizer through transformers, or None when it ships none. A tokenizer.json whose
+    config names the generic fast class (as a GGUF's conversion writes) loads through PreTrainedTokenizerFast
+    directly: the class, ids and chat template AutoTokenizer gives (tests/test_gguf_index.py), without
+    AutoTokenizer's extra ~70 MB of resident memory (measured for SmolLM2; the peak RSS beside llama.cpp,
+    issue 44). Any other tokenizer class goes through AutoTokenizer (model-specific overrides)."""
     if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    if (model_dir / "tokenizer.json").exists():
+    if (model_dir / "tokenizer.json").exists() and _tokenizer_class(model_dir) in _GENERIC_FAST:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(str(model_dir))

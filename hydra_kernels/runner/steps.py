@@ -9,6 +9,8 @@ plain_step: the last token through the model (Llama.step, T = 1), the committed 
     plain sampler's law (sampling.sampling_probs) with device-side Philox noise (sample_tokens).
 greedy_spec_step: speculative.greedy_verify_step (verify forward over a tree, base argmax, greedy
     acceptance, commit_kv, seqlens advance) plus the gathers the loop and the drafter read after it.
+rejection_spec_step: the same step accepted by exact rejection sampling, its uniforms from the plain
+    sampler's Philox stream (philox_draws).
 """
 from __future__ import annotations
 
@@ -68,10 +70,10 @@ def plain_step(model, cache, tokens: torch.Tensor, live: torch.Tensor, *, kv_len
 
 
 class SpecOut(NamedTuple):
-    """What a greedy speculative step leaves for the loop: the drafter's inputs (accepted_feats [B, D+1, ...],
+    """What a speculative step leaves for the loop: the drafter's inputs (accepted_feats [B, D+1, ...],
     accepted_tokens [B, D+1] root first, n [B] committed lengths), next_root [B], target [B, T] (the base
-    argmax after every node: lookahead's observe_tokens), and report [B, D+3] = (accepted tokens, next
-    root, n): the one tensor the host reads."""
+    argmax after every node: lookahead's observe_tokens; [B, 0] after a sampled step), and report
+    [B, D+3] = (accepted tokens, next root, n): the one tensor the host reads."""
 
     accepted_feats: torch.Tensor
     accepted_tokens: torch.Tensor
@@ -98,8 +100,10 @@ def rejection_spec_step(model, cache, tokens: torch.Tensor, tree, active: torch.
     B x (T + 1) uniforms from the sampler's Philox stream instead of a torch.Generator: one per node (the
     acceptance draws) and one per sequence (the next root, by inverse CDF over the residual). The uniforms
     are i.i.d. U[0, 1) and drawn after the tokens were fixed, which is all the exactness argument in
-    rejection_verify's docstring needs. target: the base argmax after each node (lookahead's observe_tokens
-    reads it, as it does after an eager sampled step's logits)."""
+    rejection_verify's docstring needs. target is empty ([B, 0]): after a sampled step the loop hands the
+    drafter no base argmax, as the eager loop does. The step keeps the [B, T, V] logits and probabilities in
+    the graph's pool (the eager loop's fused LM-head path avoids them where the law is unfiltered; not in
+    graphs yet)."""
     B, T = tokens.shape
     hidden, feats = verify_forward(model, cache, tokens, tree, kv_len=kv_len, backends=backends, capture=capture)
     logits = model.output(hidden)  # [B, T, V]
@@ -108,7 +112,7 @@ def rejection_spec_step(model, cache, tokens: torch.Tensor, tree, active: torch.
                              top_p=sampler.top_p, noise=(noise[:B * T].view(B, T), noise[B * T:]),
                              backend=backends["rejection_verify"])
     n = commit_step(cache, v, active, backends)
-    return _spec_out(tokens, feats, v, n, logits.argmax(dim=-1))
+    return _spec_out(tokens, feats, v, n, tokens.new_zeros(B, 0))
 
 
 def _spec_out(tokens, feats, v, n, target) -> SpecOut:
