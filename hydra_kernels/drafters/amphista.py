@@ -47,12 +47,10 @@ from ..model.layers import TransformerBlock
 from ..model.llama import chunked_prefill
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..model.rope import RopeCache
-from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, as_tree, default_tree, run_subtree
-from ..weight_cache import DerivedCache
 from .checkpoint import save_ours
 from .draft_heads import ResBlock
-from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, lm_head_rows, pack_draft_linears
+from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal
 
 LM_HEADS = ("tied", "low_rank")
@@ -146,8 +144,7 @@ class AmphistaDrafter(Drafter):
             self.lm_down = self.lm_up = None
         self.register_buffer("draft_vocab", torch.arange(Vd) if cfg.draft_vocab_size else None)
         self._rope = RopeCache(self.block_config)
-        self._tied_slice = DerivedCache()
-        self._tied_packed = DerivedCache()
+        self._tied = TiedLMHead()  # the base LM head's rows of the draft vocabulary (and their CPU panels)
         self.packed = False
         self.trees: dict[str, Tree] = {}
 
@@ -317,11 +314,7 @@ class AmphistaDrafter(Drafter):
     def tied_lm_weight(self, model) -> torch.Tensor:
         """The base model's LM head rows of the draft vocabulary [Vd, H] (kept until the weight or the
         vocabulary changes): the tied head, and the teacher in training whatever the head."""
-        w = model.output.weight
-        if self.draft_vocab is None:
-            return w
-
-        return self._tied_slice.get((w, self.draft_vocab), lambda: lm_head_rows(w, self.draft_vocab))
+        return self._tied.weight(model, self.draft_vocab)
 
     def logits(self, model, y: torch.Tensor) -> torch.Tensor:
         """Head states [..., H] -> logits [..., Vd] over the draft vocabulary (column j: token draft_vocab[j]).
@@ -338,14 +331,11 @@ class AmphistaDrafter(Drafter):
         ops.lm_head_topk (no logits written), or on packed CPU weights the packed kernel."""
         if self.lm_down is not None:
             return self.token_ids(self.logits(model, y).topk(k, dim=-1).indices)
-        w = self.tied_lm_weight(model)
-        if (self.packed and y.is_cpu and y.dtype is torch.float32 and w.dtype is torch.float32
+        if (self.packed and y.is_cpu and y.dtype is torch.float32 and model.output.weight.dtype is torch.float32
                 and not torch.is_grad_enabled() and y.numel() <= MAX_PACKED_ROWS * y.shape[-1]):
-            panels = self._tied_packed.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
-                                           extra=(DRAFT_PACK_DTYPE,))
-            idx = packed_linear(y, panels, w.shape[0]).topk(k, dim=-1).indices
+            idx = self._tied.packed_logits(model, self.draft_vocab, y).topk(k, dim=-1).indices  # no fp32 slice
         else:
-            idx = ops.lm_head_topk(y, w, k, backend=backends["lm_head_topk"])[1]
+            idx = ops.lm_head_topk(y, self.tied_lm_weight(model), k, backend=backends["lm_head_topk"])[1]
         return self.token_ids(idx)
 
     def use_packed_cpu_weights(self, on: bool) -> None:

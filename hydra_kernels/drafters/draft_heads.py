@@ -33,11 +33,9 @@ from torch import nn
 from .. import ops
 from ..model.kv_cache import KVCache
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
-from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, as_tree, default_tree, run_subtree
-from ..weight_cache import DerivedCache
 from .config import DrafterConfig
-from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, lm_head_rows
+from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids
 from .prefix import PrefixLayer
 from .protocol import Drafter
 
@@ -132,8 +130,7 @@ class HeadDrafter(Drafter):
         self.prefix = PrefixLayer(cfg.base_config, cfg.prefix_final_norm) if cfg.prefix_layer else None
         # draft index -> token id (None: the identity over the whole vocabulary)
         self.register_buffer("draft_vocab", torch.arange(V) if cfg.draft_vocab_size else None)
-        self._tied_slice = DerivedCache()  # the base LM head's rows of the draft vocabulary
-        self._tied_packed = DerivedCache()  # the same rows packed for the CPU kernel
+        self._tied = TiedLMHead()  # the base LM head's rows of the draft vocabulary (and their CPU panels)
         self.trees: dict[str, Tree] = {}
         self._draft_temperature = 0.0
 
@@ -256,11 +253,7 @@ class HeadDrafter(Drafter):
         """The base model's LM head rows of the draft vocabulary [Vd, H], gathered once and kept until
         the model's weight or the vocabulary changes. On the CPU the slice is stored input-major like
         the model's weights: the small-M GEMV streams it ~2x faster."""
-        w = model.output.weight
-        if self.draft_vocab is None:
-            return w
-
-        return self._tied_slice.get((w, self.draft_vocab), lambda: lm_head_rows(w, self.draft_vocab))
+        return self._tied.weight(model, self.draft_vocab)
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary indices -> token ids."""
@@ -304,10 +297,7 @@ class HeadDrafter(Drafter):
 
     def _packed_tied_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """The tied LM-head slice on packed CPU weights: hidden [..., H] -> logits [..., Vd]."""
-        w = self.tied_lm_weight(model)
-        panels = self._tied_packed.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
-                                       extra=(DRAFT_PACK_DTYPE,))
-        return packed_linear(hidden, panels, w.shape[0])
+        return self._tied.packed_logits(model, self.draft_vocab, hidden)
 
     # ---- our checkpoint format --------------------------------------------------------------------
     @classmethod

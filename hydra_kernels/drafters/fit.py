@@ -52,11 +52,29 @@ def pack_draft_linears(drafter, on: bool) -> None:
             m.pack_cpu(on)
 
 
+PACK_CHUNK = 4096  # LM-head rows packed at a time (a multiple of the kernel's 64-row panels)
+
+
+def pack_lm_head_rows(w: torch.Tensor, ids: torch.Tensor | None, dtype: torch.dtype = DRAFT_PACK_DTYPE) -> torch.Tensor:
+    """pack_linear_weight(w[ids]) (ids None: every row), built PACK_CHUNK rows at a time: the panels of
+    consecutive 64-row blocks are independent, so the concatenation is the same tensor bit for bit
+    (tests/test_drafters.py), and no fp32 copy of the rows is ever whole (37.7 MB for SmolLM2's
+    16384-token draft vocabulary: it set the peak RSS of a drafting process, issue 44)."""
+    assert PACK_CHUNK % 64 == 0
+    n = w.shape[0] if ids is None else ids.numel()
+    with torch.no_grad():
+        parts = [pack_linear_weight(w.detach()[i:i + PACK_CHUNK] if ids is None
+                                    else w.detach().index_select(0, ids[i:i + PACK_CHUNK]), dtype)
+                 for i in range(0, n, PACK_CHUNK)]
+    return torch.cat(parts)
+
+
 class TiedLMHead:
     """The base model's LM head as a drafter's frozen output layer: its rows of the draft vocabulary
-    (lm_head_rows, gathered once) and, for the CPU's packed kernel, the same rows in bf16 panels, each
-    kept until the model's weight or the vocabulary changes (weight_cache.DerivedCache). Not a module:
-    the rows belong to the base model and are never saved with the drafter."""
+    (lm_head_rows, gathered when a path reads them) and, for the CPU's packed kernel, the same rows in bf16
+    panels packed straight from the model's weight (pack_lm_head_rows), each kept until the model's weight
+    or the vocabulary changes (weight_cache.DerivedCache). Not a module: the rows belong to the base model
+    and are never saved with the drafter."""
 
     def __init__(self):
         self._rows = DerivedCache()
@@ -69,16 +87,21 @@ class TiedLMHead:
             return w
         return self._rows.get((w, draft_vocab), lambda: lm_head_rows(w, draft_vocab))
 
+    def packed_logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden fp32 [..., H] -> logits [..., Vd] on the bf16 panels of the rows (the caller checked the
+        packed kernel's rule)."""
+        w = model.output.weight
+        sources = (w,) if draft_vocab is None else (w, draft_vocab)
+        panels = self._panels.get(sources, lambda: pack_lm_head_rows(w, draft_vocab), extra=(DRAFT_PACK_DTYPE,))
+        return packed_linear(hidden, panels, w.shape[0] if draft_vocab is None else draft_vocab.numel())
+
     def logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
         """hidden [..., H] -> logits [..., Vd]. packed: the CPU kernel on bf16 panels where its rule allows
         (fp32 CPU inference, few rows, as model/packed_linear.Linear), else F.linear (autograd, GPU)."""
-        w = self.weight(model, draft_vocab)
-        if (packed and hidden.is_cpu and hidden.dtype is torch.float32 and w.dtype is torch.float32
+        if (packed and hidden.is_cpu and hidden.dtype is torch.float32 and model.output.weight.dtype is torch.float32
                 and not torch.is_grad_enabled() and hidden.numel() <= MAX_PACKED_ROWS * hidden.shape[-1]):
-            panels = self._panels.get((w,), lambda: pack_linear_weight(w.detach(), DRAFT_PACK_DTYPE),
-                                      extra=(DRAFT_PACK_DTYPE,))
-            return packed_linear(hidden, panels, w.shape[0])
-        return torch.nn.functional.linear(hidden, w)
+            return self.packed_logits(model, draft_vocab, hidden)
+        return torch.nn.functional.linear(hidden, self.weight(model, draft_vocab))
 
     def __deepcopy__(self, memo):  # a copied drafter rebuilds from its own model
         return TiedLMHead()
