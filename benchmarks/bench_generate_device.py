@@ -24,11 +24,14 @@ only: each batch size compiles afresh), each as a
 fraction of the copy ceiling measured in the same call (batch x tokens/s over what the copy bandwidth allows:
 every weight and the K/V read once per step, at the mid-run context). Medians of end-to-end tokens/s
 (prefill included, all decoders alike), every sequence exactly --new-tokens long; `identical`: the fraction of
-our graph-replayed sequences equal to eager's (the target: 1.0). Writes generate_graphs_<gpu>_<date>.csv
+our graph-replayed sequences equal to eager's (the target: 1.0; not for sampled rows, whose graphs draw
+Philox noise where eager draws the generator's). At --sampled-batches (default 1) also n-gram drafting
+with rejection sampling at T = 0.8, eager and graphs. Writes generate_graphs_<gpu>_<date>.csv
 (columns shapes, decoder, mode, batch, tokens_per_s, copy_fraction, ...) under --out. Without CUDA the
 "graphs" rows run the runner's static-buffer path without graphs (hydra_kernels.runner.static_buffers).
     python benchmarks/bench_generate_device.py --graphs [--models smollm2-135m llama-3-8b] [--batch 1 4 16]
-        [--compiled-batches 1] [--prompt-tokens 128] [--new-tokens 128] [--reps 3] [--out benchmarks/out]
+        [--compiled-batches 1] [--sampled-batches 1] [--prompt-tokens 128] [--new-tokens 128] [--reps 3]
+        [--out benchmarks/out]
 CPU smoke: --graphs --models smollm2-135m --layers 1 --batch 1 2 --compiled-batches --prompt-tokens 16
     --new-tokens 8 --reps 1 --dtype float32.
 """
@@ -191,6 +194,8 @@ def graphs_main(argv=None) -> list[dict]:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--compiled-batches", type=int, nargs="*", default=[1],
                     help="batch sizes of the transformers static cache + torch.compile peer (each compiles afresh)")
+    ap.add_argument("--sampled-batches", type=int, nargs="*", default=[1],
+                    help="batch sizes that also time n-gram drafting with rejection sampling (T = 0.8), eager and graphs")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -226,12 +231,12 @@ def graphs_main(argv=None) -> list[dict]:
         for B in args.batch:
             prompts = [repetitive_prompt(args.prompt_tokens, hf.config.vocab_size, gen) for _ in range(B)]
 
-            def ours_run(drafter, graphs):
+            def ours_run(drafter, graphs, temperature=0.0):
                 # off CUDA "graphs" is the runner's static-buffer path without graphs (the smoke run's check)
                 ctx = runner.static_buffers() if graphs and dev.type != "cuda" else contextlib.nullcontext()
                 with ctx:
                     out = generate(ours, prompts, drafter=drafter, max_new_tokens=n, eos_token_id=[],
-                                   cuda_graphs=graphs)
+                                   cuda_graphs=graphs, temperature=temperature, seed=0 if temperature else None)
                 return out.sequences, out.mean_accepted_tokens, out.num_steps
 
             def hf_run(compiled):
@@ -249,6 +254,9 @@ def graphs_main(argv=None) -> list[dict]:
                         ("transformers generate", "eager"): lambda: hf_run(False)}
             if B in args.compiled_batches:
                 decoders["transformers generate", "static cache + compile"] = lambda: hf_run(True)
+            if B in args.sampled_batches:  # speculative rejection sampling (T = 0.8): the graphs' Philox noise
+                decoders["ours n-gram sampled", "eager"] = lambda: ours_run(ngram, False, 0.8)
+                decoders["ours n-gram sampled", "graphs"] = lambda: ours_run(ngram, True, 0.8)
             times = {k: [] for k in decoders}
             seqs, tps = {}, {}
             for fn in decoders.values():  # warm-up: captures, compiles, autotuning, allocator pools
@@ -265,7 +273,7 @@ def graphs_main(argv=None) -> list[dict]:
             for k, v in times.items():
                 tok_s = statistics.median(v)
                 same = ""
-                if k[0].startswith("ours") and k[1] == "graphs":
+                if k[0].startswith("ours") and k[1] == "graphs" and "sampled" not in k[0]:  # sampled: other noise
                     eager_seqs = seqs[k[0], "eager"]
                     same = round(sum(a == b for a, b in zip(seqs[k], eager_seqs)) / B, 3)
                 rows.append(dict(shapes=shapes, decoder=k[0], mode=k[1], batch=B, tokens_per_s=round(tok_s, 1),

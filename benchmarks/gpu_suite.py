@@ -82,7 +82,7 @@ def steps(out: str, tests: list[str] | None = None) -> list[tuple[str, list[str]
          real, 180),
         ("decode step + CUDA graph", [py, "benchmarks/bench_decode_step.py", "--model", "llama-3-8b", "--batch", "1", "8",
                                       "--out", out], real, 150),
-        # issue 43: 2 shapes x 3 batch sizes x 5-6 decoders, 64 new tokens, 2 rounds (the 8B rows dominate)
+        # issue 43: 2 shapes x 3 batch sizes x 5-8 decoders (batch 1: + compiled peer, + sampled n-gram), 64 new tokens, 2 rounds
         ("generate graphs", [py, "benchmarks/bench_generate_device.py", "--graphs", "--new-tokens", "64", "--reps", "2",
                              "--out", out], real, 420),
     ]

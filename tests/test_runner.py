@@ -409,9 +409,12 @@ def test_generate_graphs_bench_cpu(tmp_path):
     assert [(r["decoder"], r["mode"], r["batch"]) for r in rows[:5]] == [
         ("ours plain", "eager", 1), ("ours plain", "graphs", 1), ("ours n-gram", "eager", 1),
         ("ours n-gram", "graphs", 1), ("transformers generate", "eager", 1)]
-    assert len(rows) == 10 and all(r["tokens_per_s"] > 0 and r["copy_fraction"] > 0 for r in rows)
-    assert all(r["identical"] == 1.0 for r in rows if r["mode"] == "graphs")
+    assert len(rows) == 12 and all(r["tokens_per_s"] > 0 and r["copy_fraction"] > 0 for r in rows)
+    assert all(r["identical"] == 1.0 for r in rows if r["mode"] == "graphs" and "sampled" not in r["decoder"])
     assert [r["same_as_plain"] for r in rows if r["decoder"] == "ours n-gram"] == [1.0] * 4  # lossless on the CPU
+    sampled = [r for r in rows if r["decoder"] == "ours n-gram sampled"]
+    assert [(r["mode"], r["batch"]) for r in sampled] == [("eager", 1), ("graphs", 1)]  # --sampled-batches 1
+    assert all(r["tokens_per_s"] > 0 and r["identical"] == "" for r in sampled)
     assert len(list(tmp_path.glob("generate_graphs_cpu_*.csv"))) == 1
 
 
