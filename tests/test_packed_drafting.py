@@ -44,13 +44,13 @@ def drafter_for(model, kind, lm_head, seed=1):
 
 
 def packed_calls(monkeypatch) -> list:
-    """Counts the draft heads' calls of the packed kernel (the heads' Linear layers and the tied slice)."""
-    import hydra_kernels.drafters.draft_heads as dh
+    """Counts the draft heads' calls of the packed kernel (the heads' Linear layers, and the tied slice's
+    panels through fit.TiedLMHead)."""
     import hydra_kernels.drafters.fit as fit
     import hydra_kernels.model.packed_linear as pl
 
     calls = []
-    for mod in (dh, fit, pl):
+    for mod in (fit, pl):
         real = mod.packed_linear
 
         def spy(x, packed, n, bias=None, _real=real):
