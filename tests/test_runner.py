@@ -148,11 +148,7 @@ def test_plain_sampling_through_the_runner_is_exact(name):
 
 def law_model():
     """test_sampling_exactness's enumerable model: a 1-layer Llama over exact.V tokens, sharpened."""
-    hf = make_hf("gqa3-tied", seed=5, vocab_size=exact.V, num_hidden_layers=1, hidden_size=16, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=24)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(3.0)
-    return hk.Llama.from_hf(hf)
+    return hk.Llama.from_hf(exact.law_hf())
 
 
 RUNNER_REJECTION = {  # name -> (exact.make_drafter kind, temperature, top_k, top_p)

@@ -102,10 +102,7 @@ def test_greedy_speculative_graphs_equal_eager(model, kind):
 @pytest.fixture(scope="module")
 def law_model():
     """test_sampling_exactness's enumerable model on the CPU in float32 (the exact law) and on the GPU."""
-    hf = make_hf("gqa3-tied", seed=5, vocab_size=exact.V, num_hidden_layers=1, hidden_size=16, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=24)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(3.0)
+    hf = exact.law_hf()
     return hk.Llama.from_hf(hf), hk.Llama.from_hf(hf).to("cuda")
 
 

@@ -60,13 +60,19 @@ TREE = hk.Tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])  # siblings a
 DRAFT_TEMPERATURE = {"medusa": 1.0, "hydra": 0.7, "hydra++": 1.3}  # the sampled head drafters' q temperatures
 
 
-@pytest.fixture(scope="module")
-def model():
+def law_hf():
+    """The harness's enumerable model as transformers builds it: 1 layer over V tokens, its LM head sharpened
+    (sharper next-token laws than the random init gives: more power). Also the runner's tests' model."""
     hf = make_hf("gqa3-tied", seed=5, vocab_size=V, num_hidden_layers=1, hidden_size=16, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=24)
-    with torch.no_grad():  # sharper next-token laws than the random init gives: more power
+    with torch.no_grad():
         hf.lm_head.weight.mul_(3.0)
-    return hk.Llama.from_hf(hf)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def model():
+    return hk.Llama.from_hf(law_hf())
 
 
 def random_head_drafter(model, kind):
