@@ -199,6 +199,9 @@ def graphs_main(argv=None) -> list[dict]:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="CUDA: also list the kernels of one graph-replayed plain run at the first batch size (launches "
+                         "a step, device time per kernel name) in <out>/kernels_<shapes>.txt")
     ap.add_argument("--out", default="benchmarks/out")
     args = ap.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -269,6 +272,11 @@ def graphs_main(argv=None) -> list[dict]:
                     times[k].append(B * n / t)
                     seqs[k], tps[k] = seq, steps
             replay = {k: replay_profile(ours, decoders[k]) for k in decoders if k[1] == "graphs"}
+            if args.kernel_profile and dev.type == "cuda" and B == args.batch[0]:
+                try:  # a diagnostic: a profiler failure must not cost the benchmark's rows
+                    kernel_profile(decoders["ours plain", "graphs"], Path(args.out) / f"kernels_{model_name}_b{B}.txt")
+                except Exception as e:  # noqa: BLE001
+                    print(f"WARNING: the kernel profile failed: {type(e).__name__}: {e}")
             ceiling = B / (step_bytes(ours, B, args.prompt_tokens + n // 2, 1) / (bw * 1e9))  # tokens/s at the ceiling
             for k, v in times.items():
                 tok_s = statistics.median(v)
@@ -322,6 +330,29 @@ def plot_graphs(ax, rows: list[dict]) -> None:
     ax.set_ylabel("tokens/s (median, end to end)")
     ax.set_title(f"generate(): eager vs CUDA graphs, {rows[0]['device']}, {rows[0]['dtype']}", fontsize=9)
     ax.legend(fontsize=6)
+
+
+def kernel_profile(run, path: Path, top: int = 25) -> None:
+    """One more run under torch.profiler: the device kernels it ran (graph replays included), as launches per
+    decoding step and device time per kernel name, the `top` names by total time, printed and written to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        steps = run()[2]
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in by_name.values())
+    lines = [f"{len(kernels)} kernels in {steps} steps: {len(kernels) / max(steps, 1):.0f} a step, "
+             f"{total / 1e3 / max(steps, 1):.3f} ms of kernel time a step",
+             f"{'total ms':>9} {'calls/step':>10} {'us each':>8}  kernel"]
+    for name, ts in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"{sum(ts) / 1e3:9.2f} {len(ts) / max(steps, 1):10.1f} {statistics.mean(ts):8.2f}  {name[:110]}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 PROFILE_COLUMNS = ["steps_replayed", "replay_ms_plain", "replay_ms_spec", "host_ms_per_step"]

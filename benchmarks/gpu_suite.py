@@ -45,7 +45,8 @@ GPU_TESTS = ["tests/test_tree_attention.py", "tests/test_commit_kv.py", "tests/t
              "tests/test_lm_head_sample_stats.py", "tests/test_lm_head_residual_sample.py", "tests/test_rejection_accept.py",
              "tests/test_hydra_first_layer.py", "tests/test_resblock.py",
              "tests/test_tree_inputs.py", "tests/test_backends.py", "tests/test_per_sequence_trees.py",
-             "tests/test_kv_cache_paths.py", "tests/test_drafters_on_device.py", "tests/test_runner_gpu.py"]
+             "tests/test_kv_cache_paths.py", "tests/test_drafters_on_device.py", "tests/test_runner_gpu.py",
+             "tests/test_layer_ops.py"]
 
 
 def _pytest_workers() -> list[str]:

@@ -162,6 +162,27 @@ def _spec_resblock(mod, case: Case, dt):
     mod.resblock(_meta(case.B, case.T, H, dtype=dt), _meta(H, H, dtype=dt), _meta(H, dtype=dt))
 
 
+def _spec_rms_norm(mod, case: Case, dt):
+    c = NAMED_CONFIGS[case.model]
+    x = _meta(case.B, case.T, c.hidden_size, dtype=dt)
+    mod.rms_norm(x, _meta(c.hidden_size, dtype=dt), 1e-5, None)  # a layer's first norm, the final norm
+    mod.rms_norm(x, _meta(c.hidden_size, dtype=dt), 1e-5, x)  # the residual add fused before the second
+
+
+def _spec_rope_write_kv(mod, case: Case, dt):
+    c = NAMED_CONFIGS[case.model]
+    D = c.hidden_size // c.num_heads
+    mod.rope_write_kv(_meta(case.B, case.T, c.num_heads + 2 * c.num_kv_heads, D, dtype=dt),
+                      _meta(case.B, case.T, D, dtype=dt), _meta(case.B, case.T, D, dtype=dt),
+                      _meta(2, case.B, MAX_CONTEXT, c.num_kv_heads, D, dtype=dt),
+                      _meta(case.B, case.T, dtype=torch.int64), c.num_heads, c.num_kv_heads)
+
+
+def _spec_silu_mul(mod, case: Case, dt):
+    c = NAMED_CONFIGS[case.model]
+    mod.silu_mul(_meta(case.B, case.T, 2 * c.intermediate_size, dtype=dt))
+
+
 SPECS = {name[len("_spec_"):]: fn for name, fn in globals().items() if name.startswith("_spec_")}
 
 

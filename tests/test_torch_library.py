@@ -2,7 +2,7 @@
 BackendPlan entry resolves to) without a graph break, and the compiled call returns the eager call's
 outputs bit for bit, on the CPU with inductor (gcc builds its CPU code):
 
-- the Triton ops (all ten) through their torch.library forms (ops/triton/library.py; kernels under
+- the Triton ops (all thirteen) through their torch.library forms (ops/triton/library.py; kernels under
   TRITON_INTERPRET=1), tree_attention with its mask packed inside the graph as a step packs it;
 - the native ops a CPU decode step runs (the extension's TORCH_LIBRARY ops with the fake kernels of
   ops/native.py): tree_attention, tree_inputs, greedy_verify, commit_kv, packed_linear;
@@ -71,8 +71,19 @@ def _tree_inputs(gen):
             torch.tensor([0, 0, 1, 4, 5, 6]), TREE.depths[:T], torch.tensor([7, 3], dtype=torch.int32))
 
 
+def _rope_write_kv(gen):
+    T, NQ, NKV, D = 3, 4, 2, 16
+    ang = torch.rand(B, T, D, generator=gen) * 6
+    return (torch.randn(B, T, NQ + 2 * NKV, D, generator=gen), ang.cos(), ang.sin(),
+            torch.randn(2, B, 12, NKV, D, generator=gen), torch.tensor([[7, 8, 9], [3, 4, 5]]), NQ, NKV)
+
+
 INPUTS = {
     "tree_attention": _tree_attention,
+    "rms_norm": lambda gen: (torch.randn(B, 3, H, generator=gen), torch.randn(H, generator=gen), 1e-5,
+                             torch.randn(B, 3, H, generator=gen)),
+    "rope_write_kv": _rope_write_kv,
+    "silu_mul": lambda gen: (torch.randn(B, 3, 2 * H, generator=gen),),
     "commit_kv": _commit_kv,
     "greedy_verify": _verify,
     "typical_accept": _typical_accept,
@@ -87,7 +98,8 @@ INPUTS = {
     "rejection_accept": _rejection_accept,
 }
 TRITON_OPS = ["tree_attention", "commit_kv", "greedy_verify", "typical_accept", "lm_head_topk", "lm_head_sample_stats",
-              "hydra_first_layer", "resblock", "lm_head_residual_sample", "rejection_accept"]
+              "hydra_first_layer", "resblock", "lm_head_residual_sample", "rejection_accept", "rms_norm", "rope_write_kv",
+              "silu_mul"]
 NATIVE_STEP_OPS = ["tree_attention", "tree_inputs", "greedy_verify", "commit_kv"]  # packed_linear: its own test
 
 
@@ -100,10 +112,13 @@ def _as_step_calls(backend: str, op: str):
     return fn
 
 
-def _outputs(result, args) -> list[torch.Tensor]:
-    """What a call produced: its returned tensors, or for commit_kv (in place, returns None) the buffer."""
+def _outputs(result, args, op: str) -> list[torch.Tensor]:
+    """What a call produced: its returned tensors, or for commit_kv (in place, returns None) the buffer; for
+    rope_write_kv also the cache it writes."""
     if result is None:
         return [args[0]]
+    if op == "rope_write_kv":
+        return [result, args[3]]
     return list(result) if isinstance(result, (tuple, list)) else [result]
 
 
@@ -113,8 +128,8 @@ def check_compiled_call_equals_eager(backend: str, op: str) -> None:
     eager_args, compiled_args = make(torch.Generator().manual_seed(1)), make(torch.Generator().manual_seed(1))
     torch._dynamo.reset()  # each case traces afresh (no recompile limit shared between cases)
     compiled = torch.compile(fn, fullgraph=True)  # fullgraph: a graph break is an error
-    got = _outputs(compiled(*compiled_args), compiled_args)
-    want = _outputs(fn(*eager_args), eager_args)
+    got = _outputs(compiled(*compiled_args), compiled_args, op)
+    want = _outputs(fn(*eager_args), eager_args, op)
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.dtype == w.dtype and g.shape == w.shape, f"output {i}: {g.dtype} {tuple(g.shape)} vs {w.dtype} {tuple(w.shape)}"

@@ -95,6 +95,7 @@ class AttentionSite:
     kv_len: int = 0
     backend: str = "auto"
     prefill_start: int = 0
+    layer_backend: str = "reference"
     batch_index: torch.Tensor | None = field(init=False, repr=False)  # [B, 1], pairs with rows in index_put
     # ops.tree_attention's concrete backend and kernel, resolved once per step
     kernel_backend: str = field(init=False, repr=False, default="")

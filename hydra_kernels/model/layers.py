@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
+from ..ops import reference
 from .attention import Attention, AttentionSite
 from .config import LlamaConfig
 from .packed_linear import Linear
@@ -23,9 +25,7 @@ class RMSNorm(nn.Module):
             # one ATen op instead of seven: the same values bit for bit (fp32, CPU; tested), and ~60 norms run
             # in every decoding step, where each op's dispatch costs microseconds
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return reference.rms_norm(x, self.weight, self.eps)
 
 
 class FeedForward(nn.Module):
@@ -60,8 +60,26 @@ class TransformerBlock(nn.Module):
             fused = self._decode_layer(x, cos, sin, site, kv)
             if fused is not None:
                 return fused
+        if site is not None and site.layer_backend != "reference" and site.rows is not None:
+            return self._fused_step(x, cos, sin, site, kv)
         h = x + self.attention(self.attention_norm(x), cos, sin, site, kv)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def _fused_step(self, x, cos, sin, site: AttentionSite, kv) -> torch.Tensor:
+        """This layer's step with the fused layer ops (ops/layer_ops.py, site.layer_backend): the module path's
+        math in ~10 launches instead of ~38 (norm, QKV GEMM, RoPE + cache write, attention, O GEMM, residual
+        add + norm, W1|W3 GEMM, SiLU * up, W2 GEMM, residual add)."""
+        a, f, b = self.attention, self.feed_forward, site.layer_backend
+        n1, n2 = self.attention_norm, self.ffn_norm
+        B, T, _ = x.shape
+        qkv = a.wqkv(ops.rms_norm(x, n1.weight, n1.eps, backend=b)).view(B, T, -1, a.head_dim)
+        n = site.kv_len
+        k_cache, v_cache = kv[0, :, :n], kv[1, :, :n]  # views: they see the write below
+        site.prepare(qkv[:, :, :a.n_heads], k_cache, v_cache)  # before the write: bad seqlens must not write
+        q = ops.rope_write_kv(qkv, cos, sin, kv, site.rows, a.n_heads, a.n_kv_heads, backend=b)
+        o = site.kernel(q, k_cache, v_cache, site.seqlens, site.kernel_tree_mask)
+        h, hn = ops.rms_norm(x, n2.weight, n2.eps, add=a.wo(o.flatten(2)), backend=b)
+        return h + f.w2(ops.silu_mul(f.w13(hn), backend=b))
 
     def _decode_layer(self, x, cos, sin, site: AttentionSite, kv) -> torch.Tensor | None:
         """This layer's step as one native op (csrc/decode_layer_cpu.cpp: the same ops in C++, bit-identical,

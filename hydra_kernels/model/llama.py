@@ -322,13 +322,27 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)  # [B, T, H]
         cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)  # [B, T, D]
         site = AttentionSite(rows, cache.seqlens, tree_mask, attention_rows(kv_len, cache.max_seq_len, dev),
-                             plan["tree_attention"])
+                             plan["tree_attention"], layer_backend=self._layer_ops_backend(plan))
+        feats = None
         if capture is not None:
             x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, self.check_capture(capture))
-            return self.norm(x), feats
-        for layer, kv in zip(self.layers, cache.layers):
-            x = layer(x, cos, sin, site, kv)
-        return self.norm(x)
+        else:
+            for layer, kv in zip(self.layers, cache.layers):
+                x = layer(x, cos, sin, site, kv)
+        if site.layer_backend != "reference":
+            x = ops.rms_norm(x, self.norm.weight, self.norm.eps, backend=site.layer_backend)
+        else:
+            x = self.norm(x)
+        return x if capture is None else (x, feats)
+
+    def _layer_ops_backend(self, plan: BackendPlan) -> str:
+        """The backend of a step's layer ops (AttentionSite.layer_backend): the plan's, where the model's
+        layers are plain (bf16/fp16/fp32 weights in one dtype, no packed or quantized CPU layout: those
+        have their own fused CPU layer, TransformerBlock._decode_layer), else "reference" (the modules)."""
+        backend = plan["rms_norm"]
+        if backend == "reference" or self.has_packed_weights or self.norm.weight.dtype != self.dtype:
+            return "reference"
+        return backend
 
     def greedy_tokens(self, h: torch.Tensor, backends: BackendPlan | str | None = None) -> torch.Tensor:
         """argmax of the LM head for final hidden states h [..., H] -> token ids [...] (first maximum on

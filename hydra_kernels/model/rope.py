@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from ..ops.reference import apply_rope  # noqa: F401  (x*cos + rotate_half(x)*sin: defined there, used here)
 from .config import LlamaConfig
 
 
@@ -37,13 +38,6 @@ def rope_table(inv_freq: torch.Tensor, n_positions: int) -> tuple[torch.Tensor, 
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos/sin: [B, T, D] in x's dtype. Returns x rotated: x*cos + rotate_half(x)*sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
 
 
 class RopeCache:

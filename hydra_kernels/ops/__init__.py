@@ -20,7 +20,7 @@ __all__ = ["tree_attention", "check_tree_attention", "lm_head_topk", "hydra_firs
            "lm_head_residual_sample", "rejection_accept",
            "greedy_verify", "typical_verify", "rejection_verify", "commit_kv", "tree_inputs", "pack_linear_weight",
            "packed_linear", "packed_linear_available", "Verification", "BACKENDS", "native_available", "triton_available",
-           "reference", "LM_HEAD_TOPK_MAX_K"]
+           "reference", "LM_HEAD_TOPK_MAX_K", "rms_norm", "rope_write_kv", "silu_mul"]
 
 register("tree_attention", "reference", reference.tree_attention)
 register("greedy_verify", "reference", reference.greedy_verify)
@@ -35,6 +35,7 @@ register("lm_head_sample_stats", "reference", reference.lm_head_sample_stats)
 register("typical_accept", "reference", reference.typical_accept)
 register("lm_head_residual_sample", "reference", reference.lm_head_residual_sample)
 register("rejection_accept", "reference", reference.rejection_accept)
+from .layer_ops import rms_norm, rope_write_kv, silu_mul  # noqa: E402  (registers their reference forms)
 from . import native  # noqa: E402  (registers the "native" backend when the extension is built)
 from . import triton as _triton_kernels  # noqa: E402,F401  (registers the "triton" backend when triton is installed)
 

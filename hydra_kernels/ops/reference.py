@@ -92,6 +92,43 @@ def resblock(x, weight, bias):
     return x + torch.nn.functional.silu(torch.nn.functional.linear(x, weight, bias))
 
 
+# ---- the base model's layer ops (a decoding step's elementwise work between its GEMMs) -----------------
+def rms_norm(x, weight, eps, add=None):
+    """RMSNorm as transformers computes it: y = weight * (h / sqrt(mean(h^2) + eps)), the statistic in fp32
+    and the normalised row cast back to h's dtype before the weight multiplies it; h = x, or with `add`
+    the residual sum h = x + add (in x's dtype). x, add [..., H]; weight [H]. Returns y, or (h, y)."""
+    h = x if add is None else x + add
+    hf = h.float()
+    y = weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return y if add is None else (h, y)
+
+
+def apply_rope(x, cos, sin):
+    """x [B, T, H, D] rotated (HF rotate-half layout): x * cos + rotate_half(x) * sin; cos/sin [B, T, D] in
+    x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+def rope_write_kv(qkv, cos, sin, kv, rows, n_heads, n_kv_heads):
+    """A step's attention inputs from the fused QKV projection. qkv [B, T, n_heads + 2 n_kv_heads, D] (q
+    heads, then k, then v); cos/sin [B, T, D] in qkv's dtype; kv [2, B, S, n_kv_heads, D] one layer's cache;
+    rows int64 [B, T] the cache row of each new token. Writes kv[0, b, rows[b, t]] = rope(k) and
+    kv[1, b, rows[b, t]] = v; returns rope(q) [B, T, n_heads, D]."""
+    qk = apply_rope(qkv[:, :, :n_heads + n_kv_heads], cos, sin)
+    q, k = qk.split([n_heads, n_kv_heads], dim=2)
+    batch = torch.arange(rows.shape[0], device=rows.device)[:, None]
+    kv[:, batch, rows] = torch.stack((k, qkv[:, :, n_heads + n_kv_heads:]))
+    return q
+
+
+def silu_mul(gate_up):
+    """SwiGLU's elementwise part: gate_up [..., 2I] (the fused W1 | W3 projection) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 # ---- verification -------------------------------------------------------------------------------
 def _node_values(x, nodes):
     """x [B, T] read at node indices nodes [B, P, D] (>= 0) -> [B, P, D]: x[b, nodes[b, p, d]]."""

@@ -44,3 +44,6 @@ if importlib.util.find_spec("triton") is not None:
     register("typical_accept", "triton", _lazy("typical_accept", "typical_accept"))
     register("lm_head_residual_sample", "triton", _lazy("lm_head_residual_sample", "lm_head_residual_sample"))
     register("rejection_accept", "triton", _lazy("rejection_accept", "rejection_accept"))
+    register("rms_norm", "triton", _lazy("rms_norm", "rms_norm"))
+    register("rope_write_kv", "triton", _lazy("rope_write_kv", "rope_write_kv"))
+    register("silu_mul", "triton", _lazy("silu_mul", "silu_mul"))

@@ -146,6 +146,38 @@ def _(lse, child_logits, samples, uniforms, tree_tokens, parents, depth):
     return _verification_fake(lse.shape[0], depth + 1, lse)
 
 
+@torch.library.custom_op(f"{NS}::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float, add: Optional[Tensor]) -> list[Tensor]:
+    out = _kernel("rms_norm").rms_norm(x, weight, eps, add)
+    return list(out) if add is not None else [out]
+
+
+@rms_norm.register_fake
+def _(x, weight, eps, add):
+    return [torch.empty_like(x) for _ in range(1 if add is None else 2)]
+
+
+@torch.library.custom_op(f"{NS}::rope_write_kv", mutates_args=("kv",))
+def rope_write_kv(qkv: Tensor, cos: Tensor, sin: Tensor, kv: Tensor, rows: Tensor, n_heads: int,
+                  n_kv_heads: int) -> Tensor:
+    return _kernel("rope_write_kv").rope_write_kv(qkv, cos, sin, kv, rows, n_heads, n_kv_heads)
+
+
+@rope_write_kv.register_fake
+def _(qkv, cos, sin, kv, rows, n_heads, n_kv_heads):
+    return qkv.new_empty(*qkv.shape[:2], n_heads, qkv.shape[3])
+
+
+@torch.library.custom_op(f"{NS}::silu_mul", mutates_args=())
+def silu_mul(gate_up: Tensor) -> Tensor:
+    return _kernel("silu_mul").silu_mul(gate_up)
+
+
+@silu_mul.register_fake
+def _(gate_up):
+    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
 def traced_call(name: str, args: tuple, kwargs: dict):
     """The library op `name` called as the "triton" backend's function `name` is (same arguments); for
     tree_attention the mask goes in packed, as pack_kernel_mask makes it (in the traced graph when a bool
@@ -155,4 +187,7 @@ def traced_call(name: str, args: tuple, kwargs: dict):
         sm_scale = rest[0] if rest else kwargs.get("sm_scale")
         packed = tree_mask if isinstance(tree_mask, PackedTreeMask) else pack_kernel_mask(tree_mask)
         return tree_attention(q, k_cache, v_cache, cache_seqlens, packed.bits, packed.batch_stride, sm_scale)
+    if name == "rms_norm":  # the op returns a list (one schema for both forms): back to y or (h, y)
+        out = rms_norm(*args, **kwargs)
+        return out[0] if len(out) == 1 else tuple(out)
     return getattr(torch.ops.hydra_kernels_triton, name)(*args, **kwargs)
