@@ -240,7 +240,7 @@ def graphs_main(argv=None) -> list[dict]:
                 with ctx:
                     out = generate(ours, prompts, drafter=drafter, max_new_tokens=n, eos_token_id=[],
                                    cuda_graphs=graphs, temperature=temperature, seed=0 if temperature else None)
-                return out.sequences, out.mean_accepted_tokens, out.num_steps
+                return out.sequences, out.mean_accepted_tokens, out.num_steps, out.decode_s
 
             def hf_run(compiled):
                 x = torch.tensor(prompts, device=dev)
@@ -248,7 +248,7 @@ def graphs_main(argv=None) -> list[dict]:
                 y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                 pad_token_id=0, **kw)
                 assert y.shape[1] == x.shape[1] + n, "transformers stopped early: the work would not be equal"
-                return y[:, x.shape[1]:].tolist(), float("nan"), None
+                return y[:, x.shape[1]:].tolist(), float("nan"), None, None
 
             decoders = {("ours plain", "eager"): lambda: ours_run(None, False),  # (decoder, mode) -> run
                         ("ours plain", "graphs"): lambda: ours_run(None, True),
@@ -261,6 +261,7 @@ def graphs_main(argv=None) -> list[dict]:
                 decoders["ours n-gram sampled", "eager"] = lambda: ours_run(ngram, False, 0.8)
                 decoders["ours n-gram sampled", "graphs"] = lambda: ours_run(ngram, True, 0.8)
             times = {k: [] for k in decoders}
+            decode_rates = {k: [] for k in decoders}  # ours: tokens/s of the decode loop alone (prefill left out)
             seqs, tps = {}, {}
             for fn in decoders.values():  # warm-up: captures, compiles, autotuning, allocator pools
                 fn()
@@ -268,8 +269,10 @@ def graphs_main(argv=None) -> list[dict]:
             for r in range(args.reps):
                 rot = order[r % len(order):] + order[:r % len(order)]
                 for k in rot:
-                    t, (seq, steps, _) = timed(decoders[k])
+                    t, (seq, steps, _, decode_s) = timed(decoders[k])
                     times[k].append(B * n / t)
+                    if decode_s:
+                        decode_rates[k].append(B * n / decode_s)
                     seqs[k], tps[k] = seq, steps
             replay = {k: replay_profile(ours, decoders[k]) for k in decoders if k[1] == "graphs"}
             if args.kernel_profile and dev.type == "cuda" and B == args.batch[0]:
@@ -284,8 +287,11 @@ def graphs_main(argv=None) -> list[dict]:
                 if k[0].startswith("ours") and k[1] == "graphs" and "sampled" not in k[0]:  # sampled: other noise
                     eager_seqs = seqs[k[0], "eager"]
                     same = round(sum(a == b for a, b in zip(seqs[k], eager_seqs)) / B, 3)
+                dec = statistics.median(decode_rates[k]) if decode_rates[k] else None
                 rows.append(dict(shapes=shapes, decoder=k[0], mode=k[1], batch=B, tokens_per_s=round(tok_s, 1),
-                                 copy_fraction=round(tok_s / ceiling, 3), identical=same,
+                                 copy_fraction=round(tok_s / ceiling, 3),
+                                 decode_tokens_per_s=round(dec, 1) if dec else "",
+                                 decode_copy_fraction=round(dec / ceiling, 3) if dec else "", identical=same,
                                  tokens_per_step=round(tps[k], 2) if tps[k] == tps[k] else "",
                                  **replay.get(k, dict.fromkeys(PROFILE_COLUMNS, "")), same_as_plain="",
                                  device=name, dtype=args.dtype, prompt_tokens=args.prompt_tokens, new_tokens=n,
@@ -299,7 +305,7 @@ def graphs_main(argv=None) -> list[dict]:
                         print(f"WARNING: {shapes} batch {B} {row['mode']}: n-gram drafting's tokens differ from plain "
                               f"decoding's (first differing token per sequence: {first})")
             print_table(rows[-len(decoders):], ["shapes", "decoder", "mode", "batch", "tokens_per_s", "copy_fraction",
-                                                "identical", "same_as_plain", "tokens_per_step", *PROFILE_COLUMNS])
+                                                "decode_tokens_per_s", "decode_copy_fraction", "identical", "same_as_plain", "tokens_per_step", *PROFILE_COLUMNS])
             # written after every batch size: a run stopped at its time limit keeps what it measured
             write_results(rows, args.out, f"generate_graphs_{gpu_short_name(dev)}_{datetime.date.today().isoformat()}")
         del hf, ours, ngram
@@ -308,7 +314,8 @@ def graphs_main(argv=None) -> list[dict]:
             torch.cuda.empty_cache()
     print(f"\ngenerate() eager vs CUDA graphs on {name}, {args.dtype}, {args.prompt_tokens}-token prompts, {n} new "
           f"tokens, medians of {args.reps} rounds (prefill included); copy ceiling {bw:.0f} GB/s measured here")
-    print_table(rows, ["shapes", "decoder", "mode", "batch", "tokens_per_s", "copy_fraction", "identical",
+    print_table(rows, ["shapes", "decoder", "mode", "batch", "tokens_per_s", "copy_fraction", "decode_tokens_per_s",
+                       "decode_copy_fraction", "identical",
                        "same_as_plain", "tokens_per_step", *PROFILE_COLUMNS])
     write_results(rows, args.out, f"generate_graphs_{gpu_short_name(dev)}_{datetime.date.today().isoformat()}",
                   lambda ax: plot_graphs(ax, rows))

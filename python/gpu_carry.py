@@ -155,7 +155,7 @@ def pack(args) -> None:
           f"   run(carry=['{d}/part1', '{d}/rest'], timeout_s=600, command=\n"
           f"   'python3 python/gpu_carry.py unpack --dir {d} && PYTHONPATH={d}/rest/site python3 python/train_eagle.py "
           f"--device cuda --model {d}/model.gguf --self-data {files} --draft-vocab-file {d}/rest/draft_vocab.json "
-          "--feature-layers eagle3 --time-budget-s 330 --seqs-per-step 32 --loss-positions 1536 "
+          "--feature-layers eagle3 --deadline-s 540 --seqs-per-step 32 --loss-positions 1536 "
           "--heldout 0 --save-dtype bfloat16 --out $OUT/eagle3_gpu')\n"
           "4. give_back; then python python/gpu_carry.py restore\n"
           "5. Here: python python/train_eagle.py --evaluate <files_at>/eagle3_gpu/eagle, then "

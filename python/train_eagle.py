@@ -22,8 +22,9 @@ hurt held-out agreement (2026-11-27, benchmarks/results/README.md); they are for
 memorise 2048 answers.
 
 On a lent GPU (python/gpu_carry.py carries the model and data there in two calls; it prints them):
---device cuda --model <the carried GGUF> --draft-vocab-file <the carried ids> --time-budget-s S trains as
-many steps as fit in S seconds (timed on throwaway probes, then one cosine schedule over them; nothing
+--device cuda --model <the carried GGUF> --draft-vocab-file <the carried ids> --deadline-s S trains as
+many steps as fit before S seconds after the start, saving included (timed on throwaway probes, then one
+cosine schedule over them; --time-budget-s S counts the training loop's seconds alone; nothing
 cached or checkpointed on that one-shot machine), with no held-out check there (--heldout 0: its prompts
 are in a package the GPU lacks) and --save-dtype bfloat16 (what comes back from the GPU is at most 16 MiB
 a file). Back here, --evaluate DIR measures the held-out agreement of the layer it wrote.
@@ -53,7 +54,11 @@ from hydra_kernels.training.loop import steps_within  # noqa: E402
 from benchmarks.report import plot_training, write_results  # noqa: E402
 
 
+SAVE_RESERVE_S = 20.0  # --deadline-s keeps this many seconds for saving the layer and writing the curves
+
+
 def main(argv=None):
+    started = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--self-data", nargs="+",
                     help="JSON of the base model's own answers (python/self_data.py); more files (the same format, "
@@ -68,6 +73,10 @@ def main(argv=None):
                     help="train as many steps as fit in this many seconds (the training loop's, after loading and "
                          "the hidden states) instead of --steps; a one-shot run on a lent machine, so nothing is "
                          "cached or checkpointed on its disk and no progress bar floods the call's output")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="like --time-budget-s, but counted from the script's start: loading, the base hidden states "
+                         "and the timing probes are spent from it, and the layer is saved before it ends (a lent "
+                         "GPU's call limit: give the call's limit less a minute for unpacking and starting Python)")
     ap.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the written layer's dtype")
     ap.add_argument("--evaluate", metavar="DIR",
@@ -97,8 +106,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.evaluate is None and args.self_data is None:
         ap.error("--self-data is required (the answers to train on), unless --evaluate DIR")
-    if args.time_budget_s is not None and args.time_budget_s <= 0:
-        ap.error(f"--time-budget-s must be > 0, got {args.time_budget_s}")
+    for name in ("time_budget_s", "deadline_s"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            ap.error(f"--{name[:-2].replace('_', '-')}-s must be > 0, got {getattr(args, name)}")
+    if args.time_budget_s is not None and args.deadline_s is not None:
+        ap.error("give --time-budget-s (the training loop's seconds) or --deadline-s (the whole run's), not both")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: this machine has no CUDA device (torch.cuda.is_available() is False)")
     if args.draft_vocab_file and (args.draft_vocab is not None or args.vocab_seqs is not None):
@@ -122,7 +134,7 @@ def main(argv=None):
         ap.error("--feature-weight: an EAGLE-3 layer trains on the token loss alone")
     noise = args.noise if args.noise is not None else (0.0 if fl is not None else 0.1)
     torch.manual_seed(args.seed)
-    one_shot = args.time_budget_s is not None
+    one_shot = args.time_budget_s is not None or args.deadline_s is not None
     work = None if one_shot else cache_root() / "training"
 
     if args.device.startswith("cuda"):  # TF32 matmuls, the teacher's features included: ~1e-3 relative, far
@@ -147,14 +159,19 @@ def main(argv=None):
                     loss_positions=args.loss_positions, unroll=args.unroll, noise=noise,
                     feature_weight=args.feature_weight, token_weight=args.token_weight, seed=args.seed)
     steps = args.steps
-    if args.time_budget_s:
+    if one_shot:
         def timed(n):  # n steps of a throwaway copy, no checkpoint: the real run starts from the same weights
             t = time.perf_counter()
             train_eagle(model, copy.deepcopy(drafter), data, steps=n, warmup=1, progress=False, **settings)
             return time.perf_counter() - t
 
-        steps = steps_within(args.time_budget_s, timed)
-        print(f"{steps} steps fit in {args.time_budget_s:.0f} s on {args.device}")
+        def seconds_left():  # the deadline's time after everything so far, less saving and a 5% margin
+            return 0.95 * (args.deadline_s - (time.perf_counter() - started) - SAVE_RESERVE_S)
+
+        budget = args.time_budget_s if args.deadline_s is None else seconds_left
+        steps = steps_within(budget, timed)
+        print(f"{steps} steps fit in {args.time_budget_s or seconds_left():.0f} s on {args.device} "
+              f"({time.perf_counter() - started:.0f} s after the start)")
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     hist = train_eagle(model, drafter, data, steps=steps, warmup=max(1, steps // 20), checkpoint_dir=work,

@@ -262,6 +262,11 @@ def test_steps_within_a_time_budget_drops_fixed_costs():
     assert steps_within(0.1, timed) == 1
     flat = iter([9.0, 5.0, 5.0])  # warm-up, then two probes timed alike: a step costs at most 5 s / 13
     assert steps_within(100.0, lambda n: next(flat)) == int(100 / (5.0 / 13))
+    left = iter([30.0, -1.0])  # a deadline: the seconds left are asked after the probes, which spend from them
+    calls.clear()
+    assert steps_within(lambda: next(left), timed) == 60 and calls == [3, 3, 13]
+    with pytest.raises(ValueError, match="no time is left to train"):
+        steps_within(lambda: next(left), timed)
     for budget, probes, msg in [(0, (3, 13), "budget must be > 0"), (10, (5, 5), "0 < lo < hi"),
                                 (10, (0, 4), "0 < lo < hi")]:
         with pytest.raises(ValueError, match=msg):

@@ -115,20 +115,26 @@ class TrainingRun:
                 p.requires_grad_(g)
 
 
-def steps_within(budget_s: float, time_steps, probes: tuple[int, int] = (3, 13)) -> int:
+def steps_within(budget_s, time_steps, probes: tuple[int, int] = (3, 13)) -> int:
     """How many training steps fit in budget_s seconds. time_steps(n) runs n steps of a throwaway copy
-    of the run and returns the seconds it took. A first, untimed probe takes the one-time costs (on a GPU:
+    of the run and returns the seconds it took. budget_s: seconds, or a function returning the seconds left,
+    asked after the probes (a deadline for the whole run: the probes' own time is then spent from it). A first, untimed probe takes the one-time costs (on a GPU:
     loading kernels, the first backward, the allocator's growth); the cost of a step is then the difference
     of the two timed probes over their step difference, so each run's fixed costs (building the optimiser)
     drop out, or the longer probe's mean where noise makes the difference vanish. For a fixed-length
     schedule (the cosine decay here) on a machine of unknown speed, e.g. a lent GPU's one timed call."""
     lo, hi = probes
-    if budget_s <= 0:
+    if not callable(budget_s) and budget_s <= 0:
         raise ValueError(f"a time budget must be > 0 seconds, got {budget_s}")
     if not 0 < lo < hi:
         raise ValueError(f"probes must be two step counts 0 < lo < hi, got {probes}")
     time_steps(lo)  # warm-up, not timed
     t_lo, t_hi = time_steps(lo), time_steps(hi)
+    if callable(budget_s):
+        budget_s = budget_s()
+        if budget_s <= 0:
+            raise ValueError(f"no time is left to train in ({budget_s:.0f} s after loading, the hidden states and "
+                             "the probes): give the run a later deadline")
     per_step = (t_hi - t_lo) / (hi - lo)
     if per_step < 0.1 * t_hi / hi:  # the difference is noise: a step costs at most the longer probe's mean
         per_step = t_hi / hi
