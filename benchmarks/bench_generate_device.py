@@ -240,7 +240,7 @@ def graphs_main(argv=None) -> list[dict]:
                 with ctx:
                     out = generate(ours, prompts, drafter=drafter, max_new_tokens=n, eos_token_id=[],
                                    cuda_graphs=graphs, temperature=temperature, seed=0 if temperature else None)
-                return out.sequences, out.mean_accepted_tokens, out.num_steps, out.decode_s
+                return out.sequences, out.mean_accepted_tokens, out.num_steps, out.tokens_per_second
 
             def hf_run(compiled):
                 x = torch.tensor(prompts, device=dev)
@@ -269,10 +269,10 @@ def graphs_main(argv=None) -> list[dict]:
             for r in range(args.reps):
                 rot = order[r % len(order):] + order[:r % len(order)]
                 for k in rot:
-                    t, (seq, steps, _, decode_s) = timed(decoders[k])
+                    t, (seq, steps, _, decode_rate) = timed(decoders[k])
                     times[k].append(B * n / t)
-                    if decode_s:
-                        decode_rates[k].append(B * n / decode_s)
+                    if decode_rate:  # the steps' tokens over their seconds (the first token comes from prefill)
+                        decode_rates[k].append(decode_rate)
                     seqs[k], tps[k] = seq, steps
             replay = {k: replay_profile(ours, decoders[k]) for k in decoders if k[1] == "graphs"}
             if args.kernel_profile and dev.type == "cuda" and B == args.batch[0]:
@@ -341,7 +341,7 @@ def plot_graphs(ax, rows: list[dict]) -> None:
 
 def kernel_profile(run, path: Path, top: int = 25) -> None:
     """One more run under torch.profiler: the device kernels it ran (graph replays included), as launches per
-    decoding step and device time per kernel name, the `top` names by total time, printed and written to path."""
+    decoding step and device time per kernel name (prefill's kernels counted in: ~1 step's worth at batch 1), the `top` names by total time, printed and written to path."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -109,6 +109,9 @@ def main(argv=None):
     for name in ("time_budget_s", "deadline_s"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             ap.error(f"--{name[:-2].replace('_', '-')}-s must be > 0, got {getattr(args, name)}")
+    if args.deadline_s is not None and args.heldout:
+        ap.error("--deadline-s: the held-out check would run after the layer is saved, past the deadline; give "
+                 "--heldout 0 and measure it with --evaluate DIR afterwards")
     if args.time_budget_s is not None and args.deadline_s is not None:
         ap.error("give --time-budget-s (the training loop's seconds) or --deadline-s (the whole run's), not both")
     if args.device.startswith("cuda") and not torch.cuda.is_available():

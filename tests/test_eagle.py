@@ -433,7 +433,8 @@ def test_training_recipe_refuses_bad_options_before_loading(tmp_path, capsys):
     bad_vocab = tmp_path / "v.json"
     cases = [([], "--self-data is required"), (["--self-data", "x", "--time-budget-s", "0"], "must be > 0"),
              (["--self-data", "x", "--deadline-s", "-5"], "--deadline-s must be > 0"),
-             (["--self-data", "x", "--deadline-s", "60", "--time-budget-s", "30"], "not both"),
+             (["--self-data", "x", "--deadline-s", "60", "--time-budget-s", "30", "--heldout", "0"], "not both"),
+             (["--self-data", "x", "--deadline-s", "60"], "past the deadline"),
              (["--evaluate", "d", "--heldout", "0"], "--evaluate needs >= 1"),
              (["--self-data", "x", "--draft-vocab-file", "v", "--draft-vocab", "9"], "leave out --draft-vocab")]
     if not torch.cuda.is_available():

@@ -68,6 +68,65 @@ def test_silu_mul_equals_reference(backend, shape, dtype, monkeypatch):
     assert_close_rel(got.float(), want.float(), RTOL[dtype], f"silu_mul {backend} {dtype}")
 
 
+@pytest.mark.backends("reference", "triton", op="rope_write_kv")
+def test_rope_write_kv_strided_views(backend):
+    """qkv as a strided view (a slice of a wider projection) and kv as one layer of a [L, 2, B, S, H, D] cache:
+    the same values and cache rows as the reference, the other layers untouched."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, NQ, NKV, D, S = 2, 3, 4, 2, 16, 12
+    wide = torch.randn(B, T, NQ + 2 * NKV + 3, D, generator=gen).to(DEV, torch.bfloat16)
+    qkv = wide[:, :, 3:]  # not contiguous over heads
+    ang = torch.rand(B, T, D, generator=gen) * 6
+    cos, sin = ang.cos().to(DEV, torch.bfloat16), ang.sin().to(DEV, torch.bfloat16)
+    rows = torch.tensor([[4, 5, 6], [0, 1, 2]], device=DEV)
+    cache = torch.randn(3, 2, B, S, NKV, D, generator=gen).to(DEV, torch.bfloat16)
+    want_cache = cache.clone()
+    q_want = reference.rope_write_kv(qkv, cos, sin, want_cache[1], rows, NQ, NKV)
+    q = hk.ops.rope_write_kv(qkv, cos, sin, cache[1], rows, NQ, NKV, backend=backend)
+    assert torch.equal(q, q_want) and torch.equal(cache, want_cache)
+
+
+@pytest.mark.requires("triton", op="rope_write_kv")
+def test_triton_rope_write_kv_never_writes_past_the_buffer():
+    """A row outside [0, S) (nothing reads rows on the host in a GPU step) is dropped, not written into the
+    memory after the sequence's rows; the other tokens' rows are written."""
+    B, T, NQ, NKV, D, S = 2, 2, 2, 1, 8, 4
+    qkv = torch.randn(B, T, NQ + 2 * NKV, D).to(DEV)
+    cs = torch.ones(B, T, D, device=DEV)
+    cache = torch.zeros(2, 2, B, S, NKV, D, device=DEV)  # two layers: layer 0's rows must stay zero
+    rows = torch.tensor([[3, 4], [-1, 0]], device=DEV)
+    hk.ops.rope_write_kv(qkv, cs, cs * 0, cache[1], rows, NQ, NKV, backend="triton")
+    assert cache[0].eq(0).all(), "another layer's rows were written"
+    assert torch.equal(cache[1, 1, 0, 3], qkv[0, 0, NQ + NKV:]) and torch.equal(cache[1, 1, 1, 0], qkv[1, 1, NQ + NKV:])
+    written = cache[1].ne(0).any(-1).any(-1)  # [2, B, S]: rows holding a token
+    assert written.sum() == 4, "exactly the two in-range tokens' K and V rows"
+
+
+def test_cpu_steps_keep_the_module_path():
+    """On the CPU "auto" resolves the layer ops to the reference, so a step runs the modules (and the fused
+    native CPU layer where weights are packed): the fused GPU path never changes CPU numerics."""
+    from hydra_kernels.model import Llama, LlamaConfig
+    from hydra_kernels.ops.backend import plan_backends
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2)
+    model = Llama(cfg)
+    assert model._layer_ops_backend(plan_backends("auto", torch.device("cpu"))) == "reference"
+
+
+@pytest.mark.backends("reference", "triton", op="rms_norm")
+def test_layer_ops_keep_nan_and_inf(backend):
+    """A NaN or inf in the stream stays one through the fused ops (bf16's rounding by bits must not turn NaN into
+    a zero that hides a blow-up)."""
+    x = torch.randn(2, 64).to(DEV, torch.bfloat16)
+    x[0, 3], x[1, 5] = float("nan"), float("inf")
+    h, y = hk.ops.rms_norm(x, torch.ones(64, device=DEV, dtype=torch.bfloat16), 1e-5, add=torch.ones_like(x),
+                           backend=backend)
+    assert h[0, 3].isnan() and h[1, 5].isinf() and y[0].isnan().all() and y[1].isnan().any()
+    gu = torch.randn(2, 2 * 32).to(DEV, torch.bfloat16)
+    gu[0, 40] = float("nan")
+    assert hk.ops.silu_mul(gu, backend=backend)[0, 8].isnan()
+
+
 def test_layer_ops_bad_inputs():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"weight must be \[H=8\]"):
@@ -81,6 +140,8 @@ def test_layer_ops_bad_inputs():
         hk.ops.rope_write_kv(torch.randn(1, 2, 7, 4), cs, cs, torch.zeros(2, 1, 5, 2, 4), torch.zeros(1, 2).long(), 4, 2)
     with pytest.raises(ValueError, match="rows must be int64"):
         hk.ops.rope_write_kv(qkv, cs, cs, torch.zeros(2, 1, 5, 2, 4), torch.zeros(1, 2, dtype=torch.int32), 4, 2)
+    with pytest.raises(ValueError, match="must be a multiple of n_kv_heads"):
+        hk.ops.rope_write_kv(torch.randn(1, 2, 9, 4), cs, cs, torch.zeros(2, 1, 5, 2, 4), torch.zeros(1, 2).long(), 5, 2)
     with pytest.raises(ValueError, match=r"kv must be \[2, 1, S, 2, 4\]"):
         hk.ops.rope_write_kv(qkv, cs, cs, torch.zeros(2, 1, 5, 3, 4), torch.zeros(1, 2).long(), 4, 2)
 

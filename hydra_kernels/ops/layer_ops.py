@@ -31,14 +31,20 @@ def rms_norm(x, weight, eps: float, *, add=None, backend: str = "auto"):
            f"rms_norm: weight must be [H={x.shape[-1]}] in x's dtype {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
     _check(add is None or (add.shape == x.shape and add.dtype == x.dtype),
            f"rms_norm: add must have x's shape {tuple(x.shape)} and dtype {x.dtype}")
+    _check(weight.device == x.device and (add is None or add.device == x.device),
+           "rms_norm: x, add and weight must be on one device")
     return resolve("rms_norm", backend, x.device)(x, weight, eps, add)
 
 
 def rope_write_kv(qkv, cos, sin, kv, rows, n_heads: int, n_kv_heads: int, *, backend: str = "auto"):
     """reference.rope_write_kv: RoPE on a step's q and k heads, k and v written to the cache rows `rows`,
     roped q returned [B, T, n_heads, D]. qkv [B, T, n_heads + 2 n_kv_heads, D]; cos/sin [B, T, D] in qkv's
-    dtype; kv [2, B, S, n_kv_heads, D]; rows int64 [B, T] (each < S: the caller's AttentionSite checks)."""
+    dtype; kv [2, B, S, n_kv_heads, D]; rows int64 [B, T], each in [0, S) (values are checked by the caller's
+    AttentionSite in an eager CPU call; on a GPU nothing reads them on the host: a row outside is not written)."""
     B, T, NH, D = qkv.shape
+    _check(n_kv_heads > 0 and n_heads % n_kv_heads == 0,
+           f"rope_write_kv: n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    _check(len({t.device for t in (qkv, cos, sin, kv, rows)}) == 1, "rope_write_kv: all inputs must be on one device")
     _check(NH == n_heads + 2 * n_kv_heads and D % 2 == 0,
            f"rope_write_kv: qkv must be [B, T, {n_heads} + 2 * {n_kv_heads}, even D], got {tuple(qkv.shape)}")
     _check(cos.shape == (B, T, D) and sin.shape == (B, T, D) and cos.dtype == qkv.dtype == sin.dtype,

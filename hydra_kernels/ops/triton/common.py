@@ -140,12 +140,13 @@ def path_tile(paths_ptr, P, D1, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
 @triton.jit
 def round_to(x, dt: tl.constexpr):
     """fp32 x in dtype dt, rounded to nearest even as torch rounds. bf16 by integer arithmetic on the bits
-    (add 0x7FFF plus the kept part's lowest bit, drop 16 bits; finite x): what a GPU's cvt.rn does, and
-    what Triton's interpreter does not (its fp32 -> bf16 cast truncates), so the CPU tier tests the GPU's
-    values bit for bit."""
+    (add 0x7FFF plus the kept part's lowest bit, drop 16 bits; +-inf stay inf, NaN is kept apart: the carry
+    would turn it into +-0 or inf): what a GPU's cvt.rn does, and what Triton's interpreter does not (its
+    fp32 -> bf16 cast truncates), so the CPU tier tests the GPU's values bit for bit."""
     if dt == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x != x, x.to(tl.bfloat16), rounded)
     else:
         return x.to(dt)

@@ -154,7 +154,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, add: Optional[Tensor]) -> li
 
 @rms_norm.register_fake
 def _(x, weight, eps, add):
-    return [torch.empty_like(x) for _ in range(1 if add is None else 2)]
+    return [x.new_empty(x.shape) for _ in range(1 if add is None else 2)]  # contiguous, as the kernel's
 
 
 @torch.library.custom_op(f"{NS}::rope_write_kv", mutates_args=("kv",))

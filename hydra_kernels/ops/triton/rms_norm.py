@@ -39,7 +39,7 @@ def rms_norm(x, weight, eps, add=None):
     xr = as_rows(x)
     ar = xr if add is None else as_rows(add)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = y if add is None else torch.empty_like(y)
+    h = y if add is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     yr, hr = y.view(-1, H), h.view(-1, H)
     block = pow2(H)
     if xr.shape[0]:

@@ -18,7 +18,7 @@ from .common import pow2, round_to
 
 
 @triton.jit
-def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, rows_ptr, T, NQ, NKV,
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, rows_ptr, T, NQ, NKV, S,
                           s_xb, s_xt, s_xh, s_cb, s_ct, s_qb, s_qt, s_qh, s_kp, s_kb, s_ks, s_kh,
                           HALF: tl.constexpr, BLOCK: tl.constexpr):
     bt = tl.program_id(0)
@@ -51,6 +51,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, rows_ptr, T,
         plane = (head >= NQ + NKV).to(tl.int64)
         kvh = (head - NQ - plane * NKV).to(tl.int64)
         row = tl.load(rows_ptr + b * T + t)
+        rr = row + offs * 0  # the row as a block, so the mask stays a block of int1
+        m = m & (rr >= 0) & (rr < S)  # a row past the buffer is not written (never into the next sequence's)
         dst = kv_ptr + plane * s_kp + b * s_kb + row * s_ks + kvh * s_kh
     tl.store(dst + offs, o1, mask=m)
     tl.store(dst + HALF + offs, o2, mask=m)
@@ -69,7 +71,7 @@ def rope_write_kv(qkv, cos, sin, kv, rows, n_heads, n_kv_heads):
     if B * T:
         half = D // 2
         _rope_write_kv_kernel[(B * T, NH)](
-            qkv, cos, sin, q, kv, rows, T, n_heads, n_kv_heads,
+            qkv, cos, sin, q, kv, rows, T, n_heads, n_kv_heads, kv.shape[2],
             qkv.stride(0), qkv.stride(1), qkv.stride(2), cos.stride(0), cos.stride(1),
             q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             HALF=half, BLOCK=pow2(half), num_warps=1, enable_fp_fusion=False)
