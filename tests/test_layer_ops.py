@@ -167,9 +167,12 @@ def test_llama_step_through_fused_layer_ops(dtype, monkeypatch):
     unfused = replace(fused, ops={**fused.ops, "rms_norm": "reference"})
     from hydra_kernels.model.layers import TransformerBlock
 
-    fused_calls = []
-    real = TransformerBlock._fused_step
+    from hydra_kernels.model import attention
+
+    fused_calls, resolved = [], []
+    real, real_resolve = TransformerBlock._fused_step, attention.resolve
     monkeypatch.setattr(TransformerBlock, "_fused_step", lambda *a: fused_calls.append(1) or real(*a))
+    monkeypatch.setattr(attention, "resolve", lambda op, *a: resolved.append(op) or real_resolve(op, *a))
     out, kvs = {}, {}
     for name, plan in (("fused", fused), ("modules", unfused)):
         cache = model.new_kv_cache(2, 32)
@@ -179,7 +182,10 @@ def test_llama_step_through_fused_layer_ops(dtype, monkeypatch):
                                    kv_len=16, backends=plan)
         kvs[name] = torch.stack([kv[:, :, :16] for kv in cache.layers])
         assert len(fused_calls) == (cfg.num_layers if name == "fused" else 0), "the plan picks the path"
+        if name == "fused":  # the kernels are resolved once a step, not once a layer
+            assert sorted(resolved) == ["rms_norm", "rope_write_kv", "silu_mul", "tree_attention"]
         fused_calls.clear()
+        resolved.clear()
     assert_close_rel(out["fused"].float(), out["modules"].float(), RTOL[dtype] * 4, f"step hidden {dtype}")
     assert_close_rel(kvs["fused"].float(), kvs["modules"].float(), RTOL[dtype] * 4, f"kv rows {dtype}")
     if dtype is torch.float32:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,15 @@ def suffix_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return o.to(q.dtype).transpose(1, 2)
 
 
+class LayerKernels(NamedTuple):
+    """The layer ops' implementations of one backend (ops/layer_ops.py), called without the public ops'
+    checks: a step's shapes come from the model's own modules."""
+
+    rms_norm: Callable
+    rope_write_kv: Callable
+    silu_mul: Callable
+
+
 @dataclass
 class AttentionSite:
     """Where one forward's new keys/values go in the static KV buffer and what its queries see.
@@ -87,6 +97,9 @@ class AttentionSite:
     tree_mask: bool [T, T] (one tree for the batch) or [B, T, T] (a tree per sequence), ancestor-or-self.
     kv_len: attention reads buffer rows [0, kv_len) only (a host-known bound on seqlens + T).
     backend: ops.tree_attention's backend (a BackendPlan entry: chosen once by the caller).
+    layer_backend: the layer ops' backend (ops.rms_norm / rope_write_kv / silu_mul, Llama._layer_ops_backend):
+        "reference" runs a step's layers through the modules (TransformerBlock.forward), another one through
+        the fused ops (TransformerBlock._fused_step, with layer_kernels). Steps only; prefill runs the modules.
     """
 
     rows: torch.Tensor | None = None
@@ -102,6 +115,9 @@ class AttentionSite:
     kernel: object = field(init=False, repr=False, default=None)
     # tree_mask in the form the kernel reads (Triton: bit-packed), made at the first layer for every layer
     kernel_tree_mask: object = field(init=False, repr=False, default=None)
+    # the layer ops' kernels (rms_norm, rope_write_kv, silu_mul), resolved once per step, not at each of a
+    # step's ~100 calls (a resolve costs ~7 us of host time); None on the module path
+    layer_kernels: LayerKernels | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self):
         rows = self.rows
@@ -109,6 +125,9 @@ class AttentionSite:
         if rows is not None:
             self.kernel_backend = resolved_name("tree_attention", self.backend, rows.device)
             self.kernel = resolve("tree_attention", self.kernel_backend, rows.device)
+            if self.layer_backend != "reference":
+                self.layer_kernels = LayerKernels(*(resolve(op, self.layer_backend, rows.device)
+                                                    for op in LayerKernels._fields))
 
     def prepare(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """At the first layer of a step: the op's preconditions, then the mask in the kernel's form. Once

@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
 from ..ops import reference
 from .attention import Attention, AttentionSite
 from .config import LlamaConfig
@@ -60,26 +59,26 @@ class TransformerBlock(nn.Module):
             fused = self._decode_layer(x, cos, sin, site, kv)
             if fused is not None:
                 return fused
-        if site is not None and site.layer_backend != "reference" and site.rows is not None:
+        if site is not None and site.layer_kernels is not None:  # a step on the fused layer ops
             return self._fused_step(x, cos, sin, site, kv)
         h = x + self.attention(self.attention_norm(x), cos, sin, site, kv)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def _fused_step(self, x, cos, sin, site: AttentionSite, kv) -> torch.Tensor:
-        """This layer's step with the fused layer ops (ops/layer_ops.py, site.layer_backend): the module path's
+        """This layer's step with the fused layer ops (ops/layer_ops.py, site.layer_kernels): the module path's
         math in ~10 launches instead of ~38 (norm, QKV GEMM, RoPE + cache write, attention, O GEMM, residual
         add + norm, W1|W3 GEMM, SiLU * up, W2 GEMM, residual add)."""
-        a, f, b = self.attention, self.feed_forward, site.layer_backend
+        a, f, k = self.attention, self.feed_forward, site.layer_kernels
         n1, n2 = self.attention_norm, self.ffn_norm
         B, T, _ = x.shape
-        qkv = a.wqkv(ops.rms_norm(x, n1.weight, n1.eps, backend=b)).view(B, T, -1, a.head_dim)
+        qkv = a.wqkv(k.rms_norm(x, n1.weight, n1.eps, None)).view(B, T, -1, a.head_dim)
         n = site.kv_len
         k_cache, v_cache = kv[0, :, :n], kv[1, :, :n]  # views: they see the write below
         site.prepare(qkv[:, :, :a.n_heads], k_cache, v_cache)  # before the write: bad seqlens must not write
-        q = ops.rope_write_kv(qkv, cos, sin, kv, site.rows, a.n_heads, a.n_kv_heads, backend=b)
+        q = k.rope_write_kv(qkv, cos, sin, kv, site.rows, a.n_heads, a.n_kv_heads)
         o = site.kernel(q, k_cache, v_cache, site.seqlens, site.kernel_tree_mask)
-        h, hn = ops.rms_norm(x, n2.weight, n2.eps, add=a.wo(o.flatten(2)), backend=b)
-        return h + f.w2(ops.silu_mul(f.w13(hn), backend=b))
+        h, hn = k.rms_norm(x, n2.weight, n2.eps, a.wo(o.flatten(2)))
+        return h + f.w2(k.silu_mul(f.w13(hn)))
 
     def _decode_layer(self, x, cos, sin, site: AttentionSite, kv) -> torch.Tensor | None:
         """This layer's step as one native op (csrc/decode_layer_cpu.cpp: the same ops in C++, bit-identical,

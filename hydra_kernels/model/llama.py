@@ -329,8 +329,8 @@ class Llama(nn.Module):
         else:
             for layer, kv in zip(self.layers, cache.layers):
                 x = layer(x, cos, sin, site, kv)
-        if site.layer_backend != "reference":
-            x = ops.rms_norm(x, self.norm.weight, self.norm.eps, backend=site.layer_backend)
+        if site.layer_kernels is not None:
+            x = site.layer_kernels.rms_norm(x, self.norm.weight, self.norm.eps, None)
         else:
             x = self.norm(x)
         return x if capture is None else (x, feats)

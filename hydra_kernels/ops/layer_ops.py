@@ -7,9 +7,10 @@ a CUDA graph, which at batch 1 is what separated the graphed step from the weigh
 2026-11-27: 6.07 ms a step at Llama-3-8B shapes where the weights take ~4 ms; ~1200 launches).
 
 The model picks them through its BackendPlan (Llama.step: plan["rms_norm"] for all three; "reference" is the
-module path in model/layers.py, the same math). Every row's result is computed alone (no reduction across
-rows), so a token's values do not depend on what else is in the step (plain and speculative decoding agree).
-The checks are shapes and dtypes only: these run ~100 times a step, eagerly on the host.
+module path in model/layers.py, the same math) and resolves them once per step (AttentionSite.layer_kernels),
+calling the implementations without the checks below: its shapes come from its own modules, and a step makes
+~100 of these calls. Every row's result is computed alone (no reduction across rows), so a token's values do
+not depend on what else is in the step (plain and speculative decoding agree).
 """
 from __future__ import annotations
 
