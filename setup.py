@@ -77,7 +77,10 @@ def extensions():
     cuda_cpp = [f for f in cpp if os.path.basename(f).startswith("cuda_")]  # CUDA-side C++ (needs CUDA headers)
     if not with_cuda:
         cpp = [f for f in cpp if f not in cuda_cpp]
-    cxx = ["-O3", "-std=c++20"]  # torch 2.13 headers use C++20 features
+    # torch 2.13 headers use C++20 features. No fp contraction: a loop written as a product then a sum must round
+    # both (decode_stack_cpu.cpp repeats the module path's ATen ops bit for bit); where a kernel wants an fma it
+    # says so (_mm512_fmadd_ps, std::fma).
+    cxx = ["-O3", "-std=c++20", "-ffp-contract=off"]
     link = []
     if sys.platform.startswith("linux"):
         # at::parallel_for is inline OpenMP in the headers: without -fopenmp our CPU kernels run on one

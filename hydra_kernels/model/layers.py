@@ -6,9 +6,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import reference
+from ..ops.native import extension_op
 from .attention import Attention, AttentionSite
 from .config import LlamaConfig
 from .packed_linear import Linear
+
+# y = (x * r) * w, r = 1 / sqrt(sum(x^2) / H + eps) summed in a fixed order (csrc/decode_stack_cpu.cpp); None
+# without the extension
+RMS_NORM_ROWS = extension_op("rms_norm_rows")
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +26,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.float32 and x.is_cpu and self.weight.dtype is torch.float32:
-            # one ATen op instead of seven: the same values bit for bit (fp32, CPU; tested), and ~60 norms run
-            # in every decoding step, where each op's dispatch costs microseconds
+            # one op instead of seven (~60 norms run in every decoding step, where each op's dispatch costs
+            # microseconds): the native row norm, which the CPU decode stack runs too (their values then agree
+            # bit for bit), wherever no autograd graph is needed; else ATen's
+            if RMS_NORM_ROWS is not None and not (torch.is_grad_enabled()
+                                                  and (x.requires_grad or self.weight.requires_grad)):
+                return RMS_NORM_ROWS(x, self.weight, self.eps)
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return reference.rms_norm(x, self.weight, self.eps)
 
@@ -54,11 +63,6 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site: AttentionSite | None = None,
                 kv: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, H] residual stream -> [B, T, H]; cos/sin [B, T, D]; site and kv: see Attention.forward."""
-        if (site is not None and site.kernel_tree_mask is not None and site.kernel_backend == "native"
-                and x.is_cpu and x.dtype is torch.float32 and not torch.is_grad_enabled()):
-            fused = self._decode_layer(x, cos, sin, site, kv)
-            if fused is not None:
-                return fused
         if site is not None and site.layer_kernels is not None:  # a step on the fused layer ops
             return self._fused_step(x, cos, sin, site, kv)
         h = x + self.attention(self.attention_norm(x), cos, sin, site, kv)
@@ -79,37 +83,3 @@ class TransformerBlock(nn.Module):
         o = site.kernel(q, k_cache, v_cache, site.seqlens, site.kernel_tree_mask)
         h, hn = k.rms_norm(x, n2.weight, n2.eps, a.wo(o.flatten(2)))
         return h + f.w2(k.silu_mul(f.w13(hn)))
-
-    def _decode_layer(self, x, cos, sin, site: AttentionSite, kv) -> torch.Tensor | None:
-        """This layer's step as one native op (csrc/decode_layer_cpu.cpp: the same ops in C++, bit-identical,
-        without ~40 Python dispatches), where every projection runs a packed or quantized CPU kernel; None
-        otherwise (or before the step's first layer has checked the site: AttentionSite.prepare)."""
-        a, f = self.attention, self.feed_forward
-        rows = x.shape[0] * x.shape[1]
-        specs = [lin.step_weights(rows) for lin in (a.wqkv, a.wo, f.w13, f.w2)]
-        if any(s is None for s in specs) or _DECODE_LAYER is None or not _native_norms(self):
-            return None
-        (wqkv, kq), (wo, ko), (w13, k13), (w2, k2) = specs
-        return _DECODE_LAYER(x, self.attention_norm.weight, self.ffn_norm.weight, self.attention_norm.eps,
-                             wqkv, kq, a.wqkv.bias, wo, ko, a.wo.bias, w13, k13, f.w13.bias, w2, k2, f.w2.bias,
-                             a.n_heads, a.n_kv_heads, f.inter, cos, sin, kv, site.batch_index, site.rows,
-                             site.seqlens, site.kernel_tree_mask, site.kv_len)
-
-
-def _native_norms(block: TransformerBlock) -> bool:
-    """Both norms are the fp32 CPU one-op form the fused layer computes (at::rms_norm, one eps)."""
-    n1, n2 = block.attention_norm, block.ffn_norm
-    return (isinstance(n1, RMSNorm) and isinstance(n2, RMSNorm) and n1.weight.dtype is torch.float32 and n2.weight.dtype is torch.float32 and n1.eps == n2.eps
-            and n1.weight.is_cpu)
-
-
-def _decode_layer_op():
-    try:
-        import hydra_kernels._C  # noqa: F401
-
-        return torch.ops.hydra_kernels.decode_layer
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-
-
-_DECODE_LAYER = _decode_layer_op()

@@ -24,6 +24,7 @@ from .. import ops
 from ..ops.backend import BackendPlan, plan_backends
 from .attention import AttentionSite, prefill_site
 from .config import LlamaConfig
+from .decode_stack import run_stack
 from .hf_names import hf_to_ours
 from .kv_cache import KVCache, attention_rows
 from .layers import RMSNorm, TransformerBlock
@@ -323,9 +324,12 @@ class Llama(nn.Module):
         cos, sin = self._rope(positions, cache.max_seq_len, x.dtype)  # [B, T, D]
         site = AttentionSite(rows, cache.seqlens, tree_mask, attention_rows(kv_len, cache.max_seq_len, dev),
                              plan["tree_attention"], layer_backend=self._layer_ops_backend(plan))
-        feats = None
-        if capture is not None:
-            x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, self.check_capture(capture))
+        feats, capture = None, (None if capture is None else self.check_capture(capture))
+        stacked = run_stack(self, x, cos, sin, site, cache, capture)  # the CPU's native stack, where it applies
+        if stacked is not None:
+            x, feats = stacked
+        elif capture is not None:
+            x, feats = self._capturing_layers(x, cos, sin, site, cache.layers, capture)
         else:
             for layer, kv in zip(self.layers, cache.layers):
                 x = layer(x, cos, sin, site, kv)
@@ -338,7 +342,7 @@ class Llama(nn.Module):
     def _layer_ops_backend(self, plan: BackendPlan) -> str:
         """The backend of a step's layer ops (AttentionSite.layer_backend): the plan's, where the model's
         layers are plain (bf16/fp16/fp32 weights in one dtype, no packed or quantized CPU layout: those
-        have their own fused CPU layer, TransformerBlock._decode_layer), else "reference" (the modules)."""
+        have their own native CPU stack, model/decode_stack.py), else "reference" (the modules)."""
         backend = plan["rms_norm"]
         if backend == "reference" or self.has_packed_weights or self.norm.weight.dtype != self.dtype:
             return "reference"

@@ -116,16 +116,17 @@ class Linear(nn.Linear):
 
     def step_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
         """(weights, kind) that forward would run `rows` rows of fp32 CPU inference on, for the fused decode
-        layer (csrc/decode_layer_cpu.cpp): kind 0 = packed_linear panels, 10 * bits + offset = quantized
+        stack (csrc/decode_stack_cpu.cpp): kind 0 = packed_linear panels, 10 * bits + offset = quantized
         panels; None where forward would take F.linear."""
+        p = self._panels
+        if p is not None and self.packed_on:  # released: the panels are the weight (the path of every step)
+            return (p.packed, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)
         if not self.packed_on or (self._panels is None and rows * self.in_features > self._max_numel):
             return None
         p = self.packed_weight()
         if p is None:
             return None
-        if isinstance(p, QuantizedPanels):
-            return p.packed, 10 * p.bits + int(p.offset)
-        return p, 0
+        return (p.packed, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)
 
     def weight_bytes(self) -> int:
         """Bytes of the weight a step of this layer streams: its panels (fp32, bf16 or quantized blocks), else

@@ -9,6 +9,14 @@ from .backend import native_available, register
 NATIVE_MAX_ACCEPT = 32  # csrc/hydra_kernels.h HK_MAX_ACCEPT: rows one native commit_kv moves per sequence
 
 
+def extension_op(name: str):
+    """torch.ops.hydra_kernels.<name> where the extension is built, else None (the model's CPU-only ops that
+    are not public ops with backends: the decode stack, the row norm)."""
+    if not native_available():
+        return None
+    return getattr(torch.ops.hydra_kernels, name, None)
+
+
 def _register() -> bool:
     if not native_available():
         return False
@@ -63,9 +71,15 @@ def _register() -> bool:
         G = (packed.shape[2] - 256 * (2 if offset else 1)) * 8 // (64 * bits)  # csrc: group bytes -> inputs
         return packed.new_empty(ids.shape[0], packed.shape[1] * G, dtype=torch.float32)
 
-    @torch.library.register_fake("hydra_kernels::decode_layer")
-    def _(x, *args):  # the layer's output; its KV buffer (kv, Tensor(a!)) is written in place
-        return torch.empty_like(x)
+    @torch.library.register_fake("hydra_kernels::decode_stack")
+    def _(x, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate, cos, sin, kv, rows, seqlens,
+          tree_mask, kv_len, capture):  # the last layer's output, the captured inputs; kv (Tensor(a!)) written in place
+        B, T, H = x.shape
+        return torch.empty_like(x), x.new_empty((B, T, len(capture) * H) if capture else (0,))
+
+    @torch.library.register_fake("hydra_kernels::rms_norm_rows")
+    def _(x, weight, eps):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):

@@ -75,6 +75,11 @@ class QuantizedPanels:
         return (self.n, self.k)
 
     @property
+    def kind(self) -> int:
+        """The layout code of the CPU decode stack (csrc/decode_stack_cpu.cpp): 10 * bits + offset."""
+        return 10 * self.bits + int(self.offset)
+
+    @property
     def nbytes(self) -> int:
         return self.packed.numel()
 

@@ -1,0 +1,239 @@
+// A CPU decoding step's whole layer stack (a plain token or a verified tree) in one op call, and the row norm
+// the model's RMSNorm runs on the CPU.
+//
+// Why one call for all layers: at SmolLM2-135M a step's kernels (the quantized projections and attention) take
+// ~5 ms, and the work around them was as large again (2026-11-27, EPYC VM, loaded profile of a plain step:
+// 9.8 ms a step, 7.3 ms of it inside 30 per-layer native calls, 2.4 ms of Python choosing their arguments;
+// inside a layer, ~40 ATen ops of a few microseconds each: the composite rms_norm alone was 10 us a call).
+// Here a layer is its four projections and attention (our kernels, through the dispatcher) plus loops over
+// rows for everything elementwise: the norms, RoPE with the cache write, the residual adds, SwiGLU's product.
+// SiLU stays ATen's (at::silu: the module path's exp, so the values stay the module path's bit for bit).
+//
+// Exactness: every elementwise loop is the module path's math in its rounding order (x * cos + rot * sin as
+// two rounded products and a rounded sum; fp contraction is off for the extension, setup.py), and the row
+// norm below is the one RMSNorm.forward runs on the CPU (the op rms_norm_rows), so the stack's output, logits
+// and KV cache equal the Python layers' bit for bit (tests/test_decode_stack.py). Each row's values depend
+// only on that row (and, in attention, on its own keys), so a token's logits are the same alone and in a tree.
+//
+// Linear layers come as (weights, kind): kind 0 = packed fp32 / bf16 panels (packed_linear), else the quantized
+// panels of quantized_linear with kind = 10 * bits + offset (40, 41, 80, 81).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <vector>
+
+namespace hydra_kernels {
+namespace {
+
+constexpr int kLanes = 16;  // the norm's accumulator lanes: element i adds into lane i % 16 (an AVX-512 register)
+
+// y = (x * r) * w, r = 1 / sqrt(sum(x^2) / H + eps). The sum runs in a fixed order whatever the ISA or the row
+// count: lane l accumulates x[i]^2 for i = l mod 16 in increasing i (a product, then an add: no fma), then the
+// lanes fold 16 -> 8 -> 4 -> 2 -> 1 (lane l += lane l + s). The compiler may vectorize the lanes, which keeps
+// each lane's sequence of roundings, so the result is the same scalar or in vectors.
+void rms_norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= H; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += x[i + l] * x[i + l];
+  for (int l = 0; i + l < H; ++l) acc[l] += x[i + l] * x[i + l];
+  for (int s = kLanes / 2; s > 0; s /= 2)
+    for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
+  const float r = 1.0f / std::sqrt(acc[0] / static_cast<float>(H) + eps);
+  for (i = 0; i < H; ++i) y[i] = (x[i] * r) * w[i];
+}
+
+void rms_norm_rows_into(const float* x, const float* w, float eps, int64_t M, int64_t H, float* y) {
+  // a row is ~3H flops: prefill chunks (hundreds of rows) split across threads, a step's few rows do not
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, H));
+  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * H, w, eps, H, y + r * H);
+  });
+}
+
+// x [..., H] fp32 -> rms_norm_row of each row (the CPU RMSNorm of model/layers.py).
+at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.dim() >= 1,
+              "rms_norm_rows: x and weight must be fp32, got ", x.scalar_type(), " and ", w.scalar_type());
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H, "rms_norm_rows: weight must be [H = ", H, "], got ", w.sizes());
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  rms_norm_rows_into(xc.data_ptr<float>(), wc.data_ptr<float>(), static_cast<float>(eps), xc.numel() / std::max<int64_t>(1, H), H,
+                     y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t N, const std::optional<at::Tensor>& b) {
+  if (kind == 0) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("hydra_kernels::packed_linear", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>();
+    return op.call(x, w, N, b);
+  }
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hydra_kernels::quantized_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
+                                         const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, w, N, kind / 10, kind % 2 == 1, b, 0);
+}
+
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqlens,
+                          const at::Tensor& mask) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("hydra_kernels::tree_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, std::optional<double>)>();
+  return op.call(q, k, v, seqlens, mask, std::nullopt);
+}
+
+// Rotate-half RoPE of one head (reference.apply_rope): out[d] = x[d] * c[d] + rot[d] * s[d], rot = (-x[half:],
+// x[:half]); each product rounded, then the sum (ATen's mul, mul, add).
+inline void rope_head(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d] * c[d], b = -x[d + half] * s[d];
+    out[d] = a + b;
+  }
+  for (int64_t d = half; d < D; ++d) {
+    const float a = x[d] * c[d], b = x[d - half] * s[d];
+    out[d] = a + b;
+  }
+}
+
+struct Shape {
+  int64_t B, T, H, Hq, Hkv, D, I, S;
+};
+
+// One layer. x [B, T, H] (contiguous) -> its output; kv_layer this layer's buffer [2, B, S, Hkv, D] (contiguous),
+// rows [B, T] the new tokens' cache rows (checked in [0, S) by the caller).
+at::Tensor layer(const at::Tensor& x, const Shape& s, const float* attn_norm, const float* ffn_norm, float eps,
+                 const at::TensorList w, const c10::List<std::optional<at::Tensor>>& bias, int64_t wbase,
+                 const std::vector<int64_t>& kinds, const float* cos, const float* sin, const at::Tensor& kv_layer,
+                 const int64_t* rows, const at::Tensor& seqlens, const at::Tensor& tree_mask, int64_t kv_len) {
+  const int64_t M = s.B * s.T, NH = s.Hq + 2 * s.Hkv, D = s.D;
+  at::Tensor xn = at::empty({s.B, s.T, s.H}, x.options());
+  rms_norm_rows_into(x.data_ptr<float>(), attn_norm, eps, M, s.H, xn.data_ptr<float>());
+  const at::Tensor qkv = linear(xn, w[wbase], kinds[wbase], NH * D, bias.get(wbase)).contiguous();  // [B, T, NH*D]
+  // RoPE on the q and k heads; k and v written to the cache rows; q kept for attention
+  at::Tensor q = at::empty({s.B, s.T, s.Hq, D}, x.options());
+  {
+    const float* src = qkv.data_ptr<float>();
+    float* qp = q.data_ptr<float>();
+    float* kvp = kv_layer.data_ptr<float>();
+    const int64_t plane = s.B * s.S * s.Hkv * D;  // kv_layer[1] - kv_layer[0]
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t b = m / s.T;
+      const float *row = src + m * NH * D, *c = cos + m * D, *sn = sin + m * D;
+      for (int64_t h = 0; h < s.Hq; ++h) rope_head(row + h * D, c, sn, D, qp + (m * s.Hq + h) * D);
+      float* kdst = kvp + (b * s.S + rows[m]) * s.Hkv * D;
+      for (int64_t h = 0; h < s.Hkv; ++h) {
+        rope_head(row + (s.Hq + h) * D, c, sn, D, kdst + h * D);
+        std::copy_n(row + (s.Hq + s.Hkv + h) * D, D, kdst + plane + h * D);
+      }
+    }
+  }
+  const at::Tensor o = tree_attention(q, kv_layer.select(0, 0).narrow(1, 0, kv_len), kv_layer.select(0, 1).narrow(1, 0, kv_len),
+                                      seqlens, tree_mask);
+  // h = x + wo(o)
+  at::Tensor h = linear(o.reshape({s.B, s.T, s.Hq * D}), w[wbase + 1], kinds[wbase + 1], s.H, bias.get(wbase + 1));
+  TORCH_INTERNAL_ASSERT(h.is_contiguous());
+  {
+    float* hp = h.data_ptr<float>();
+    const float* xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < M * s.H; ++i) hp[i] = xp[i] + hp[i];
+  }
+  // out = h + w2(silu(gate) * up), [gate, up] = w13(ffn_norm(h))
+  at::Tensor hn = at::empty_like(h);
+  rms_norm_rows_into(h.data_ptr<float>(), ffn_norm, eps, M, s.H, hn.data_ptr<float>());
+  const at::Tensor gu = linear(hn, w[wbase + 2], kinds[wbase + 2], 2 * s.I, bias.get(wbase + 2));  // [B, T, 2I]
+  at::Tensor act = at::silu(gu.narrow(-1, 0, s.I)).contiguous();
+  {
+    float* ap = act.data_ptr<float>();
+    const at::Tensor guc = gu.contiguous();
+    const float* up = guc.data_ptr<float>() + s.I;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < s.I; ++i) ap[m * s.I + i] = ap[m * s.I + i] * up[m * 2 * s.I + i];
+  }
+  at::Tensor out = linear(act, w[wbase + 3], kinds[wbase + 3], s.H, bias.get(wbase + 3));
+  TORCH_INTERNAL_ASSERT(out.is_contiguous());
+  {
+    float* op = out.data_ptr<float>();
+    const float* hp = h.data_ptr<float>();
+    for (int64_t i = 0; i < M * s.H; ++i) op[i] = hp[i] + op[i];
+  }
+  return out;
+}
+
+// x [B, T, H] fp32 -> (the last layer's output [B, T, H], the inputs of the layers in `capture` concatenated
+// [B, T, len(capture) * H], or an empty tensor). Per layer l: weights[4l .. 4l + 3] = wqkv, wo, w13, w2 with
+// kinds and biases alike; norms[2l], norms[2l + 1] = attention_norm, ffn_norm (one eps). kv the whole cache
+// [L, 2, B, S, Hkv, D], written at rows [B, T]; attention over rows [0, kv_len) (tree_attention, which checks
+// seqlens and the mask). cos/sin [B, T, D].
+std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
+    const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
+    at::TensorList norms, double eps, int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& cos_in,
+    const at::Tensor& sin_in, const at::Tensor& kv, const at::Tensor& rows_in, const at::Tensor& seqlens,
+    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture) {
+  TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "decode_stack: x must be fp32 [B, T, H], got ",
+              x_in.scalar_type(), " ", x_in.sizes());
+  const int64_t L = kv.size(0), B = x_in.size(0), T = x_in.size(1), H = x_in.size(2);
+  TORCH_CHECK(kv.dim() == 6 && kv.size(1) == 2 && kv.size(2) == B && kv.size(4) == n_kv_heads &&
+                  kv.scalar_type() == at::kFloat && kv.is_contiguous(),
+              "decode_stack: kv must be a contiguous fp32 [L, 2, B, S, Hkv = ", n_kv_heads, ", D] buffer, got ",
+              kv.scalar_type(), " ", kv.sizes());
+  const int64_t S = kv.size(3), D = kv.size(5);
+  TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "decode_stack: n_heads ", n_heads,
+              " must be a multiple of n_kv_heads ", n_kv_heads);
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == 4 * L && static_cast<int64_t>(kinds.size()) == 4 * L &&
+                  static_cast<int64_t>(biases.size()) == 4 * L && static_cast<int64_t>(norms.size()) == 2 * L,
+              "decode_stack: 4 weights, kinds and biases and 2 norms per layer for ", L, " layers, got ", weights.size(),
+              ", ", kinds.size(), ", ", biases.size(), ", ", norms.size());
+  for (const at::Tensor& n : norms)
+    TORCH_CHECK(n.dim() == 1 && n.size(0) == H && n.scalar_type() == at::kFloat && n.is_contiguous(),
+                "decode_stack: norm weights must be contiguous fp32 [H = ", H, "]");
+  TORCH_CHECK(cos_in.sizes() == sin_in.sizes() && cos_in.dim() == 3 && cos_in.size(0) == B && cos_in.size(1) == T &&
+                  cos_in.size(2) == D && cos_in.scalar_type() == at::kFloat && sin_in.scalar_type() == at::kFloat,
+              "decode_stack: cos/sin must be fp32 [B, T, D] = [", B, ", ", T, ", ", D, "], got ", cos_in.sizes());
+  TORCH_CHECK(rows_in.dim() == 2 && rows_in.size(0) == B && rows_in.size(1) == T, "decode_stack: rows must be [B, T]");
+  TORCH_CHECK(0 < kv_len && kv_len <= S, "decode_stack: kv_len ", kv_len, " must be in (0, ", S, "]");
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t m = 0; m < B * T; ++m)  // a row outside the buffer would write another sequence's memory
+    TORCH_CHECK(0 <= rp[m] && rp[m] < S, "decode_stack: cache row ", rp[m], " outside the buffer's [0, ", S, ")");
+  for (int64_t c : capture) TORCH_CHECK(0 <= c && c < L, "decode_stack: capture layer ", c, " not in [0, ", L, ")");
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const std::vector<int64_t> kind_list(kinds.begin(), kinds.end());
+  const Shape s{B, T, H, n_heads, n_kv_heads, D, intermediate, S};
+  std::vector<at::Tensor> kept(capture.size());
+  at::Tensor x = x_in.contiguous();
+  for (int64_t l = 0; l < L; ++l) {
+    for (size_t c = 0; c < capture.size(); ++c)
+      if (capture[c] == l) kept[c] = x;
+    x = layer(x, s, norms[2 * l].data_ptr<float>(), norms[2 * l + 1].data_ptr<float>(), static_cast<float>(eps), weights,
+              biases, 4 * l, kind_list, cos.data_ptr<float>(), sin.data_ptr<float>(), kv.select(0, l), rp, seqlens,
+              tree_mask, kv_len);
+  }
+  return {x, capture.empty() ? at::empty({0}, x.options()) : at::cat(kept, -1)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
+  m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def(
+      "decode_stack(Tensor x, Tensor[] weights, int[] kinds, Tensor?[] biases, Tensor[] norms, float eps, int n_heads, "
+      "int n_kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor rows, Tensor seqlens, "
+      "Tensor tree_mask, int kv_len, int[] capture) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) {
+  m.impl("rms_norm_rows", &rms_norm_rows_cpu);
+  m.impl("decode_stack", &decode_stack_cpu);
+}
+
+}  // namespace hydra_kernels

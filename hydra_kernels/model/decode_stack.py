@@ -1,0 +1,72 @@
+"""A CPU decoding step's whole layer stack in one native call (csrc/decode_stack_cpu.cpp), and the CPU row norm.
+
+Where it runs: Llama.step on fp32 CPU models whose every projection has packed or quantized panels (the CPU
+default after hk.load_model), with the native tree_attention and no autograd. There a step is one call into C++
+that loops over the layers: no Python between the layers, no ATen dispatch for the elementwise work.
+
+Why: at SmolLM2-135M a step's kernels take ~5 ms, and the host work around them was about as large again
+(2026-11-27, EPYC VM: a plain step 9.8 ms, of which 2.4 ms was the Python picking each layer's arguments and
+~2.4 ms small ATen ops inside the per-layer native calls it replaced). Per step this module only collects the
+layers' weights (a list walk) and checks the step's attention inputs once.
+
+Exactness: the stack computes the module path's math in its rounding order, with the same row norm
+(rms_norm_rows, which RMSNorm.forward runs on the CPU too: layers.RMS_NORM_ROWS) and ATen's SiLU, so hidden states, logits and the KV
+cache equal the Python layers' bit for bit (tests/test_decode_stack.py); each row depends only on itself.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..ops.native import extension_op
+from .layers import RMSNorm
+
+
+DECODE_STACK = extension_op("decode_stack")
+
+
+def stack_weights(model, rows: int):
+    """(weights, kinds, biases, norms, eps) of model's layers for decode_stack (4 projections and 2 norms a
+    layer), or None where a layer cannot take it: a projection without panels for `rows` rows (F.linear), or
+    norms that are not fp32 CPU RMSNorms of one eps.
+    Runs every step, so it reads the modules' own dicts: through nn.Module.__getattr__ the walk over ~200
+    attributes took 0.44 ms (2026-11-27, EPYC VM), 7% of a SmolLM2 step."""
+    weights, kinds, biases, norms, eps = [], [], [], [], None
+    for block in model.layers._modules.values():
+        mods = block._modules
+        for n in (mods["attention_norm"], mods["ffn_norm"]):
+            w = n._parameters["weight"] if isinstance(n, RMSNorm) else None
+            if w is None or w.dtype is not torch.float32 or not w.is_cpu or (eps is not None and n.eps != eps):
+                return None
+            eps = n.eps
+            norms.append(w)
+        att, ff = mods["attention"]._modules, mods["feed_forward"]._modules
+        for lin in (att["wqkv"], att["wo"], ff["w13"], ff["w2"]):
+            spec = lin.step_weights(rows)
+            if spec is None:
+                return None
+            weights.append(spec[0])
+            kinds.append(spec[1])
+            biases.append(lin._parameters["bias"])
+    return weights, kinds, biases, norms, eps
+
+
+def run_stack(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site, cache, capture):
+    """Llama.step's layers in one native call: (the last layer's output [B, T, H], the captured layers' inputs
+    [B, T, len(capture) * H] or None), or None where the stack does not apply (the caller runs the layers)."""
+    if (DECODE_STACK is None or site.kernel_backend != "native" or not x.is_cpu or x.dtype is not torch.float32
+            or torch.is_grad_enabled() or cache.kv.dtype is not torch.float32):
+        return None
+    B, T, _ = x.shape
+    spec = stack_weights(model, B * T)
+    if spec is None:
+        return None
+    weights, kinds, biases, norms, eps = spec
+    a, f = model.layers[0].attention, model.layers[0].feed_forward
+    # the step's attention inputs checked once, with their messages, before anything is written (the kernel
+    # checks them again in C++; a query of the right shape stands in for the projections' output)
+    k_cache = cache.kv[0, 0, :, :site.kv_len]
+    site.prepare(x.new_empty(()).expand(B, T, a.n_heads, a.head_dim), k_cache, k_cache)
+    out, feats = DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
+                              cache.kv, site.rows, site.seqlens, site.kernel_tree_mask, site.kv_len,
+                              list(capture or ()))
+    return out, (feats if capture else None)

@@ -1,0 +1,204 @@
+"""The native decode stack (csrc/decode_stack_cpu.cpp, model/decode_stack.py): a CPU step's layers in one
+native call give the Python layers' hidden states, logits, captured layer inputs and KV cache bit for bit, on
+fp32 panels and on quantized panels, for a plain token, a shared tree and per-sequence trees of different
+sizes (GQA, biases, batch 1 and 3); layers whose weights take F.linear stay on the Python path; the row norm
+against its definition; bad inputs refused before anything is written."""
+import numpy as np
+import pytest
+import torch
+
+from hydra_kernels import Llama, LlamaConfig
+from hydra_kernels.ops import reference
+from hydra_kernels.model import decode_stack, layers
+from hydra_kernels.model.packed_linear import Linear, packed_linear_available
+from test_quantized_linear import random_blocks
+from helpers import random_tree, random_tree_batch
+
+pytestmark = pytest.mark.skipif(not packed_linear_available() or decode_stack.DECODE_STACK is None,
+                                reason="the packed CPU kernel (AVX-512) and the extension's decode_stack")
+
+
+def model_of(quantized: bool, bias: bool, seed: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Llama:
+    cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=96, num_layers=3, num_heads=heads,
+                      num_kv_heads=kv_heads, max_position_embeddings=128, attention_bias=bias)
+    torch.manual_seed(seed)
+    m = Llama(cfg).eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
+    m.use_packed_cpu_weights()
+    if quantized:
+        gen = torch.Generator().manual_seed(seed)
+        for name, mod in m.named_modules():
+            if isinstance(mod, Linear) and name != "output":
+                G, bits, off = (32, 4, True) if "w13" in name or "wqkv" in name else (16, 8, False)
+                mod.use_quantized(random_blocks(mod.out_features, mod.in_features, G, bits, off, gen).panels())
+    return m
+
+
+def run_steps(m: Llama, native: bool, monkeypatch, B: int, trees, capture=None):
+    """Prefill a ragged batch, then a plain step and the given tree steps: every step's logits (and captured
+    layer inputs), and the cache."""
+    calls = []
+    real = torch.ops.hydra_kernels.decode_stack
+
+    def counting(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(decode_stack, "DECODE_STACK", counting if native else None)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 97, (B, 9), generator=gen)
+    lengths = torch.tensor([9, 5, 7][:B])
+    cache = m.new_kv_cache(B, 64)
+    cache.kv.fill_(float("nan"))  # rows a step writes are read back; the others must never be read
+    outs = []
+
+    def step(T, *tree):
+        got = m.step(torch.randint(0, 97, (B, T), generator=gen), cache, *tree, backends="native", capture=capture)
+        h, feats = got if capture is not None else (got, None)
+        outs.append(m.output(h))
+        if feats is not None:
+            outs.append(feats)
+
+    with torch.no_grad():
+        m.prefill(tokens, lengths, cache)
+        cache.seqlens.copy_(lengths.to(cache.seqlens.dtype))
+        step(1)
+        for mask, depths in trees:
+            step(mask.shape[-1], mask, depths)
+    assert len(calls) == (1 + len(trees) if native else 0)  # one native call a step
+    return outs, cache.kv.clone()
+
+
+def assert_same(got, want, kv_got, kv_want):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.isfinite(g).all()
+        assert torch.equal(g, w), f"output {i}: max |diff| {(g - w).abs().max().item():.3e}"
+    assert torch.equal(kv_got.nan_to_num(7.0), kv_want.nan_to_num(7.0))
+
+
+def trees_for(B: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    shared = random_tree(gen, 5)  # one tree for the batch
+    ragged = random_tree_batch(gen, [6, 2, 4][:B])[1]  # per-sequence trees of different sizes, padded
+    return [(shared.mask, shared.depths), (ragged.mask, ragged.depths)]
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("B,bias", [(1, False), (3, True)])
+def test_decode_stack_is_the_python_layers_bit_for_bit(monkeypatch, quantized, B, bias):
+    m = model_of(quantized, bias, seed=B + 2 * quantized)
+    trees = trees_for(B, B)
+    want, kv_want = run_steps(m, False, monkeypatch, B, trees)
+    got, kv_got = run_steps(m, True, monkeypatch, B, trees)
+    assert_same(got, want, kv_got, kv_want)
+
+
+@pytest.mark.parametrize("capture", [(0,), (2, 0), (1, 2, 0)])
+def test_captured_layer_inputs_are_the_python_layers(monkeypatch, capture):
+    """EAGLE's verify steps capture layer inputs: the stack returns the same streams in the asked order."""
+    m = model_of(True, False, seed=5)
+    trees = trees_for(2, 3)
+    want, kv_want = run_steps(m, False, monkeypatch, 2, trees, capture=capture)
+    got, kv_got = run_steps(m, True, monkeypatch, 2, trees, capture=capture)
+    assert got[1].shape[-1] == len(capture) * m.config.hidden_size
+    assert_same(got, want, kv_got, kv_want)
+
+
+@pytest.mark.parametrize("hidden,heads,kv_heads", [(40, 5, 1), (60, 6, 3), (28, 2, 2)])
+def test_awkward_shapes(monkeypatch, hidden, heads, kv_heads):
+    """H not a multiple of the norm's 16 lanes, odd head counts, head_dim 8 / 10 / 14 (the norm's tail, RoPE's
+    halves), MQA, and no GQA."""
+    m = model_of(False, True, seed=hidden, hidden=hidden, heads=heads, kv_heads=kv_heads)  # panels: any K
+    trees = trees_for(3, hidden)
+    want, kv_want = run_steps(m, False, monkeypatch, 3, trees)
+    got, kv_got = run_steps(m, True, monkeypatch, 3, trees)
+    assert_same(got, want, kv_got, kv_want)
+
+
+def lane_order_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm_rows' definition in numpy fp32 (IEEE ops elementwise; torch may divide by a scalar as a product
+    with its reciprocal): element i of a row adds x_i * x_i into lane i % 16 in increasing i, the lanes fold
+    16 -> 8 -> 4 -> 2 -> 1, then y = (x * r) * w, r = 1 / sqrt(sum / H + eps)."""
+    xs, ws = x.numpy(), w.numpy()
+    H = xs.shape[-1]
+    sq = np.pad(xs * xs, [(0, 0)] * (xs.ndim - 1) + [(0, (-H) % 16)])
+    sq = sq.reshape(sq.shape[:-1] + (-1, 16))  # [..., n, 16]
+    acc = np.zeros(sq.shape[:-2] + (16,), np.float32)
+    for j in range(sq.shape[-2]):
+        acc = acc + sq[..., j, :]
+    s = 8
+    while s:
+        acc = acc[..., :s] + acc[..., s:2 * s]
+        s //= 2
+    r = np.float32(1) / np.sqrt(acc / np.float32(H) + np.float32(eps))
+    return torch.from_numpy((xs * r) * ws)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 37), (2, 700, 64), (1, 16), (4, 1)])
+def test_rms_norm_rows_is_its_definition_bit_for_bit(shape):
+    """The row norm that RMSNorm.forward and the stack share: its lane order exactly, whatever the row count
+    (700 rows split across threads), and within fp32 tolerance of the reference norm."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=gen) * 3
+    w = torch.randn(shape[-1], generator=gen)
+    got = layers.RMS_NORM_ROWS(x, w, 1e-5)
+    assert torch.equal(got, lane_order_rms_norm(x, w, 1e-5))
+    torch.testing.assert_close(got, reference.rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    one = layers.RMS_NORM_ROWS(x.reshape(-1, shape[-1])[-1:], w, 1e-5)  # a row alone
+    assert torch.equal(one[0], got.reshape(-1, shape[-1])[-1])
+
+
+def test_rms_norm_module_takes_the_native_norm_only_without_autograd():
+    from hydra_kernels.model.layers import RMSNorm
+    n = RMSNorm(37, 1e-6)
+    with torch.no_grad():
+        n.weight.copy_(torch.randn(37))
+    x = torch.randn(4, 37)
+    with torch.no_grad():
+        assert torch.equal(n(x), layers.RMS_NORM_ROWS(x, n.weight, 1e-6))
+    with torch.enable_grad():  # autograd: ATen's norm, which has a backward
+        n(x.requires_grad_()).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
+    """A cache row outside the buffer is refused by the op before any layer runs (the KV buffer unchanged); a
+    seqlens past the buffer by the Python check, with its message, before the op is called."""
+    m = model_of(True, False, seed=1)
+    cache = m.new_kv_cache(1, 16)
+    with torch.no_grad():
+        m.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3]), cache)
+        cache.seqlens.fill_(3)
+        m.step(torch.tensor([[4]]), cache, backends="native")  # the good case runs
+        before = cache.kv.clone()
+        a, f = m.layers[0].attention, m.layers[0].feed_forward
+        weights, kinds, biases, norms, eps = decode_stack.stack_weights(m, 1)
+        x = torch.randn(1, 1, 64)
+        cos, sin = torch.ones(1, 1, 16), torch.zeros(1, 1, 16)
+        with pytest.raises(RuntimeError, match="outside the buffer"):
+            decode_stack.DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
+                                      cache.kv, torch.tensor([[16]]), cache.seqlens, torch.ones(1, 1, dtype=torch.bool),
+                                      16, [])
+        assert torch.equal(cache.kv.nan_to_num(7.0), before.nan_to_num(7.0))
+        monkeypatch.setattr(decode_stack, "DECODE_STACK", lambda *a: pytest.fail("called with bad seqlens"))
+        cache.seqlens.fill_(16)
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            m.step(torch.tensor([[4]]), cache, backends="native")
+
+
+def test_layers_on_f_linear_keep_the_python_path(monkeypatch):
+    """Without packed weights (e.g. packed_kernel_off) the stack is never called."""
+    m = model_of(False, False, seed=0)
+    monkeypatch.setattr(decode_stack, "DECODE_STACK", lambda *a: pytest.fail("stack called"))
+    cache = m.new_kv_cache(1, 32)
+    m.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3]), cache)
+    for mod in m.modules():
+        if isinstance(mod, Linear):
+            mod.restore_original()
+            mod.packed_on = False
+    with torch.no_grad():
+        cache.seqlens.fill_(3)
+        m.step(torch.tensor([[4]]), cache, backends="native")
