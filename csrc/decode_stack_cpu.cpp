@@ -10,7 +10,8 @@
 // SiLU stays ATen's (at::silu: the module path's exp, so the values stay the module path's bit for bit).
 //
 // Exactness: every elementwise loop is the module path's math in its rounding order (x * cos + rot * sin as
-// two rounded products and a rounded sum; fp contraction is off for the extension, setup.py), and the row
+// two rounded products and a rounded sum; GCC contracts a * b + c into an fma by default in C++, so setup.py
+// builds the extension with -ffp-contract=off, and tests/test_decode_stack.py fails on a build without it), and the row
 // norm below is the one RMSNorm.forward runs on the CPU (the op rms_norm_rows), so the stack's output, logits
 // and KV cache equal the Python layers' bit for bit (tests/test_decode_stack.py). Each row's values depend
 // only on that row (and, in attention, on its own keys), so a token's logits are the same alone and in a tree.
@@ -199,12 +200,29 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
   TORCH_CHECK(cos_in.sizes() == sin_in.sizes() && cos_in.dim() == 3 && cos_in.size(0) == B && cos_in.size(1) == T &&
                   cos_in.size(2) == D && cos_in.scalar_type() == at::kFloat && sin_in.scalar_type() == at::kFloat,
               "decode_stack: cos/sin must be fp32 [B, T, D] = [", B, ", ", T, ", ", D, "], got ", cos_in.sizes());
-  TORCH_CHECK(rows_in.dim() == 2 && rows_in.size(0) == B && rows_in.size(1) == T, "decode_stack: rows must be [B, T]");
+  TORCH_CHECK(L > 0 && D % 2 == 0, "decode_stack: at least one layer and an even head_dim (RoPE), got ", L, " and ", D);
+  TORCH_CHECK(rows_in.dim() == 2 && rows_in.size(0) == B && rows_in.size(1) == T && rows_in.scalar_type() == at::kLong,
+              "decode_stack: rows must be int64 [B, T] = [", B, ", ", T, "]");
   TORCH_CHECK(0 < kv_len && kv_len <= S, "decode_stack: kv_len ", kv_len, " must be in (0, ", S, "]");
-  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  // Everything the layers rely on is checked before the first layer writes its cache rows: the rows, then the
+  // committed lengths and the tree mask that attention reads (tree_attention checks them again, per layer)
+  const at::Tensor rows = rows_in.contiguous();
   const int64_t* rp = rows.data_ptr<int64_t>();
   for (int64_t m = 0; m < B * T; ++m)  // a row outside the buffer would write another sequence's memory
     TORCH_CHECK(0 <= rp[m] && rp[m] < S, "decode_stack: cache row ", rp[m], " outside the buffer's [0, ", S, ")");
+  TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) == B &&
+                  (seqlens.scalar_type() == at::kInt || seqlens.scalar_type() == at::kLong),
+              "decode_stack: seqlens must be int32/int64 [B = ", B, "]");
+  const at::Tensor lens = seqlens.to(at::kLong).contiguous();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = lens.data_ptr<int64_t>()[b];
+    TORCH_CHECK(0 <= n && n + T <= kv_len, "decode_stack: seqlens[", b, "] = ", n, ": the step's rows [", n, ", ", n + T,
+                ") must lie in the attention's [0, kv_len = ", kv_len, ")");
+  }
+  TORCH_CHECK(tree_mask.scalar_type() == at::kBool &&
+                  ((tree_mask.dim() == 2) || (tree_mask.dim() == 3 && tree_mask.size(0) == B)) &&
+                  tree_mask.size(-1) == T && tree_mask.size(-2) == T,
+              "decode_stack: tree_mask must be bool [T, T] or [B, T, T] with T = ", T, ", got ", tree_mask.sizes());
   for (int64_t c : capture) TORCH_CHECK(0 <= c && c < L, "decode_stack: capture layer ", c, " not in [0, ", L, ")");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const std::vector<int64_t> kind_list(kinds.begin(), kinds.end());

@@ -18,7 +18,14 @@ pytestmark = pytest.mark.skipif(not packed_linear_available() or decode_stack.DE
                                 reason="the packed CPU kernel (AVX-512) and the extension's decode_stack")
 
 
-def model_of(quantized: bool, bias: bool, seed: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Llama:
+# quantized layouts per projection (group, bits, offset): kinds 41 / 80 (the embedded GGUF's Q4_1 / Q8_0 shapes) and
+# 40 / 81 (Q4_0-like, and 8 bits with an offset)
+LAYOUTS = {"a": {"wqkv": (32, 4, True), "w13": (32, 4, True), "wo": (16, 8, False), "w2": (16, 8, False)},
+           "b": {"wqkv": (32, 4, False), "w13": (16, 8, True), "wo": (16, 8, True), "w2": (32, 4, False)}}
+
+
+def model_of(quantized, bias: bool, seed: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Llama:
+    """quantized: False (fp32 panels), True or "a" / "b" (LAYOUTS)."""
     cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=96, num_layers=3, num_heads=heads,
                       num_kv_heads=kv_heads, max_position_embeddings=128, attention_bias=bias)
     torch.manual_seed(seed)
@@ -32,14 +39,16 @@ def model_of(quantized: bool, bias: bool, seed: int, hidden: int = 64, heads: in
         gen = torch.Generator().manual_seed(seed)
         for name, mod in m.named_modules():
             if isinstance(mod, Linear) and name != "output":
-                G, bits, off = (32, 4, True) if "w13" in name or "wqkv" in name else (16, 8, False)
+                G, bits, off = LAYOUTS["a" if quantized is True else quantized][name.rsplit(".", 1)[-1]]
                 mod.use_quantized(random_blocks(mod.out_features, mod.in_features, G, bits, off, gen).panels())
     return m
 
 
-def run_steps(m: Llama, native: bool, monkeypatch, B: int, trees, capture=None):
-    """Prefill a ragged batch, then a plain step and the given tree steps: every step's logits (and captured
-    layer inputs), and the cache."""
+def run_steps(m: Llama, native: bool, monkeypatch, B: int, trees, capture=None, per_block: bool = False):
+    """Prefill a ragged batch, then a plain step and the given tree steps (attention over rows [0, kv_len) of a
+    larger buffer, as generate() runs them): every step's logits (and captured layer inputs), and the cache.
+    native: the whole-stack call; per_block (with native False): each block as a one-layer stack
+    (TransformerBlock._native_step, after the first layer); neither: the Python layers."""
     calls = []
     real = torch.ops.hydra_kernels.decode_stack
 
@@ -48,6 +57,7 @@ def run_steps(m: Llama, native: bool, monkeypatch, B: int, trees, capture=None):
         return real(*a)
 
     monkeypatch.setattr(decode_stack, "DECODE_STACK", counting if native else None)
+    monkeypatch.setattr(layers, "_DECODE_STACK", counting if per_block else None)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 97, (B, 9), generator=gen)
     lengths = torch.tensor([9, 5, 7][:B])
@@ -56,7 +66,9 @@ def run_steps(m: Llama, native: bool, monkeypatch, B: int, trees, capture=None):
     outs = []
 
     def step(T, *tree):
-        got = m.step(torch.randint(0, 97, (B, T), generator=gen), cache, *tree, backends="native", capture=capture)
+        kv_len = int(cache.seqlens.max()) + T + 3
+        got = m.step(torch.randint(0, 97, (B, T), generator=gen), cache, *tree, backends="native", capture=capture,
+                     kv_len=kv_len)
         h, feats = got if capture is not None else (got, None)
         outs.append(m.output(h))
         if feats is not None:
@@ -68,7 +80,9 @@ def run_steps(m: Llama, native: bool, monkeypatch, B: int, trees, capture=None):
         step(1)
         for mask, depths in trees:
             step(mask.shape[-1], mask, depths)
-    assert len(calls) == (1 + len(trees) if native else 0)  # one native call a step
+    steps = 1 + len(trees)
+    want_calls = steps if native else (steps * (m.config.num_layers - 1) if per_block else 0)
+    assert len(calls) == want_calls
     return outs, cache.kv.clone()
 
 
@@ -86,13 +100,24 @@ def trees_for(B: int, seed: int):
     return [(shared.mask, shared.depths), (ragged.mask, ragged.depths)]
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [False, "a", "b"])
 @pytest.mark.parametrize("B,bias", [(1, False), (3, True)])
 def test_decode_stack_is_the_python_layers_bit_for_bit(monkeypatch, quantized, B, bias):
-    m = model_of(quantized, bias, seed=B + 2 * quantized)
+    m = model_of(quantized, bias, seed=B + 2 * bool(quantized))
     trees = trees_for(B, B)
     want, kv_want = run_steps(m, False, monkeypatch, B, trees)
     got, kv_got = run_steps(m, True, monkeypatch, B, trees)
+    assert_same(got, want, kv_got, kv_want)
+
+
+@pytest.mark.parametrize("quantized", [False, "b"])
+def test_blocks_stepped_one_at_a_time_are_the_python_layers(monkeypatch, quantized):
+    """A block stepped alone (a drafter's own layers: Amphista's adaptation stages, EAGLE's layer) runs as a
+    one-layer native stack once the step's first layer has checked the site: the Python block's values."""
+    m = model_of(quantized, True, seed=11)
+    trees = trees_for(3, 7)
+    want, kv_want = run_steps(m, False, monkeypatch, 3, trees)
+    got, kv_got = run_steps(m, False, monkeypatch, 3, trees, per_block=True)
     assert_same(got, want, kv_got, kv_want)
 
 
@@ -151,22 +176,36 @@ def test_rms_norm_rows_is_its_definition_bit_for_bit(shape):
     assert torch.equal(one[0], got.reshape(-1, shape[-1])[-1])
 
 
-def test_rms_norm_module_takes_the_native_norm_only_without_autograd():
+@pytest.mark.parametrize("shape", [(4, 37), (2, 3, 64)])
+def test_rms_norm_module_is_the_native_norm_with_and_without_autograd(shape):
+    """The same values whether or not a graph is kept (training sees what decoding computes), and the op's
+    backward gives torch.rms_norm's gradients within fp32 rounding."""
     from hydra_kernels.model.layers import RMSNorm
-    n = RMSNorm(37, 1e-6)
+    gen = torch.Generator().manual_seed(shape[-1])
+    n = RMSNorm(shape[-1], 1e-6)
     with torch.no_grad():
-        n.weight.copy_(torch.randn(37))
-    x = torch.randn(4, 37)
+        n.weight.copy_(torch.randn(shape[-1], generator=gen))
+    x = torch.randn(shape, generator=gen) * 2
+    g = torch.randn(shape, generator=gen)
     with torch.no_grad():
-        assert torch.equal(n(x), layers.RMS_NORM_ROWS(x, n.weight, 1e-6))
-    with torch.enable_grad():  # autograd: ATen's norm, which has a backward
-        n(x.requires_grad_()).sum().backward()
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+        y0 = n(x)
+    assert torch.equal(y0, layers.RMS_NORM_ROWS(x, n.weight, 1e-6))
+    with torch.enable_grad():
+        xg = x.clone().requires_grad_()
+        y = n(xg)
+        assert torch.equal(y.detach(), y0)
+        y.backward(g)
+        w2 = n.weight.detach().clone().requires_grad_()
+        x2 = x.clone().requires_grad_()
+        torch.rms_norm(x2, (shape[-1],), w2, 1e-6).backward(g)
+    torch.testing.assert_close(xg.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(n.weight.grad, w2.grad, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
-    """A cache row outside the buffer is refused by the op before any layer runs (the KV buffer unchanged); a
-    seqlens past the buffer by the Python check, with its message, before the op is called."""
+    """A cache row outside the buffer, a committed length past kv_len or float rows are refused by the op before
+    any layer runs (the KV buffer unchanged); a seqlens past the buffer by the Python check, with its message,
+    before the op is called."""
     m = model_of(True, False, seed=1)
     cache = m.new_kv_cache(1, 16)
     with torch.no_grad():
@@ -181,6 +220,15 @@ def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
         with pytest.raises(RuntimeError, match="outside the buffer"):
             decode_stack.DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
                                       cache.kv, torch.tensor([[16]]), cache.seqlens, torch.ones(1, 1, dtype=torch.bool),
+                                      16, [])
+        assert torch.equal(cache.kv.nan_to_num(7.0), before.nan_to_num(7.0))
+        with pytest.raises(RuntimeError, match="must lie in"):  # seqlens past kv_len: refused before layer 0 writes
+            decode_stack.DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
+                                      cache.kv, torch.tensor([[5]]), torch.tensor([5], dtype=torch.int32),
+                                      torch.ones(1, 1, dtype=torch.bool), 5, [])
+        with pytest.raises(RuntimeError, match="int64"):
+            decode_stack.DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
+                                      cache.kv, torch.tensor([[4.0]]), cache.seqlens, torch.ones(1, 1, dtype=torch.bool),
                                       16, [])
         assert torch.equal(cache.kv.nan_to_num(7.0), before.nan_to_num(7.0))
         monkeypatch.setattr(decode_stack, "DECODE_STACK", lambda *a: pytest.fail("called with bad seqlens"))
@@ -202,3 +250,20 @@ def test_layers_on_f_linear_keep_the_python_path(monkeypatch):
     with torch.no_grad():
         cache.seqlens.fill_(3)
         m.step(torch.tensor([[4]]), cache, backends="native")
+
+
+def test_ops_pass_torch_library_opcheck():
+    """Schemas (kv written in place, nothing else), fake kernels (torch.compile traces Llama.step through them)
+    and the row norm's autograd registration, checked by torch.library.opcheck."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(3, 5, 37, generator=gen, requires_grad=True), torch.randn(37, generator=gen, requires_grad=True)
+    torch.library.opcheck(torch.ops.hydra_kernels.rms_norm_rows.default, (x, w, 1e-5))
+    m = model_of("a", True, seed=2)
+    weights, kinds, biases, norms, eps = decode_stack.stack_weights(m, 2)
+    a, f = m.layers[0].attention, m.layers[0].feed_forward
+    kv = torch.randn(3, 2, 2, 16, 2, 16, generator=gen)
+    cos, sin = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    mask = torch.ones(2, 2, dtype=torch.bool).tril_()
+    args = (torch.randn(2, 2, 64, generator=gen), weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
+            cos, sin, kv, torch.tensor([[4, 5], [9, 10]]), torch.tensor([4, 9], dtype=torch.int32), mask, 12, [0, 2])
+    torch.library.opcheck(torch.ops.hydra_kernels.decode_stack.default, args)

@@ -1,8 +1,8 @@
 """RMSNorm's CPU fp32 paths against its definition, y = w * x / sqrt(mean(x^2) + eps) with the statistic in
-fp32 (as transformers computes it): without autograd the native row norm (csrc/decode_stack_cpu.cpp, which
+fp32 (as transformers computes it): the native row norm (csrc/decode_stack_cpu.cpp, which
 the CPU decode stack runs too) gives its own fixed summation order's values bit for bit and the definition's
-within fp32 rounding; with autograd torch.rms_norm gives the definition's bit for bit; other dtypes keep the
-written-out form."""
+within fp32 rounding, with or without autograd (without the extension torch.rms_norm gives the definition's
+bit for bit); other dtypes keep the written-out form."""
 import pytest
 import torch
 
@@ -29,5 +29,5 @@ def test_rms_norm_paths_are_the_definition(shape):
         xb = x.bfloat16()  # other dtypes keep the written-out form: fp32 statistic, cast back
         wb = norm.weight * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
         assert torch.equal(norm(xb), wb)
-    with torch.enable_grad():
-        assert torch.equal(norm(x), want)  # autograd: torch.rms_norm (it has a backward)
+    with torch.enable_grad():  # autograd: the same op (it has a backward), the same values
+        assert torch.equal(norm(x), got)

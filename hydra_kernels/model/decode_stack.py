@@ -1,4 +1,4 @@
-"""A CPU decoding step's whole layer stack in one native call (csrc/decode_stack_cpu.cpp), and the CPU row norm.
+"""A CPU decoding step's whole layer stack in one native call (csrc/decode_stack_cpu.cpp).
 
 Where it runs: Llama.step on fp32 CPU models whose every projection has packed or quantized panels (the CPU
 default after hk.load_model), with the native tree_attention and no autograd. There a step is one call into C++
@@ -18,35 +18,25 @@ from __future__ import annotations
 import torch
 
 from ..ops.native import extension_op
-from .layers import RMSNorm
+from .layers import block_weights
 
 
 DECODE_STACK = extension_op("decode_stack")
 
 
 def stack_weights(model, rows: int):
-    """(weights, kinds, biases, norms, eps) of model's layers for decode_stack (4 projections and 2 norms a
-    layer), or None where a layer cannot take it: a projection without panels for `rows` rows (F.linear), or
-    norms that are not fp32 CPU RMSNorms of one eps.
-    Runs every step, so it reads the modules' own dicts: through nn.Module.__getattr__ the walk over ~200
-    attributes took 0.44 ms (2026-11-27, EPYC VM), 7% of a SmolLM2 step."""
+    """(weights, kinds, biases, norms, eps) of model's layers for decode_stack (layers.block_weights of each, in
+    order), or None where a layer cannot take it or the layers' norms differ in eps."""
     weights, kinds, biases, norms, eps = [], [], [], [], None
     for block in model.layers._modules.values():
-        mods = block._modules
-        for n in (mods["attention_norm"], mods["ffn_norm"]):
-            w = n._parameters["weight"] if isinstance(n, RMSNorm) else None
-            if w is None or w.dtype is not torch.float32 or not w.is_cpu or (eps is not None and n.eps != eps):
-                return None
-            eps = n.eps
-            norms.append(w)
-        att, ff = mods["attention"]._modules, mods["feed_forward"]._modules
-        for lin in (att["wqkv"], att["wo"], ff["w13"], ff["w2"]):
-            spec = lin.step_weights(rows)
-            if spec is None:
-                return None
-            weights.append(spec[0])
-            kinds.append(spec[1])
-            biases.append(lin._parameters["bias"])
+        spec = block_weights(block, rows)
+        if spec is None or (eps is not None and spec[4] != eps):
+            return None
+        weights += spec[0]
+        kinds += spec[1]
+        biases += spec[2]
+        norms += spec[3]
+        eps = spec[4]
     return weights, kinds, biases, norms, eps
 
 
@@ -64,9 +54,9 @@ def run_stack(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, site
     a, f = model.layers[0].attention, model.layers[0].feed_forward
     # the step's attention inputs checked once, with their messages, before anything is written (the kernel
     # checks them again in C++; a query of the right shape stands in for the projections' output)
-    k_cache = cache.kv[0, 0, :, :site.kv_len]
+    kv_len = min(site.kv_len, cache.max_seq_len)  # the layers' kv[:, :, :kv_len] views stop at the buffer too
+    k_cache = cache.kv[0, 0, :, :kv_len]
     site.prepare(x.new_empty(()).expand(B, T, a.n_heads, a.head_dim), k_cache, k_cache)
     out, feats = DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
-                              cache.kv, site.rows, site.seqlens, site.kernel_tree_mask, site.kv_len,
-                              list(capture or ()))
+                              cache.kv, site.rows, site.seqlens, site.kernel_tree_mask, kv_len, list(capture or ()))
     return out, (feats if capture else None)

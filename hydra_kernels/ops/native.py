@@ -81,6 +81,24 @@ def _register() -> bool:
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
+    def rms_norm_rows_context(ctx, inputs, output):
+        x, weight, eps = inputs
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+
+    def rms_norm_rows_backward(ctx, g):
+        # y = x r w, r = (mean(x^2) + eps)^(-1/2): dy/dx_i = r w_i g_i - x_i r^3 / H * sum_j g_j w_j x_j; dw = sum_rows g x r
+        x, weight = ctx.saved_tensors
+        r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        gw = g * weight
+        dx = r * gw - x * (r.pow(3) / x.shape[-1]) * (gw * x).sum(-1, keepdim=True) if ctx.needs_input_grad[0] else None
+        dw = (g * x * r).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+    # RMSNorm runs the row norm under autograd too, so a model's values do not depend on whether a graph is kept
+    torch.library.register_autograd("hydra_kernels::rms_norm_rows", rms_norm_rows_backward,
+                                    setup_context=rms_norm_rows_context)
+
     @torch.library.register_fake("hydra_kernels::tree_inputs")
     def _(root, candidates, node_source, depths, cache_seqlens):
         shape = (root.shape[0], node_source.shape[0])
