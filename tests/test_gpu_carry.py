@@ -1,5 +1,6 @@
 """python/gpu_carry.py: what travels to a lent GPU beside the carried model (git's view, the heads left
 out), the model's split into two calls, and the joining there that refuses a missing or corrupt part."""
+import gzip
 import hashlib
 import json
 import os
@@ -105,8 +106,8 @@ def test_pack_writes_what_unpack_and_the_printed_calls_read(carry, tmp_path, mon
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(blob)
     monkeypatch.setattr(carry, "embedded_model", lambda: (gguf, hashlib.sha256(blob).hexdigest()))
-    answers = tmp_path / "self.json"
-    answers.write_text(json.dumps({"prompt_lengths": [3, 2], "sequences": [[1, 2, 3, 4, 5], [7, 8, 9, 10]]}))
+    answers = tmp_path / "self.json.gz"  # gzipped, as the committed answers are
+    answers.write_bytes(gzip.compress(json.dumps({"prompt_lengths": [3, 2], "sequences": [[1, 2, 3, 4, 5], [7, 8, 9, 10]]}).encode()))
     d = carry.ROOT / "gpu_carry" / f"test-{os.getpid()}"
     try:
         args = ["pack", "--self-data", str(answers), "--sharegpt", "3", "--vocab-seqs", "4", "--draft-vocab", "256", "--dir", str(d)]
@@ -126,8 +127,22 @@ def test_pack_writes_what_unpack_and_the_printed_calls_read(carry, tmp_path, mon
             carry.main(args)
         with pytest.raises(SystemExit, match="outside the repository"):
             carry.main(args[:-1] + [str(tmp_path / "carry")])
+        assert json.loads((d / "rest" / "self-data.json").read_text())["sequences"][1] == [7, 8, 9, 10]
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"sequences": [[1, 2]]}))
+        with pytest.raises(SystemExit, match="not python/self_data.py's JSON"):
+            carry.main(["pack", "--self-data", str(bad)] + args[3:])
         monkeypatch.setattr(carry, "embedded_model", lambda: (gguf, "0" * 64))
         with pytest.raises(SystemExit, match="not the embedded model"):
             carry.main(args)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_committed_answers_are_self_data_json(carry):
+    """python/data's 2048 self-generated answers (pack's default): the shape self_data.py writes, every
+    sequence longer than its prompt, token ids inside the embedded model's vocabulary."""
+    answers = carry.read_answers(carry.DEFAULT_ANSWERS)
+    lengths, seqs = answers["prompt_lengths"], answers["sequences"]
+    assert len(seqs) == 2048 and all(len(s) > n > 0 for n, s in zip(lengths, seqs))
+    assert sum(len(s) for s in seqs) > 500_000 and max(max(s) for s in seqs) < 49152 and min(min(s) for s in seqs) >= 0
