@@ -105,7 +105,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             hidden, feats = verify_forward(model, cache, tokens, tr, positions=prop.positions, kv_len=kv_len,
                                            backends=backends, capture=capture)
             if typical_fused:  # LM-head statistics + fused acceptance: no [B, T, V] logits, no host read
-                W = model.output.weight
+                W = model.lm_head_weight()
                 seed = torch.randint(2**62, (1,), device=dev, generator=generator)
                 lse, ent, samples = ops.lm_head_sample_stats(hidden, W, temperature, seed,
                                                              backend=backends["lm_head_sample_stats"])
@@ -114,7 +114,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                                        posterior_alpha=posterior_alpha, backend=backends["typical_accept"])
             elif rejection_fused and prop.draft_probs is None:  # exact, from LM-head statistics: no [B, T, V]
                 # probabilities, no host read (sampled drafts need q: the logits path below)
-                W = model.output.weight
+                W = model.lm_head_weight()
                 u = torch.rand(tokens.shape, device=dev, generator=generator)  # one acceptance draw per node
                 seed = torch.randint(2**62, (1,), device=dev, generator=generator)  # the residual draws' noise
                 exclude = ops.reference.child_tokens(tokens, tr.parents, max(tr.max_children, 1))  # [B, T, C]

@@ -461,7 +461,12 @@ def test_lm_head_rows_packed_in_chunks_equal_the_slice_packed_whole(monkeypatch)
         got = fit.pack_lm_head_rows(w, rows)
         assert got.dtype == want.dtype and torch.equal(got, want)
     head, model = fit.TiedLMHead(), type("M", (), {})()
-    model.output = type("O", (), {"weight": w})()
+    model.output = type("O", (), {"weight": w, "out_features": 700})()
+    model.lm_head_source = lambda: w  # Llama's accessors (the head's values, read a few rows at a time)
+    model.lm_head_rows = lambda i: w.index_select(0, i)
+    for rows in (ids, None):  # from a rows function, as TiedLMHead packs from Llama.lm_head_rows
+        want = pack_linear_weight(w[rows] if rows is not None else w, fit.DRAFT_PACK_DTYPE)
+        assert torch.equal(fit.pack_lm_head_rows(model.lm_head_rows, rows if rows is not None else torch.arange(700)), want)
     h = torch.randn(3, 48, generator=g)
     assert torch.equal(head.packed_logits(model, ids, h), packed_linear(h, pack_linear_weight(w[ids], fit.DRAFT_PACK_DTYPE), 333))
     assert head._rows._key is None  # the packed path never built the fp32 slice

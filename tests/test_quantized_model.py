@@ -8,6 +8,7 @@ import torch
 import hydra_kernels as hk
 from hydra_kernels.generate import generate
 from hydra_kernels.model.packed_linear import Linear, packed_linear_available
+from hydra_kernels.model.quantized_embedding import QuantizedEmbedding
 from hydra_kernels.ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from helpers import assert_close_rel
 from test_gguf_loading import write_gguf
@@ -39,8 +40,15 @@ def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkey
     f, _ = hk.load_model(tmp_path / "mixed.gguf", device="cpu", weights="fp32")
     for name, mod in projections(q).items():
         assert mod.released and isinstance(mod._panels, QuantizedPanels) and mod.weight.is_meta, name
-    assert isinstance(q.output.packed_weight(), QuantizedPanels) and not q.output.weight.is_meta
+    assert isinstance(q.output.packed_weight(), QuantizedPanels)
     assert q.config.tie_word_embeddings == tied
+    # tied: the panels are the embedding and the LM head, no fp32 table (model/quantized_embedding.py); untied:
+    # the head keeps its fp32 weight beside its panels and the embedding is fp32
+    assert q.output.weight.is_meta == tied and isinstance(q.tok_embeddings, QuantizedEmbedding) == tied
+    assert torch.equal(q.lm_head_weight(), f.output.weight) and torch.equal(q.embedding_weight(), f.tok_embeddings.weight)
+    some = torch.tensor([100, 0, 7, 7])
+    assert torch.equal(q.lm_head_rows(some), f.output.weight[some])
+    assert torch.equal(q.tok_embeddings(some[None]), f.tok_embeddings(some[None]))
     ids = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         lq = q(ids)
@@ -54,7 +62,9 @@ def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkey
     # the layout survives a second packing pass and a no-op move: no fp32 copy comes back
     q.use_packed_cpu_weights()
     q.to("cpu").float()
-    assert isinstance(q.output.packed_weight(), QuantizedPanels)
+    assert isinstance(q.output.packed_weight(), QuantizedPanels) and q.output.weight.is_meta == tied
+    if tied:  # the embedding back on its panels too
+        assert q.tok_embeddings.panels is not None and q.tok_embeddings.weight.is_meta
     assert all(m.released and isinstance(m._panels, QuantizedPanels) for m in projections(q).values())
     with torch.no_grad():
         assert torch.equal(q(ids), lq)
@@ -99,3 +109,22 @@ def test_embedded_smollm2_is_quantized_by_default_and_decodes_as_fp32(smollm2_pa
     assert plain_q.sequences == generate(f, prompts, max_new_tokens=24).sequences
     spec = generate(q, prompts, drafter=hk.load_drafter(model=q), max_new_tokens=24)
     assert spec.sequences == plain_q.sequences
+
+
+def test_embedded_smollm2_never_builds_the_fp32_vocabulary_table(smollm2_pair, monkeypatch):
+    """The tied embedding / LM head stays Q8_0 panels only (model/quantized_embedding.py: 113 MB of fp32 table
+    not held, issue 44's peak memory): loading, plain decoding and the default drafter drafting every step
+    read rows, never the whole table; the rows are the fp32 model's."""
+    from hydra_kernels.chat import chat_prompt_ids
+
+    q, f, tok = smollm2_pair
+    assert isinstance(q.tok_embeddings, QuantizedEmbedding) and q.output.weight.is_meta and q.output.released
+    monkeypatch.setattr(QuantizedPanels, "dequantize", lambda self: pytest.fail("the whole table was built"))
+    ids = torch.tensor([[0, 5, 49151, 17]])
+    assert torch.equal(q.tok_embeddings(ids), f.tok_embeddings(ids))
+    assert torch.equal(q.lm_head_rows(ids[0]), f.output.weight[ids[0]])
+    prompts = [chat_prompt_ids(tok, "Write a haiku about the sea.")]
+    plain = generate(q, prompts, max_new_tokens=16)
+    d = hk.load_drafter(model=q)
+    spec = generate(q, prompts, drafter=d, max_new_tokens=16, budget=max(d.budget_levels(d.resolve_tree(None, "cpu"))))
+    assert spec.sequences == plain.sequences and max(spec.step_nodes) > 1  # it drafted

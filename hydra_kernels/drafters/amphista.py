@@ -195,7 +195,7 @@ class AmphistaDrafter(Drafter):
         g = torch.Generator().manual_seed(0)
         self.pos_emb.copy_(torch.randn(self.pos_emb.shape, generator=g) * 0.02)
         if self.lm_down is not None:
-            w = model.output.weight.detach().to("cpu", torch.float32)
+            w = model.lm_head_weight().detach().to("cpu", torch.float32)
             if self.draft_vocab is not None:
                 w = w[self.draft_vocab.cpu()]
             U, S, Vh = torch.linalg.svd(w, full_matrices=False)

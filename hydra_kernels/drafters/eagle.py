@@ -185,7 +185,7 @@ class EagleDrafter(Drafter):
         else:
             with torch.no_grad():  # features are final-normed: their RMS is about the final norm weight's
                 rms = lambda w: float(w.float().pow(2).mean().sqrt())  # noqa: E731
-                emb_scale = round(rms(model.norm.weight) / max(rms(model.tok_embeddings.weight), 1e-6), 4)
+                emb_scale = round(rms(model.norm.weight) / max(rms(model.embedding_weight()), 1e-6), 4)
             fc_bias = True
         ids = draft_vocab_ids(draft_vocab, mc.vocab_size, model.device) if draft_vocab is not None else None
         cfg = EagleConfig(hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
@@ -239,7 +239,7 @@ class EagleDrafter(Drafter):
         layer.block.attention.wqkv.weight[:, H:] = wqkv
         layer.hidden_norm.weight.copy_(src["attention_norm.weight"])
         layer.logit_norm.weight.copy_(model.norm.weight.detach())
-        w = model.output.weight.detach().to("cpu", torch.float32)
+        w = model.lm_head_weight().detach().to("cpu", torch.float32)
         rows = w if self.draft_vocab is None else w.index_select(0, self.draft_vocab.cpu())
         layer.lm_head.weight.copy_(rows)
 
@@ -401,10 +401,10 @@ class EagleDrafter(Drafter):
 
     def base_lm_rows(self, model) -> torch.Tensor:
         """The base model's LM-head rows of the draft vocabulary [Vd, H] (training's teacher)."""
-        w = model.output.weight
         if self.draft_vocab is None:
-            return w
-        return self._lm_slice.get((w, self.draft_vocab), lambda: w.detach().index_select(0, self.draft_vocab))
+            return model.lm_head_weight()
+        return self._lm_slice.get((model.lm_head_source(), self.draft_vocab),
+                                  lambda: model.lm_head_rows(self.draft_vocab))
 
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.draft_vocab is None else self.draft_vocab[index]

@@ -33,11 +33,12 @@ def check_device_dtype(drafter, model) -> None:
                          "call drafter.to(model.device, model.dtype)")
 
 
-def lm_head_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def lm_head_rows(w, ids: torch.Tensor) -> torch.Tensor:
     """The LM head rows of a draft vocabulary [Vd, H]; on the CPU stored input-major like the model's
-    weights (the small-M GEMV streams it ~2x faster)."""
+    weights (the small-M GEMV streams it ~2x faster). w: the head [V, H], or a function ids -> those rows'
+    values (Llama.lm_head_rows: no copy of the whole head where quantized panels hold it)."""
     with torch.no_grad():
-        s = w.index_select(0, ids)
+        s = w(ids) if callable(w) else w.index_select(0, ids)
         return s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
 
 
@@ -55,17 +56,22 @@ def pack_draft_linears(drafter, on: bool) -> None:
 PACK_CHUNK = 4096  # LM-head rows packed at a time (a multiple of the kernel's 64-row panels)
 
 
-def pack_lm_head_rows(w: torch.Tensor, ids: torch.Tensor | None, dtype: torch.dtype = DRAFT_PACK_DTYPE) -> torch.Tensor:
-    """pack_linear_weight(w[ids]) (ids None: every row), built PACK_CHUNK rows at a time: the panels of
+def pack_lm_head_rows(w, ids: torch.Tensor | None, dtype: torch.dtype = DRAFT_PACK_DTYPE) -> torch.Tensor:
+    """pack_linear_weight(w[ids]) (ids None: every row; w a tensor, or a function ids -> rows with ids given,
+    e.g. Llama.lm_head_rows), built PACK_CHUNK rows at a time: the panels of
     consecutive 64-row blocks are independent, so the concatenation is the same tensor bit for bit
     (tests/test_drafters.py), and no fp32 copy of the rows is ever whole (37.7 MB for SmolLM2's
     16384-token draft vocabulary: it set the peak RSS of a drafting process, issue 44)."""
     assert PACK_CHUNK % 64 == 0
-    n = w.shape[0] if ids is None else ids.numel()
+    if callable(w):  # a function ids -> rows (Llama.lm_head_rows): ids given
+        rows = w
+    else:
+        rows = lambda part: w.detach().index_select(0, part)  # noqa: E731
+        if ids is None:
+            rows = lambda part: w.detach()[int(part[0]):int(part[-1]) + 1]  # noqa: E731  (no gather copy)
+            ids = torch.arange(w.shape[0], device=w.device)
     with torch.no_grad():
-        parts = [pack_linear_weight(w.detach()[i:i + PACK_CHUNK] if ids is None
-                                    else w.detach().index_select(0, ids[i:i + PACK_CHUNK]), dtype)
-                 for i in range(0, n, PACK_CHUNK)]
+        parts = [pack_linear_weight(rows(ids[i:i + PACK_CHUNK]), dtype) for i in range(0, ids.numel(), PACK_CHUNK)]
     return torch.cat(parts)
 
 
@@ -82,18 +88,19 @@ class TiedLMHead:
 
     def weight(self, model, draft_vocab: torch.Tensor | None) -> torch.Tensor:
         """[Vd, H]: model.output's rows of draft_vocab (the whole head when None)."""
-        w = model.output.weight
         if draft_vocab is None:
-            return w
-        return self._rows.get((w, draft_vocab), lambda: lm_head_rows(w, draft_vocab))
+            return model.lm_head_weight()
+        return self._rows.get((model.lm_head_source(), draft_vocab),
+                              lambda: lm_head_rows(model.lm_head_rows, draft_vocab))
 
     def packed_logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
         """hidden fp32 [..., H] -> logits [..., Vd] on the bf16 panels of the rows (the caller checked the
         packed kernel's rule)."""
-        w = model.output.weight
-        sources = (w,) if draft_vocab is None else (w, draft_vocab)
-        panels = self._panels.get(sources, lambda: pack_lm_head_rows(w, draft_vocab), extra=(DRAFT_PACK_DTYPE,))
-        return packed_linear(hidden, panels, w.shape[0] if draft_vocab is None else draft_vocab.numel())
+        src, V = model.lm_head_source(), model.output.out_features
+        sources = (src,) if draft_vocab is None else (src, draft_vocab)
+        ids = torch.arange(V) if draft_vocab is None else draft_vocab
+        panels = self._panels.get(sources, lambda: pack_lm_head_rows(model.lm_head_rows, ids), extra=(DRAFT_PACK_DTYPE,))
+        return packed_linear(hidden, panels, ids.numel())
 
     def logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
         """hidden [..., H] -> logits [..., Vd]. packed: the CPU kernel on bf16 panels where its rule allows

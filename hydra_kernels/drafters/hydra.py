@@ -30,9 +30,9 @@ class HydraDrafter(HeadDrafter):
         if blk.linear.packed_on:
             B, n = path_tokens.shape[:2]
             x = torch.cat([h[:, None, :].expand(B, n, h.shape[-1]),
-                           model.tok_embeddings.weight[path_tokens].flatten(2)], dim=-1)  # [B, n, (head+2)H]
+                           model.tok_embeddings(path_tokens).flatten(2)], dim=-1)  # [B, n, (head+2)H]
             return blk(x)
-        return ops.hydra_first_layer(h, path_tokens, model.tok_embeddings.weight, blk.linear.weight, blk.linear.bias,
+        return ops.hydra_first_layer(h, path_tokens, model.embedding_weight(), blk.linear.weight, blk.linear.bias,
                                      blk.res_connection.weight, blk.res_connection.bias,
                                      backend=backends["hydra_first_layer"])
 

@@ -5,8 +5,10 @@ straight from the file's blocks into quantized panels (ops/quantized_linear.py),
 in memory (one fused weight is decoded at a time; load_model's disk cache still holds the fp32 conversion, for
 weights="fp32" and the tokenizer). A fused weight (q / k / v, gate / up) whose parts differ in
 format takes the widest layout (lossless); one with a part in another type (F16, Q5_K, ...) loads as fp32.
-Norms and the token embedding load as fp32; the LM head keeps its fp32 weight (the embedding, when tied: the
-drafters and ops read it) and runs on quantized panels of the same values.
+Norms load as fp32. A tied LM head in a decoded format is the embedding too, and its panels are the only copy of
+it (model/quantized_embedding.py: lookups read rows from them; Llama.lm_head_weight / lm_head_rows give its fp32
+values to the code that needs them); an untied one keeps its fp32 weight beside its panels, and the embedding
+loads as fp32.
 
 Every dequantized value equals gguf's (as a number: +0 where gguf may write -0), so where the fp32 model runs
 the packed kernel too (AVX-512) this model's logits are bit-identical to the fp32 model convert_gguf_cached
@@ -27,6 +29,7 @@ from .gguf_index import GGUFIndex
 from .hf_names import _key_map, hf_to_ours
 from .llama import Llama
 from .memory import return_freed_memory
+from .quantized_embedding import QuantizedEmbedding
 
 _PROJECTIONS = (".wqkv.weight", ".wo.weight", ".w13.weight", ".w2.weight")
 
@@ -106,19 +109,24 @@ def load_gguf_quantized(path: str | os.PathLike) -> Llama:
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         for n in present:  # norms, biases, embedding, and weights in formats not decoded here: fp32
             if n == head and f.decodable(n):
-                # the LM head's panels, and its fp32 values (the lookup, the drafters) read back from them
                 panels["output.weight"] = f.blocks(n).panels()
-                dense[n] = _input_major_values(panels["output.weight"])
+                if not cfg.tie_word_embeddings:  # untied: its fp32 values beside them (the drafters read them)
+                    dense[n] = _input_major_values(panels["output.weight"])
             else:
                 dense[n] = f.dense(n)
     del f  # the index (the tensors' bytes were read and freed one weight at a time)
     return_freed_memory()  # before the layout passes below take their transient copies: a lower peak
+    # tied and decodable: the panels are the embedding and the LM head, no fp32 table (quantized_embedding.py)
+    tied_panels = panels.get("output.weight") if cfg.tie_word_embeddings else None
     quantized_layers = {k for k in panels if k != "output.weight"}
+    placeholders = quantized_layers | ({"tok_embeddings.weight", "output.weight"} if tied_panels else set())
     model = Llama.empty(cfg)
-    model.load_state_dict(hf_to_ours(cfg, dense, allow_missing=quantized_layers), strict=False, assign=True)
+    model.load_state_dict(hf_to_ours(cfg, dense, allow_missing=placeholders), strict=False, assign=True)
     del dense
+    if tied_panels is not None:
+        model.tok_embeddings = QuantizedEmbedding(tied_panels)
     model.tie_weights()
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in quantized_layers]
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in placeholders]
     if still_meta:
         raise ValueError(f"{path}: the GGUF did not provide {still_meta[:5]}")
     model.use_input_major_weights()

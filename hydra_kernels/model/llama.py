@@ -30,6 +30,7 @@ from .kv_cache import KVCache, attention_rows
 from .layers import RMSNorm, TransformerBlock
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from .packed_linear import Linear, packed_linear_available
+from .quantized_embedding import QuantizedEmbedding
 from .rope import RopeCache
 
 
@@ -113,6 +114,13 @@ class Llama(nn.Module):
         if self.config.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        # a quantized embedding and LM head (quantized_embedding.py) each bring their fp32 values back for
+        # .to(): tied, they share one copy again
+        self.tie_weights()
+        return out
+
     @classmethod
     def empty(cls, config: LlamaConfig) -> "Llama":
         """A Llama of meta parameters (shapes and dtypes only) for a loader to assign weights to, built
@@ -179,31 +187,60 @@ class Llama(nn.Module):
 
     def use_quantized_cpu_weights(self, panels: dict[str, QuantizedPanels]) -> bool:
         """CPU layout choice for a quantized checkpoint (model/gguf_quantized.py): each named weight runs on
-        its quantized panels (ops/quantized_linear.py), the only copy of it, except the LM head, which keeps
-        its fp32 weight (the embedding when tied; the ops and drafters read it) beside panels of the same
-        values. Returns False (and changes nothing) where the kernel has no vector path on this CPU."""
+        its quantized panels (ops/quantized_linear.py), the only copy of it, except an LM head loaded with an
+        fp32 weight, which keeps it beside panels of the same values. Returns False (and changes nothing) where the kernel has no vector path on this CPU."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not quantized_linear_available():
             return False
         for name, p in panels.items():
             mod = self.get_submodule(name.rsplit(".", 1)[0])
-            mod.use_quantized(p, keep_weight=mod is self.output)
+            # the LM head keeps its fp32 weight beside the panels where one is loaded (an untied head); a
+            # tied quantized embedding holds none (model/quantized_embedding.py): the panels are all of it
+            mod.use_quantized(p, keep_weight=mod is self.output and not self.output.weight.is_meta)
         return True
 
     # ---- properties -----------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.tok_embeddings.weight.device
+        return self.norm.weight.device  # (a quantized embedding's weight is a meta placeholder)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.tok_embeddings.weight.dtype
+        return self.norm.weight.dtype
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's fp32 values [V, H] (tied: the embedding's). Where quantized panels are the only copy
+        (a tied quantized GGUF on the CPU: model/quantized_embedding.py) a transient copy, ~113 MB for
+        SmolLM2: callers that need a few rows take lm_head_rows."""
+        return self.output.unpacked_weight() if self.output.released else self.output.weight
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The token embedding's fp32 table [V, H] (a transient copy where a quantized embedding serves it from
+        panels: model/quantized_embedding.py; lookups of a few rows take tok_embeddings(ids))."""
+        emb = self.tok_embeddings
+        return emb.dense() if isinstance(emb, QuantizedEmbedding) else emb.weight
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows ids int64 [n] -> [n, H], their exact values, without a copy of the whole head."""
+        p = self.output.packed_weight() if self.output.released else None
+        if isinstance(p, QuantizedPanels):
+            return p.rows(ids.reshape(-1).long().cpu()).to(ids.device)
+        w = self.lm_head_weight().detach()
+        return w.index_select(0, ids.to(w.device))
+
+    def lm_head_source(self) -> torch.Tensor:
+        """A tensor that changes (identity or version) whenever the LM head's values do: the key of caches
+        derived from it (weight_cache.DerivedCache)."""
+        if self.output.released:
+            p = self.output.packed_weight()
+            return p.packed if isinstance(p, QuantizedPanels) else p
+        return self.output.weight
 
     @property
     def has_packed_weights(self) -> bool:
         """The LM head (and, with it, every projection) runs the native packed kernel (use_packed_cpu_weights):
         a model packed on the CPU and then moved to a GPU keeps its packed_on flags but runs F.linear there
         (H100, 2026-11-26: the GPU tier found this claiming True on CUDA)."""
-        return self.output.packed_on and self.output.weight.is_cpu
+        return self.output.packed_on and (self.output.weight.is_cpu or self.output.released)
 
     def backend_plan(self, backends: BackendPlan | str | None = None) -> BackendPlan:
         """backends as a BackendPlan: a plan is returned as is; a backend name ("auto" | "reference" |
@@ -357,4 +394,4 @@ class Llama(nn.Module):
         plan = self.backend_plan(backends)
         if self.output.bias is not None or (plan.packed_linear and self.has_packed_weights):
             return self.output(h).argmax(dim=-1)
-        return ops.lm_head_topk(h, self.output.weight, 1, backend=plan["lm_head_topk"])[1][..., 0]  # no [.., V] logits
+        return ops.lm_head_topk(h, self.lm_head_weight(), 1, backend=plan["lm_head_topk"])[1][..., 0]  # no [.., V] logits

@@ -70,7 +70,7 @@ def _model_key(model, dtype, capture=None) -> str:
     """Which model, storage dtype and captured layers: the config and a cheap weight sample."""
     h = hashlib.sha256()
     h.update(json.dumps(model.config.to_hf_dict(include_extra=False), sort_keys=True, default=str).encode())
-    h.update(model.output.weight.detach().flatten()[:4096].float().cpu().numpy().tobytes())
+    h.update(model.lm_head_weight().detach().flatten()[:4096].float().cpu().numpy().tobytes())
     h.update(str(dtype).encode())
     if capture is not None:  # the folder of a run without capture keeps its old name
         h.update(f"capture={list(capture)}".encode())

@@ -67,7 +67,7 @@ def train_mlp_speculator(model, drafter, data, steps: int = 100, lr: float = 1e-
     to_draft = torch.full((V,), -100, dtype=torch.long, device=dev)  # token id -> draft index (-100: none)
     dv = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(V, device=dev)
     to_draft[dv] = torch.arange(dv.numel(), device=dev)
-    lm = model.output.weight if drafter.draft_vocab is None else model.output.weight[drafter.draft_vocab]
+    lm = model.lm_head_weight() if drafter.draft_vocab is None else model.lm_head_rows(drafter.draft_vocab)
 
     run = TrainingRun(model, drafter, data, settings, steps=steps, lr=lr, warmup=warmup, grad_clip=grad_clip, seed=seed,
                       weight_decay=weight_decay, history={"loss": [], "stage_loss": [], "steps": steps},
