@@ -447,7 +447,7 @@ def test_ship_heads_default_keeps_the_batch_1_entry(tmp_path, monkeypatch):
 def test_lm_head_rows_packed_in_chunks_equal_the_slice_packed_whole(monkeypatch):
     """fit.pack_lm_head_rows (the tied LM head's draft-vocabulary rows packed PACK_CHUNK rows at a time, no
     fp32 slice ever whole) is pack_linear_weight of the gathered slice, bit for bit: a vocabulary that is not
-    a multiple of the chunk or of the 64-row panel, unsorted ids, the whole head (ids None), an input-major
+    a multiple of the chunk or of the 64-row panel, unsorted ids, the whole head (every id), an input-major
     weight as the CPU model keeps it; and the drafter's logits read those panels."""
     from hydra_kernels.drafters import fit
     from hydra_kernels.ops.packed_linear import pack_linear_weight, packed_linear
@@ -456,17 +456,15 @@ def test_lm_head_rows_packed_in_chunks_equal_the_slice_packed_whole(monkeypatch)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(700, 48, generator=g).t().contiguous().t()  # [V, H] seen from input-major storage
     ids = torch.randperm(700, generator=g)[:333]
+    gather = lambda i: w.index_select(0, i)  # noqa: E731  (what Llama.lm_head_rows gives)
     for rows in (ids, None):
-        want = pack_linear_weight(fit.lm_head_rows(w, rows) if rows is not None else w, fit.DRAFT_PACK_DTYPE)
-        got = fit.pack_lm_head_rows(w, rows)
+        want = pack_linear_weight(fit.lm_head_rows(gather, rows) if rows is not None else w, fit.DRAFT_PACK_DTYPE)
+        got = fit.pack_lm_head_rows(gather, rows if rows is not None else torch.arange(700))
         assert got.dtype == want.dtype and torch.equal(got, want)
     head, model = fit.TiedLMHead(), type("M", (), {})()
     model.output = type("O", (), {"weight": w, "out_features": 700})()
     model.lm_head_source = lambda: w  # Llama's accessors (the head's values, read a few rows at a time)
-    model.lm_head_rows = lambda i: w.index_select(0, i)
-    for rows in (ids, None):  # from a rows function, as TiedLMHead packs from Llama.lm_head_rows
-        want = pack_linear_weight(w[rows] if rows is not None else w, fit.DRAFT_PACK_DTYPE)
-        assert torch.equal(fit.pack_lm_head_rows(model.lm_head_rows, rows if rows is not None else torch.arange(700)), want)
+    model.lm_head_rows = gather
     h = torch.randn(3, 48, generator=g)
     assert torch.equal(head.packed_logits(model, ids, h), packed_linear(h, pack_linear_weight(w[ids], fit.DRAFT_PACK_DTYPE), 333))
     assert head._rows._key is None  # the packed path never built the fp32 slice

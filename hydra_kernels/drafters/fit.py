@@ -33,12 +33,12 @@ def check_device_dtype(drafter, model) -> None:
                          "call drafter.to(model.device, model.dtype)")
 
 
-def lm_head_rows(w, ids: torch.Tensor) -> torch.Tensor:
+def lm_head_rows(rows, ids: torch.Tensor) -> torch.Tensor:
     """The LM head rows of a draft vocabulary [Vd, H]; on the CPU stored input-major like the model's
-    weights (the small-M GEMV streams it ~2x faster). w: the head [V, H], or a function ids -> those rows'
-    values (Llama.lm_head_rows: no copy of the whole head where quantized panels hold it)."""
+    weights (the small-M GEMV streams it ~2x faster). rows: ids -> those rows' values (Llama.lm_head_rows:
+    no copy of the whole head where quantized panels hold it)."""
     with torch.no_grad():
-        s = w(ids) if callable(w) else w.index_select(0, ids)
+        s = rows(ids)
         return s.t().contiguous().t() if s.device.type == "cpu" else s.contiguous()
 
 
@@ -56,20 +56,13 @@ def pack_draft_linears(drafter, on: bool) -> None:
 PACK_CHUNK = 4096  # LM-head rows packed at a time (a multiple of the kernel's 64-row panels)
 
 
-def pack_lm_head_rows(w, ids: torch.Tensor | None, dtype: torch.dtype = DRAFT_PACK_DTYPE) -> torch.Tensor:
-    """pack_linear_weight(w[ids]) (ids None: every row; w a tensor, or a function ids -> rows with ids given,
-    e.g. Llama.lm_head_rows), built PACK_CHUNK rows at a time: the panels of
+def pack_lm_head_rows(rows, ids: torch.Tensor, dtype: torch.dtype = DRAFT_PACK_DTYPE) -> torch.Tensor:
+    """pack_linear_weight(rows(ids)) (rows: ids -> the LM head's rows, Llama.lm_head_rows), built PACK_CHUNK
+    rows at a time: the panels of
     consecutive 64-row blocks are independent, so the concatenation is the same tensor bit for bit
     (tests/test_drafters.py), and no fp32 copy of the rows is ever whole (37.7 MB for SmolLM2's
     16384-token draft vocabulary: it set the peak RSS of a drafting process, issue 44)."""
     assert PACK_CHUNK % 64 == 0
-    if callable(w):  # a function ids -> rows (Llama.lm_head_rows): ids given
-        rows = w
-    else:
-        rows = lambda part: w.detach().index_select(0, part)  # noqa: E731
-        if ids is None:
-            rows = lambda part: w.detach()[int(part[0]):int(part[-1]) + 1]  # noqa: E731  (no gather copy)
-            ids = torch.arange(w.shape[0], device=w.device)
     with torch.no_grad():
         parts = [pack_linear_weight(rows(ids[i:i + PACK_CHUNK]), dtype) for i in range(0, ids.numel(), PACK_CHUNK)]
     return torch.cat(parts)
@@ -98,9 +91,9 @@ class TiedLMHead:
         packed kernel's rule)."""
         src, V = model.lm_head_source(), model.output.out_features
         sources = (src,) if draft_vocab is None else (src, draft_vocab)
-        ids = torch.arange(V) if draft_vocab is None else draft_vocab
-        panels = self._panels.get(sources, lambda: pack_lm_head_rows(model.lm_head_rows, ids), extra=(DRAFT_PACK_DTYPE,))
-        return packed_linear(hidden, panels, ids.numel())
+        panels = self._panels.get(sources, lambda: pack_lm_head_rows(
+            model.lm_head_rows, torch.arange(V) if draft_vocab is None else draft_vocab), extra=(DRAFT_PACK_DTYPE,))
+        return packed_linear(hidden, panels, V if draft_vocab is None else draft_vocab.numel())
 
     def logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
         """hidden [..., H] -> logits [..., Vd]. packed: the CPU kernel on bf16 panels where its rule allows

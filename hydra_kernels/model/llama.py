@@ -188,7 +188,8 @@ class Llama(nn.Module):
     def use_quantized_cpu_weights(self, panels: dict[str, QuantizedPanels]) -> bool:
         """CPU layout choice for a quantized checkpoint (model/gguf_quantized.py): each named weight runs on
         its quantized panels (ops/quantized_linear.py), the only copy of it, except an LM head loaded with an
-        fp32 weight, which keeps it beside panels of the same values. Returns False (and changes nothing) where the kernel has no vector path on this CPU."""
+        fp32 weight, which keeps it beside panels of the same values. Returns False (and changes nothing)
+        where the kernel has no vector path on this CPU."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not quantized_linear_available():
             return False
         for name, p in panels.items():

@@ -87,7 +87,8 @@ def _register() -> bool:
         ctx.eps = eps
 
     def rms_norm_rows_backward(ctx, g):
-        # y = x r w, r = (mean(x^2) + eps)^(-1/2): dy/dx_i = r w_i g_i - x_i r^3 / H * sum_j g_j w_j x_j; dw = sum_rows g x r
+        # y = x r w, r = (mean(x^2) + eps)^(-1/2):
+        # dx_i = r w_i g_i - x_i r^3 / H * sum_j g_j w_j x_j; dw = sum over rows of g x r
         x, weight = ctx.saved_tensors
         r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
         gw = g * weight
