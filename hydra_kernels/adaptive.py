@@ -89,6 +89,7 @@ class Calibration:
         self.accepted = torch.zeros(self.K, device=device)
         self.seq_tested = torch.zeros(batch, self.K, device=device)
         self.seq_accepted = torch.zeros(batch, self.K, device=device)
+        self.pending = 0  # decay steps not applied yet (_settle): a plain step then costs no tensor op
 
     def keys(self, groups: torch.Tensor, depths: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
         d = (depths - 1).clamp(0, MAX_DEPTH_KEY - 1)
@@ -96,18 +97,27 @@ class Calibration:
 
     def rates(self, keys: torch.Tensor) -> torch.Tensor:
         """keys [B, T] -> conditional acceptance rates [B, T]."""
+        self._settle()
         run = (self.accepted + RUN_PRIOR_WEIGHT * self.prior) / (self.tested + RUN_PRIOR_WEIGHT)  # [K]
         seq = (self.seq_accepted + SEQ_PRIOR_WEIGHT * run) / (self.seq_tested + SEQ_PRIOR_WEIGHT)  # [B, K]
         return seq.gather(1, keys)
 
     def decay(self) -> None:
         """Every step, verified or not: counts fade, so a key that stops being verified drifts back to its
-        prior and is tried again (a low rate learned once is not kept for good)."""
-        for t in (self.tested, self.accepted, self.seq_tested, self.seq_accepted):
-            t.mul_(DECAY)
+        prior and is tried again (a low rate learned once is not kept for good). Applied when the counts are next
+        read or added to (_settle), as one DECAY ** steps: most steps of a run that does not draft read none."""
+        self.pending += 1
+
+    def _settle(self) -> None:
+        if self.pending:
+            f = DECAY ** self.pending
+            for t in (self.tested, self.accepted, self.seq_tested, self.seq_accepted):
+                t.mul_(f)
+            self.pending = 0
 
     def update(self, keys: torch.Tensor, tested: torch.Tensor, accepted: torch.Tensor) -> None:
         """keys [B, T]; tested / accepted float [B, T] (0 / 1)."""
+        self._settle()
         self.seq_tested.scatter_add_(1, keys, tested)
         self.seq_accepted.scatter_add_(1, keys, accepted)
         self.tested.index_add_(0, keys.flatten(), tested.flatten())
@@ -115,6 +125,7 @@ class Calibration:
 
     def remember(self) -> None:
         """This run's rates become the next run's prior (same drafter)."""
+        self._settle()
         self.memory["rates"] = ((self.accepted + RUN_PRIOR_WEIGHT * self.prior)
                                 / (self.tested + RUN_PRIOR_WEIGHT)).cpu()
 
@@ -264,6 +275,10 @@ class AdaptiveBudget:
             part_ms = [x * 1e3 for x in part_ms]
         tokens, tree = prop.tokens, prop.tree
         B, T0 = tokens.shape
+        if T0 == 1:  # the parts found nothing to draft (no n-gram match, say): a plain step, nothing to cut
+            self.step = (parts, part_ms, 1, None, None)
+            self.host_s += self.clock() - t1
+            return None
         dev = tokens.device
         if isinstance(tree, Tree):
             parents = tree.parents.to(dev).expand(B, T0)
@@ -297,8 +312,13 @@ class AdaptiveBudget:
             vp = (keys.gather(1, sel), depths.gather(1, sel), out.tree.valid, out.tree.parents, groups.gather(1, sel))
         else:
             out, vp = None, None
+        # the policy's own work on this proposal is part of what drafting cost (a trial that drafts nothing
+        # still pays it): charged to the parts that ran, so their gates weigh a trial's whole price
+        own_ms = (self.clock() - t1) * 1e3
+        ran = max(sum(parts), 1)
+        part_ms = [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)]
         self.step = (parts, part_ms, best, vp, act)
-        self.host_s += self.clock() - t1
+        self.host_s += own_ms / 1e3
         return out
 
     # ---- after the step ---------------------------------------------------------------------------

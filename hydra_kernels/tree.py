@@ -231,14 +231,51 @@ class TreeBatch:
 
     @classmethod
     def from_parent_lists(cls, parent_lists: Sequence[Sequence[int]], device=None) -> "TreeBatch":
-        """One parent list per sequence (node 0 first with parent -1), of any lengths; padded to the longest."""
-        B, T = len(parent_lists), max(len(p) for p in parent_lists)
-        parents = torch.full((B, T), -1, dtype=torch.long)
-        valid = torch.zeros(B, T, dtype=torch.bool)
+        """One parent list per sequence (node 0 first with parent -1), of any lengths; padded to the longest.
+        The same buffers as the constructor's, built on the host in Python and copied once each: the n-gram and
+        combined drafters build one of these every drafting step, and for their few small trees the
+        constructor's ~30 tensor ops (~0.35 ms on a 2-core CPU) cost more than the lists' own walk (~0.03 ms)."""
+        B = len(parent_lists)
+        if B == 0 or any(len(p) == 0 for p in parent_lists):
+            raise ValueError("from_parent_lists needs at least one sequence, each with its root (node 0)")
+        T = max(len(p) for p in parent_lists)
+        par = [[-1] * T for _ in range(B)]
+        dep = [[0] * T for _ in range(B)]
+        mask = [[[i == j for j in range(T)] for i in range(T)] for _ in range(B)]  # a padded node sees itself
+        valid = [[i < len(p) for i in range(T)] for p in parent_lists]
+        paths_b, D = [], 0
         for b, p in enumerate(parent_lists):
-            parents[b, : len(p)] = torch.tensor(list(p), dtype=torch.long)
-            valid[b, : len(p)] = True
-        return cls(parents.to(device), valid.to(device))
+            if p[0] != -1:
+                raise ValueError(f"sequence {b}: node 0 (the root) must have parent -1, got {p[0]}")
+            has_child = [False] * len(p)
+            for i, q in enumerate(p):
+                row = mask[b][i]
+                if i == 0:
+                    continue
+                q = int(q)
+                if not 0 <= q < i:
+                    raise ValueError("every valid non-root node needs a parent with a smaller index, and node 0 "
+                                     f"(the root) must be valid: sequence {b} node {i} has parent {q}")
+                par[b][i], dep[b][i], has_child[q] = q, dep[b][q] + 1, True
+                row[:i] = mask[b][q][:i]  # a node's ancestors are its parent's ancestors-or-self
+            D = max(D, max(dep[b]))
+            paths_b.append([i for i in range(len(p)) if not has_child[i]])  # leaves, by index
+        P = max(len(leaves) for leaves in paths_b)
+        paths = [[[-1] * (D + 1) for _ in range(P)] for _ in range(B)]
+        for b, leaves in enumerate(paths_b):
+            for r in range(P):
+                paths[b][r][0] = 0  # padding rows: just the root
+            for r, leaf in enumerate(leaves):
+                j = leaf
+                while j >= 0:  # node j sits at column depths[j] of the leaf's path
+                    paths[b][r][dep[b][j]] = j
+                    j = par[b][j]
+        t = object.__new__(cls)
+        t.parents, t.depths = torch.tensor(par, device=device), torch.tensor(dep, device=device)
+        t.mask, t.valid = torch.tensor(mask, device=device), torch.tensor(valid, device=device)
+        t.paths = torch.tensor(paths, dtype=torch.long, device=device)
+        t.num_nodes, t.depth, t.max_children = T, D, T - 1
+        return t
 
     @classmethod
     def from_paths(cls, paths: torch.Tensor, num_nodes: int) -> "TreeBatch":

@@ -129,3 +129,35 @@ def test_random_per_sequence_trees_are_lossless_real_model(smollm2, backend):
     plain, out, d = run_oracle(model, prompts, 40, backend, seed=1)
     assert out.sequences == plain
     assert out.mean_accepted_tokens > 1.5 and d.max_accepted >= 3
+
+
+def _padded(parent_lists):
+    B, T = len(parent_lists), max(map(len, parent_lists))
+    parents = torch.full((B, T), -1)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, p in enumerate(parent_lists):
+        parents[b, : len(p)] = torch.tensor(p)
+        valid[b, : len(p)] = True
+    return parents, valid
+
+
+def test_tree_batch_from_parent_lists_equals_the_constructor():
+    """The host-built TreeBatch (from_parent_lists, Python lists) has the constructor's buffers exactly:
+    random trees of mixed sizes per batch (T = 1 alone, chains, bushes), padding included."""
+    rng = random.Random(7)
+    shapes = [[[-1]], [[-1], [-1, 0, 1, 2]], [[-1, 0, 0, 0]]]
+    for _ in range(300):
+        shapes.append([[-1] + [rng.randrange(i) for i in range(1, rng.randint(1, rng.choice([2, 5, 12, 20])))]
+                       for _ in range(rng.randint(1, 5))])
+    for parent_lists in shapes:
+        ref, got = TreeBatch(*_padded(parent_lists)), TreeBatch.from_parent_lists(parent_lists)
+        for name in ("parents", "depths", "mask", "valid", "paths"):
+            a, b = getattr(ref, name), getattr(got, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), (name, parent_lists)
+        assert (ref.num_nodes, ref.depth, ref.max_children) == (got.num_nodes, got.depth, got.max_children)
+
+
+@pytest.mark.parametrize("bad", [[[0, 0]], [[-1, 1]], [[-1, 0], [-1, 2]], [[]], []])
+def test_tree_batch_from_parent_lists_refuses_bad_lists(bad):
+    with pytest.raises(ValueError):
+        TreeBatch.from_parent_lists(bad)

@@ -223,7 +223,8 @@ class HeadDrafter(Drafter):
         out = accepted_hidden if self.prefix is None else self.prefix(accepted_hidden, state.prefix_cache, state.backends)
         if state.prefix_cache is not None:
             state.prefix_cache.advance(accept_lengths.to(state.prefix_cache.seqlens.dtype))
-        state.h = _at(out, (accept_lengths.long() - 1).clamp(min=0))
+        # the last accepted row (row 0 for a finished sequence); a plain step's one row needs no gather
+        state.h = out[:, 0] if out.shape[1] == 1 else _at(out, (accept_lengths.long() - 1).clamp(min=0))
 
     def draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends=None) -> torch.Tensor:
         """The tokens of `tree` [B, T] (node 0 = root [B]) drafted from h [B, H], outside a run (tests,
