@@ -465,6 +465,7 @@ def test_lm_head_rows_packed_in_chunks_equal_the_slice_packed_whole(monkeypatch)
     model.output = type("O", (), {"weight": w, "out_features": 700})()
     model.lm_head_source = lambda: w  # Llama's accessors (the head's values, read a few rows at a time)
     model.lm_head_rows = gather
+    model.lm_head_quantized = lambda: None  # an fp32 head: bf16 panels of its rows
     h = torch.randn(3, 48, generator=g)
     assert torch.equal(head.packed_logits(model, ids, h), packed_linear(h, pack_linear_weight(w[ids], fit.DRAFT_PACK_DTYPE), 333))
     assert head._rows._key is None  # the packed path never built the fp32 slice

@@ -93,6 +93,23 @@ def test_quantized_linear_takes_any_leading_shape_and_the_rows_op_gathers():
     assert panels.linear(x[:0]).shape == (0, 3, 70)
 
 
+@pytest.mark.parametrize("bits,offset", [(4, False), (4, True), (8, False), (8, True)])
+def test_selected_rows_are_panels_of_the_same_values(bits, offset):
+    """QuantizedPanels.select_rows (a drafter's draft-vocabulary rows of a quantized LM head): the same exact
+    values as the rows op, and its linear is the whole weight's columns bit for bit (rows across panel edges,
+    the last padded panel, repeats, any order); ids out of range are refused."""
+    gen = torch.Generator().manual_seed(2)
+    panels = random_blocks(200, 96, 32, bits, offset, gen).panels()
+    ids = torch.tensor([5, 199, 0, 64, 63, 128, 5, 77, 191])
+    sub = panels.select_rows(ids)
+    assert (sub.n, sub.k, sub.bits, sub.offset) == (9, 96, bits, offset)
+    assert torch.equal(sub.dequantize(), panels.rows(ids))
+    x = torch.randn(3, 96, generator=gen)
+    assert torch.equal(sub.linear(x), panels.linear(x)[:, ids])
+    with pytest.raises(ValueError, match="row ids"):
+        panels.select_rows(torch.tensor([200]))
+
+
 def test_quantized_ops_check_their_inputs():
     gen = torch.Generator().manual_seed(2)
     p = random_blocks(70, 64, 32, 4, True, gen).panels()

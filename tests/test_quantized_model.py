@@ -128,3 +128,22 @@ def test_embedded_smollm2_never_builds_the_fp32_vocabulary_table(smollm2_pair, m
     d = hk.load_drafter(model=q)
     spec = generate(q, prompts, drafter=d, max_new_tokens=16, budget=max(d.budget_levels(d.resolve_tree(None, "cpu"))))
     assert spec.sequences == plain.sequences and max(spec.step_nodes) > 1  # it drafted
+
+
+def test_drafters_read_the_quantized_heads_rows_of_their_draft_vocabulary(smollm2_pair):
+    """With a quantized LM head, the tied draft-vocabulary logits of the heads (and Amphista / MLPSpeculator,
+    the same TiedLMHead) run on the head's own Q8_0 rows (QuantizedPanels.select_rows): the quantized head's
+    logits of those tokens bit for bit, not bf16-rounded rows; an fp32 model keeps its bf16 panels."""
+    q, f, _ = smollm2_pair
+    d = hk.load_drafter(model=q).heads
+    vocab = d.draft_vocab
+    assert vocab is not None and q.lm_head_quantized() is not None and f.lm_head_quantized() is None
+    h = torch.randn(3, q.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got = d._tied.packed_logits(q, vocab, h)
+        assert torch.equal(got, q.lm_head_quantized().linear(h)[:, vocab])
+        assert isinstance(d._tied._panels._value, QuantizedPanels)
+        assert d._tied._panels._value.nbytes < 0.6 * vocab.numel() * q.config.hidden_size * 2  # < bf16's bytes
+        fp = hk.load_drafter(model=f).heads
+        assert isinstance(fp._tied.packed_logits(f, fp.draft_vocab, h), torch.Tensor)
+        assert fp._tied._panels._value.dtype is torch.bfloat16

@@ -29,9 +29,11 @@ from .protocol import Drafter, Proposal
 
 
 class CombinedState:
-    def __init__(self, ngram, heads, heads_parents: list[int], heads_ranks: list[int], budget: int, device):
+    def __init__(self, ngram, heads, heads_levels: tuple[int, ...], budget: int, device):
         self.ngram, self.heads = ngram, heads
-        self.heads_parents, self.heads_ranks, self.budget, self.device = heads_parents, heads_ranks, budget, device
+        # heads_levels: the node budgets the heads take (their budget_levels; the largest: their whole tree)
+        self.heads_levels, self.budget, self.device = heads_levels, budget, device
+        self.heads_lists = {}  # the heads' tree of n nodes -> (its parents, its nodes' ranks) as host lists
         self.use_ngram, self.use_heads = True, True  # set_parts (the adaptive budget)
         self.root_only = Tree([])  # the heads' draft while they are held back
         self.part_s = [0.0, 0.0]  # seconds the last propose() spent in each part (ngram, heads)
@@ -94,9 +96,11 @@ class CombinedDrafter(Drafter):
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> CombinedState:
         ht = tree.heads_tree
         budget = self.node_budget or tree.num_nodes
-        return CombinedState(self.ngram.start(model, batch_size, max_seq_len, ht, backends),
-                             self.heads.start(model, batch_size, max_seq_len, ht, backends),
-                             ht.parents.tolist(), ht.ranks.tolist(), budget, model.device)
+        state = CombinedState(self.ngram.start(model, batch_size, max_seq_len, ht, backends),
+                              self.heads.start(model, batch_size, max_seq_len, ht, backends),
+                              tuple(sorted(self.heads.budget_levels(ht))), budget, model.device)
+        self._size_heads(state)
+        return state
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         """Any node budget up to the run's (node_budget, else both drafts whole): a step keeps that many
@@ -107,6 +111,13 @@ class CombinedDrafter(Drafter):
         # never past node_budget: a budget table searched at a larger node_budget (its tree key is the bound's,
         # which node_budget does not change) must not lift the cap
         state.budget = min(nodes, self.node_budget or nodes)
+        self._size_heads(state)
+
+    def _size_heads(self, state: CombinedState) -> None:
+        """The heads draft no more nodes than the step keeps (their subtree of that size, Tree.subtree): at a
+        budget of 2 the shipped chain's second head would run for a node the merge drops."""
+        fits = [n for n in state.heads_levels if n <= state.budget]
+        self.heads.set_budget(state.heads, fits[-1] if fits else state.heads_levels[0])
 
     def set_parts(self, state: CombinedState, parts: tuple[bool, ...]) -> None:
         state.use_ngram, state.use_heads = parts
@@ -157,7 +168,10 @@ class CombinedDrafter(Drafter):
             ng_parents, ng_tokens = [[-1]] * B, [[0]] * B
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
         dev = state.device
-        heads_signal = torch.tensor(state.heads_ranks[:Th], dtype=torch.long)  # a heads node: its guess's rank
+        if Th not in state.heads_lists:  # once per tree size and run (a device tree's lists: one read)
+            state.heads_lists[Th] = (hp.tree.parents.tolist(), hp.tree.ranks.tolist())
+        heads_parents, heads_ranks = state.heads_lists[Th]
+        heads_signal = torch.tensor(heads_ranks, dtype=torch.long)  # a heads node: its guess's rank
         if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
             groups = torch.ones(B, Th, dtype=torch.long, device=dev)
             return hp._replace(groups=groups, signal=heads_signal.to(dev).expand(B, Th))
@@ -173,7 +187,7 @@ class CombinedDrafter(Drafter):
                 kn = min(c, N - 1 - kh)
             # node sources in cat([heads tokens [Th], n-gram tokens without root [C]])
             src_lists.append(list(range(kh + 1)) + [Th + j - 1 for j in range(1, kn + 1)])
-            par_lists.append(state.heads_parents[: kh + 1] + [0 if pn[j] == 0 else kh + pn[j] for j in range(1, kn + 1)])
+            par_lists.append(heads_parents[: kh + 1] + [0 if pn[j] == 0 else kh + pn[j] for j in range(1, kn + 1)])
         T = max(len(s) for s in src_lists)
         src = torch.zeros(B, T, dtype=torch.long)  # padded nodes copy the root; never accepted
         ng = torch.zeros(B, max(C, 1), dtype=torch.long)

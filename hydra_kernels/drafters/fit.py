@@ -70,8 +70,9 @@ def pack_lm_head_rows(rows, ids: torch.Tensor, dtype: torch.dtype = DRAFT_PACK_D
 
 class TiedLMHead:
     """The base model's LM head as a drafter's frozen output layer: its rows of the draft vocabulary
-    (lm_head_rows, gathered when a path reads them) and, for the CPU's packed kernel, the same rows in bf16
-    panels packed straight from the model's weight (pack_lm_head_rows), each kept until the model's weight
+    (lm_head_rows, gathered when a path reads them) and, for the CPU's kernels, the same rows as the head's own
+    quantized blocks where it is quantized, else in bf16 panels packed straight from the model's weight
+    (pack_lm_head_rows), each kept until the model's weight
     or the vocabulary changes (weight_cache.DerivedCache). Not a module: the rows belong to the base model
     and are never saved with the drafter."""
 
@@ -87,10 +88,17 @@ class TiedLMHead:
                               lambda: lm_head_rows(model.lm_head_rows, draft_vocab))
 
     def packed_logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden fp32 [..., H] -> logits [..., Vd] on the bf16 panels of the rows (the caller checked the
-        packed kernel's rule)."""
+        """hidden fp32 [..., H] -> logits [..., Vd] on the CPU kernels (the caller checked the packed kernel's
+        rule): where the model's LM head is quantized (a GGUF's Q8_0 head, Llama.lm_head_quantized), the rows'
+        own blocks (QuantizedPanels.select_rows: the head's exact values at ~1.1 bytes a weight, where bf16
+        panels take 2 and round them: a drafting step reads these rows every depth); else bf16 panels."""
         src, V = model.lm_head_source(), model.output.out_features
         sources = (src,) if draft_vocab is None else (src, draft_vocab)
+        quantized = model.lm_head_quantized()
+        if quantized is not None:
+            rows = self._panels.get(sources, lambda: quantized if draft_vocab is None else
+                                    quantized.select_rows(draft_vocab), extra=("quantized",))
+            return rows.linear(hidden)
         panels = self._panels.get(sources, lambda: pack_lm_head_rows(
             model.lm_head_rows, torch.arange(V) if draft_vocab is None else draft_vocab), extra=(DRAFT_PACK_DTYPE,))
         return packed_linear(hidden, panels, V if draft_vocab is None else draft_vocab.numel())

@@ -220,10 +220,15 @@ class Llama(nn.Module):
         emb = self.tok_embeddings
         return emb.dense() if isinstance(emb, QuantizedEmbedding) else emb.weight
 
+    def lm_head_quantized(self) -> QuantizedPanels | None:
+        """The LM head's quantized panels where they hold it (a quantized GGUF on the CPU), else None."""
+        p = self.output.packed_weight() if self.output.released else None
+        return p if isinstance(p, QuantizedPanels) else None
+
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The LM head's rows ids int64 [n] -> [n, H], their exact values, without a copy of the whole head."""
-        p = self.output.packed_weight() if self.output.released else None
-        if isinstance(p, QuantizedPanels):
+        p = self.lm_head_quantized()
+        if p is not None:
             return p.rows(ids.reshape(-1).long().cpu()).to(ids.device)
         w = self.lm_head_weight().detach()
         return w.index_select(0, ids.to(w.device))

@@ -66,6 +66,28 @@ class QuantizedPanels:
         """Weight rows ids int64 [m] -> their exact fp32 values [m, k]."""
         return torch.ops.hydra_kernels.quantized_rows(self.packed, ids, self.n, self.bits, self.offset)
 
+    def select_rows(self, ids: torch.Tensor) -> "QuantizedPanels":
+        """The weight's rows ids int64 [m] (any order, repeats allowed) as panels of their own: the same
+        stored integers, scales and offsets, so the same exact values (a drafter's LM-head rows of its draft
+        vocabulary, read at the head's bytes per weight). Unpacks only those rows (the layout above: panel
+        ids // 64, column ids % 64)."""
+        ids = ids.reshape(-1).long().cpu()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise ValueError(f"row ids must lie in [0, {self.n})")
+        P, NG, GB = self.packed.shape
+        header = 64 * 4 * (2 if self.offset else 1)
+        p, c = ids // 64, ids % 64
+        fp = self.packed[:, :, :header].contiguous().view(torch.float32).view(P, NG, -1, 64)  # [P, NG, 1|2, 64]
+        scales = fp[p, :, 0, c]  # [m, NG]
+        offsets = fp[p, :, 1, c] if self.offset else None
+        qb = self.packed[:, :, header:].view(P, NG, -1, 64)  # [P, NG, G or G / 2, 64] bytes
+        q = qb[p, :, :, c]  # [m, NG, G or G / 2]
+        if self.bits == 4:  # byte (i, c) = q[2i][c] | q[2i + 1][c] << 4
+            q = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)
+        q = q.view(torch.int8) if self.bits == 8 else q.to(torch.int8)
+        return QuantizedPanels.pack(q.reshape(ids.numel(), self.k).contiguous(), scales.contiguous(),
+                                    None if offsets is None else offsets.contiguous(), self.bits)
+
     def dequantize(self) -> torch.Tensor:
         """The whole weight as fp32 [n, k] (exact values)."""
         return self.rows(torch.arange(self.n))
