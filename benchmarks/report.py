@@ -106,7 +106,8 @@ def write_results(rows: list[dict], out_dir: str | Path, name: str, plot: Callab
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / f"{name}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        # every row's columns, first seen first (a row may carry one the first lacks: a search's "invalid")
+        w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         w.writeheader()
         w.writerows(rows)
     if plot is None:

@@ -7,7 +7,8 @@ Per step, two decisions:
    an average over the recent steps it ran) beats what it costs (its measured drafting time and the rows
    its nodes took) at the current throughput; a part held back is tried again after 2, 4, 8 ... steps, at
    most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time. No part running
-   is a plain step (Drafter.skip_step), with no drafting cost.
+   is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work grows with its
+   nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time (EXPLORE_EVERY).
 2. After proposing, how many nodes each sequence verifies: every node j gets P(j) = the probability
    that the whole path root..j is accepted, the product of its ancestors' conditional acceptance rates;
    each sequence keeps its T best nodes (P never grows down a path and ties keep the lower index, so the
@@ -65,8 +66,17 @@ PROBE_SHARE = 0.01
 # a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
 # factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
 # rows at once, so marginal gains are left alone (EPYC VM, 2026-11-27: without it the policy ran 0.89-0.90x
-# plain at batch 4 / 16 on the editing set, drafting where its predictions said 1.0-1.1x)
+# plain at batch 4 / 16 on the editing set, drafting where its predictions said 1.0-1.1x). At batch 1 the
+# rows cost least and the fit errs least: EPYC VM, 2026-11-28, MT-Bench, 64-128 tokens, the shipped combined
+# drafter: 1.08 at batch 1 ran 1.09x plain where 1.15 ran 1.03x (the heads' one-node drafts predicted at
+# ~1.14x were refused) and 0.98x where 1.15 ran 0.98x; at batch 4, 1.08 ran 0.95x where 1.15 ran 0.98x
 MARGIN = 1.15
+MARGIN_BATCH_1 = 1.08
+# a part whose work grows with the nodes it drafts (a head per depth: Drafter.size_part) drafts as many nodes
+# as its last drafted step kept (at least one), and its whole draft every EXPLORE_EVERY-th run, where the
+# deeper nodes' rates are learned (EPYC VM, 2026-11-28: the shipped chain's second head cost ~0.45 ms a step
+# for a node the cut mostly dropped)
+EXPLORE_EVERY = 4
 
 
 def memory(owner, name: str) -> dict:
@@ -228,6 +238,7 @@ class AdaptiveBudget:
         self.parts = tuple(drafter.parts)
         self.prunable = drafter.prunable_proposals
         self.cap, self.batch = cap, batch
+        self.margin = MARGIN_BATCH_1 if batch == 1 else MARGIN
         self.memory = memory(drafter, "memory")
         self.calib = Calibration(batch, len(self.parts), self.memory, device)
         self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type)
@@ -236,6 +247,8 @@ class AdaptiveBudget:
         self.clock = clock
         self.first = not self.costs.known  # without an earlier run's costs the first step is plain: it times a
         self.host_s = 0.0  # the policy's own host time
+        self.keep = [None] * len(self.parts)  # per part: its nodes the last cut kept, most of any sequence
+        self.runs = [0] * len(self.parts)  # per part: the steps it drafted
         self.last_t = None
         # the step in flight: (parts ran, their drafting ms, verified width, the verified nodes' keys / depths /
         # valid / parents / groups or None, active [B] float or None)
@@ -264,6 +277,11 @@ class AdaptiveBudget:
         TreeBatch; the proposal itself when nothing is cut), or None: verify the root alone (a plain step).
         active [B] (0: finished)."""
         drafter.set_parts(state, parts)
+        for p, run in enumerate(parts):
+            if run:
+                self.runs[p] += 1
+                whole = self.keep[p] is None or self.runs[p] % EXPLORE_EVERY == 0
+                drafter.size_part(state, p, None if whole else max(self.keep[p], 1) + 1)  # + the root
         t0 = self.clock()
         prop = drafter.propose(state, root, seqlens)
         t1 = self.clock()
@@ -302,7 +320,7 @@ class AdaptiveBudget:
         drafted = sum(part_ms)  # paid already, by every width alike
         per_ms = {w: expected[w - 1] / (drafted + self.costs.predict(w)) for w in widths}
         best = max(widths, key=per_ms.get)
-        if self.prunable and best > 1 and per_ms[best] < MARGIN * per_ms[1]:
+        if self.prunable and best > 1 and per_ms[best] < self.margin * per_ms[1]:
             best = 1
         if best == T0:
             out, vp = prop, (keys, depths, valid, parents, groups)
@@ -312,6 +330,10 @@ class AdaptiveBudget:
             vp = (keys.gather(1, sel), depths.gather(1, sel), out.tree.valid, out.tree.parents, groups.gather(1, sel))
         else:
             out, vp = None, None
+        for p, run in enumerate(parts):  # what each part kept (size_part's next bound)
+            if run:
+                mine = 0 if vp is None else (vp[4] == p) & vp[2] & (vp[1] > 0)  # [B, best]
+                self.keep[p] = 0 if vp is None else int((mine.sum(1) * (act > 0)).max())
         # the policy's own work on this proposal is part of what drafting cost (a trial that drafts nothing
         # still pays it): charged to the parts that ran, so their gates weigh a trial's whole price
         own_ms = (self.clock() - t1) * 1e3
@@ -363,7 +385,7 @@ class AdaptiveBudget:
             its_time = g.cost + max(self.costs.coef[1], 0.0) * g.nodes
             # a trial's price is its drafting (its rows are verified only where they are worth their cost)
             max_wait = min(MAX_WAIT, max(2, math.ceil(g.cost / (PROBE_SHARE * self.costs.predict(1)))))
-            g.judge(g.gain * time_without > MARGIN * its_time * tokens_without, max_wait)
+            g.judge(g.gain * time_without > self.margin * its_time * tokens_without, max_wait)
         self.last_t = self.clock()
         self.host_s += self.last_t - t0
 

@@ -116,8 +116,14 @@ class OneChainDrafter:
     parts = ("draft",)
     prunable_proposals = True
 
+    def __init__(self):
+        self.sizes = []  # size_part's bounds, in order
+
     def set_parts(self, state, parts):
         pass
+
+    def size_part(self, state, part, nodes):
+        self.sizes.append(nodes)
 
     def part_times(self, state):
         return [0.0]
@@ -148,7 +154,23 @@ def test_the_policy_drafts_only_what_pays(rate, row_ms, width):
     assert got == width
     r = {w: sum(rate**k for k in range(w)) / (10 + row_ms * (w - 1)) for w in range(1, 6)}
     expect = max(r, key=r.get)
-    assert got == (expect if r[expect] >= adaptive.MARGIN * r[1] else 1)
+    assert got == (expect if r[expect] >= p.margin * r[1] else 1) and p.margin == adaptive.MARGIN
+
+
+def test_a_sized_part_drafts_what_the_last_cut_kept_and_its_whole_draft_every_few_runs():
+    """Drafter.size_part: the first run drafts whole (nothing learned yet), then as many nodes as the last cut
+    kept (root included), the whole draft again every EXPLORE_EVERY-th run; a run that kept nothing still
+    drafts one node (a running part drafts something)."""
+    p = learned_policy(0.5, 1.0)  # the cut keeps 3 nodes (test_the_policy_drafts_only_what_pays)
+    d = OneChainDrafter()
+    for _ in range(2 * adaptive.EXPLORE_EVERY):
+        p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+    E = adaptive.EXPLORE_EVERY
+    assert d.sizes == [None] + [None if (i + 1) % E == 0 else 3 for i in range(1, 2 * E)]
+    p.costs.coef = [10.0, 100.0]  # rows too dear: the cut keeps nothing
+    p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+    p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+    assert p.keep == [0] and d.sizes[-1] == 2
 
 
 def test_learning_and_the_gate():

@@ -363,6 +363,29 @@ def test_combined_budget_caps_the_merged_draft(model):
         assert sizes and max(p.tokens.shape[1] for p in sizes) == n
 
 
+def test_combined_heads_draft_no_more_nodes_than_the_step_keeps(model):
+    """The combined drafter's heads draft their subtree of at most the step's budget (a head runs per depth: at
+    2 nodes the second head's draft would be dropped by the merge) and at most size_part's bound (the adaptive
+    budget's); the output stays plain greedy's."""
+    d, tree = make(model, "combined")
+    prompts = [[5, 17, 3, 44, 9, 5, 17, 3], [8, 1, 60, 8, 1]]
+    plain = generate(model, prompts, max_new_tokens=10, eos_token_id=[]).sequences
+    drafted, orig = [], d.heads.propose
+    d.heads.propose = lambda state, root, seqlens: drafted.append(orig(state, root, seqlens)) or drafted[-1]
+    full = d.resolve_tree(tree, "cpu").heads_tree.num_nodes
+    for n in (2, 3, 16):
+        drafted.clear()
+        out = generate(model, prompts, drafter=d, tree=tree, budget=n, max_new_tokens=10, eos_token_id=[])
+        assert out.sequences == plain and {p.tree.num_nodes for p in drafted} == {min(n, full)}
+    state = d.start(model, 2, 64, d.resolve_tree(tree, "cpu"), model.backend_plan("reference"))
+    d.size_part(state, d.parts.index("heads"), 2)
+    assert state.heads.tree.num_nodes == 2
+    d.set_budget(state, 1 + full)  # the step's budget moves: the part's bound stays
+    assert state.heads.tree.num_nodes == 2
+    d.size_part(state, d.parts.index("heads"), None)
+    assert state.heads.tree.num_nodes == full
+
+
 def test_step_timing_drafts_an_ngram_part_at_its_whole_budget(model, monkeypatch):
     """The search times steps from a synthetic state whose random text the n-gram lookup (almost) never matches
     at the real vocabulary (here: the lookup made to find nothing): the real combined (or n-gram) drafter would

@@ -33,6 +33,7 @@ class CombinedState:
         self.ngram, self.heads = ngram, heads
         # heads_levels: the node budgets the heads take (their budget_levels; the largest: their whole tree)
         self.heads_levels, self.budget, self.device = heads_levels, budget, device
+        self.heads_limit = None  # size_part's bound on the heads' nodes (None: the step's budget alone)
         self.heads_lists = {}  # the heads' tree of n nodes -> (its parents, its nodes' ranks) as host lists
         self.use_ngram, self.use_heads = True, True  # set_parts (the adaptive budget)
         self.root_only = Tree([])  # the heads' draft while they are held back
@@ -116,11 +117,17 @@ class CombinedDrafter(Drafter):
     def _size_heads(self, state: CombinedState) -> None:
         """The heads draft no more nodes than the step keeps (their subtree of that size, Tree.subtree): at a
         budget of 2 the shipped chain's second head would run for a node the merge drops."""
-        fits = [n for n in state.heads_levels if n <= state.budget]
+        cap = state.budget if state.heads_limit is None else min(state.budget, state.heads_limit)
+        fits = [n for n in state.heads_levels if n <= cap]
         self.heads.set_budget(state.heads, fits[-1] if fits else state.heads_levels[0])
 
     def set_parts(self, state: CombinedState, parts: tuple[bool, ...]) -> None:
         state.use_ngram, state.use_heads = parts
+
+    def size_part(self, state: CombinedState, part: int, nodes: int | None) -> None:
+        if part == self.parts.index("heads") and nodes != state.heads_limit:  # the n-gram lookup costs per step, not per node
+            state.heads_limit = nodes
+            self._size_heads(state)
 
     def use_generator(self, state: CombinedState, generator) -> None:
         self.ngram.use_generator(state.ngram, generator)

@@ -111,6 +111,7 @@ class HeadState:
     h: torch.Tensor | None = None
     full_tree: Tree | None = None  # the run's tree; `tree` is it or a subtree of it (set_budget)
     subtrees: dict = field(default_factory=dict)
+    budget: int | None = None  # set_budget's node count (None: the full tree); size_part bounds within it
     draft_temperature: float = 0.0  # the drafter's at start(): 0 = top-k drafts, > 0 = sampled drafts
     generator: torch.Generator | None = None  # the draws of sampled drafts (use_generator)
 
@@ -211,7 +212,15 @@ class HeadDrafter(Drafter):
         return tuple(range(1, tree.num_nodes + 1))  # any subtree (Tree.subtree): heads draft per node
 
     def set_budget(self, state: HeadState, nodes: int) -> None:
+        state.budget = nodes
         state.tree = run_subtree(state.full_tree, nodes, state.subtrees, state.model.device)
+
+    def size_part(self, state: HeadState, part: int, nodes: int | None) -> None:
+        """A head runs per depth: the adaptive budget's bound is the subtree of that many nodes (None: the run's)."""
+        cap = state.full_tree.num_nodes if state.budget is None else state.budget
+        n = cap if nodes is None else max(1, min(nodes, cap))
+        if state.tree.num_nodes != n:
+            state.tree = run_subtree(state.full_tree, n, state.subtrees, state.model.device)
 
     def after_prefill(self, state: HeadState, hidden, lengths) -> None:
         if self.prefix is None:

@@ -9,6 +9,7 @@ implements these methods, plus its registry entry (drafters/registry.py). The lo
     drafter.after_prefill(state, hidden [B, L, H], lengths [B])          # or [B, L, n*H]: see feature_layers
     loop:  drafter.set_budget(state, n)                 # only when the step's node budget changes (budget.py)
            drafter.set_parts(state, flags)             # adaptive budget (adaptive.py): which parts draft
+           drafter.size_part(state, part, nodes)       # adaptive budget: at most that many nodes of a part
            p = drafter.propose(state, root [B], seqlens [B])           # Proposal: tokens [B, T] + their tree
              or drafter.skip_step(state, root, seqlens)   # budget 1: a plain step (the root alone, no draft)
            ... verify (p.tree), commit ...
@@ -124,6 +125,12 @@ class Drafter(nn.Module):
         """The next propose() drafts with the parts flagged True (one flag per `parts`, at least one True;
         the adaptive budget calls it every step it proposes). A part held back costs no drafting work; its
         state still follows the text (skip_step's catching up where it needs it). Default: one part."""
+
+    def size_part(self, state, part: int, nodes: int | None) -> None:
+        """The next propose() drafts at most `nodes` nodes (root included) of part `part` (an index into
+        `parts`), where that part's work grows with the nodes it drafts (a head per depth); None: its whole
+        draft. The adaptive budget sizes such a part by what it kept lately, so a draft it will cut is not
+        drafted. Default: nothing (each part drafts its whole draft)."""
 
     def part_times(self, state) -> list[float] | None:
         """Seconds each part spent in the last propose() (a part held back: what it still did, e.g. the heads'
