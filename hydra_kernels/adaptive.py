@@ -149,13 +149,15 @@ class StepCosts:
     PLAIN_STEPS_TO_SCALE = 3  # the guess follows the fastest of the first plain steps (the first may catch up
     # a drafter's layer over the whole prompt: EAGLE's, Amphista's skip_step)
 
-    def __init__(self, memory: dict, key, device_type: str):
+    def __init__(self, memory: dict, key, device_type: str, batch: int = 1):
         self.memory, self.key = memory, key
         prior = memory.get(key)
         self.known = prior is not None
-        # until plain steps are timed: a row costs 0.05 of a step on the CPU (weights streamed per row group),
-        # ~0 on a GPU (a step is memory-bound well past 16 rows)
-        self.row_share = 0.05 if device_type == "cpu" else 0.005
+        # until a wide step is timed, a node per sequence costs this share of a plain step: on the CPU each node
+        # is `batch` rows of exact fp32 FMAs (EPYC VM, 2026-11-28, the quantized SmolLM2: a row ~1.1 ms beside a
+        # 7.2 ms batch-1 step, 0.15; at batch 4 a node ~4.4 ms beside 11.7, at 16 ~18 beside 35: so 0.15 * batch,
+        # at most a whole step, errs high where it errs); ~0 on a GPU (a step is memory-bound well past 16 rows)
+        self.row_share = min(1.0, 0.15 * batch) if device_type == "cpu" else 0.005
         self.prior = list(prior) if prior is not None else [10.0, 10.0 * self.row_share]
         self.weight = 3.0 if prior is not None else 1.0
         self.A = [[self.weight, 0.0], [0.0, self.weight]]
@@ -241,7 +243,8 @@ class AdaptiveBudget:
         self.margin = MARGIN_BATCH_1 if batch == 1 else MARGIN
         self.memory = memory(drafter, "memory")
         self.calib = Calibration(batch, len(self.parts), self.memory, device)
-        self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type)
+        self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type,
+                               batch)
         self.gate_key = ("gates", batch, device.type)
         self.gates = [copy.copy(g) for g in self.memory.get(self.gate_key, ())] or [PartGate() for _ in self.parts]
         self.clock = clock
@@ -330,10 +333,11 @@ class AdaptiveBudget:
             vp = (keys.gather(1, sel), depths.gather(1, sel), out.tree.valid, out.tree.parents, groups.gather(1, sel))
         else:
             out, vp = None, None
-        for p, run in enumerate(parts):  # what each part kept (size_part's next bound)
+        for p, run in enumerate(parts):  # what each part kept, most of any active sequence (size_part's next bound)
             if run:
-                mine = 0 if vp is None else (vp[4] == p) & vp[2] & (vp[1] > 0)  # [B, best]
-                self.keep[p] = 0 if vp is None else int((mine.sum(1) * (act > 0)).max())
+                _, depths_kept, valid_kept, _, groups_kept = vp or (None,) * 5
+                self.keep[p] = 0 if vp is None else \
+                    int((((groups_kept == p) & valid_kept & (depths_kept > 0)).sum(1) * (act > 0)).max())
         # the policy's own work on this proposal is part of what drafting cost (a trial that drafts nothing
         # still pays it): charged to the parts that ran, so their gates weigh a trial's whole price
         own_ms = (self.clock() - t1) * 1e3

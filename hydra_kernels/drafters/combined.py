@@ -196,11 +196,9 @@ class CombinedDrafter(Drafter):
             src_lists.append(list(range(kh + 1)) + [Th + j - 1 for j in range(1, kn + 1)])
             par_lists.append(heads_parents[: kh + 1] + [0 if pn[j] == 0 else kh + pn[j] for j in range(1, kn + 1)])
         T = max(len(s) for s in src_lists)
-        src = torch.zeros(B, T, dtype=torch.long)  # padded nodes copy the root; never accepted
-        ng = torch.zeros(B, max(C, 1), dtype=torch.long)
-        for b in range(B):
-            src[b, : len(src_lists[b])] = torch.tensor(src_lists[b])
-            ng[b, : len(ng_tokens[b]) - 1] = torch.tensor(ng_tokens[b][1:], dtype=torch.long)
+        # padded with zeros (padded nodes copy the root; never accepted) as lists, then one tensor each
+        src = torch.tensor([s + [0] * (T - len(s)) for s in src_lists], dtype=torch.long)
+        ng = torch.tensor([t[1:] + [0] * (max(C, 1) - len(t) + 1) for t in ng_tokens], dtype=torch.long)
         # for the adaptive budget: a node's part (1: heads, 0: n-gram) and signal (a heads node's rank, an
         # n-gram node's match length)
         groups = (src < Th).long()
