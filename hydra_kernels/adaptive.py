@@ -38,7 +38,7 @@ harness). What the policy changes is which random numbers a step consumes: a see
 but, unlike a pinned budget, not token-for-token reproducible (the measured times steer it).
 
 Host reads: the policy reads small device tensors (the expected tokens per width, the cut tree's depth and
-leaf count, each part's accepted count): free on the CPU, where it is measured; on a GPU each is a sync
+leaf count, each part's accepted and kept counts): free on the CPU, where it is measured; on a GPU each is a sync
 the one-host-read loop does not have (generate() runs the adaptive budget in the eager loop there).
 """
 from __future__ import annotations
@@ -297,8 +297,7 @@ class AdaptiveBudget:
         tokens, tree = prop.tokens, prop.tree
         B, T0 = tokens.shape
         if T0 == 1:  # the parts found nothing to draft (no n-gram match, say): a plain step, nothing to cut
-            self.step = (parts, part_ms, 1, None, None)
-            self.host_s += self.clock() - t1
+            self._charge(parts, part_ms, 1, None, active.to(torch.float32), t1)
             return None
         dev = tokens.device
         if isinstance(tree, Tree):
@@ -338,14 +337,17 @@ class AdaptiveBudget:
                 _, depths_kept, valid_kept, _, groups_kept = vp or (None,) * 5
                 self.keep[p] = 0 if vp is None else \
                     int((((groups_kept == p) & valid_kept & (depths_kept > 0)).sum(1) * (act > 0)).max())
-        # the policy's own work on this proposal is part of what drafting cost (a trial that drafts nothing
-        # still pays it): charged to the parts that ran, so their gates weigh a trial's whole price
+        self._charge(parts, part_ms, best, vp, act, t1)
+        return out
+
+    def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float) -> None:
+        """Set the step in flight. The policy's own work on the proposal since t1 is part of what drafting cost
+        (a trial that drafts nothing still pays it): charged to the parts that ran, so their gates weigh a
+        trial's whole price."""
         own_ms = (self.clock() - t1) * 1e3
         ran = max(sum(parts), 1)
-        part_ms = [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)]
-        self.step = (parts, part_ms, best, vp, act)
+        self.step = (parts, [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)], width, vp, act)
         self.host_s += own_ms / 1e3
-        return out
 
     # ---- after the step ---------------------------------------------------------------------------
     def observe(self, accept_indices: torch.Tensor | None) -> None:

@@ -173,6 +173,24 @@ def test_a_sized_part_drafts_what_the_last_cut_kept_and_its_whole_draft_every_fe
     assert p.keep == [0] and d.sizes[-1] == 2
 
 
+def test_batch_1_drafts_at_its_own_margin_and_decay_is_applied_when_read():
+    """Batch 1 judges at MARGIN_BATCH_1, larger batches at MARGIN; k decays applied lazily (one DECAY ** k when
+    the counts are next read) give the rates decaying every step gives, and differ from no decay."""
+    assert learned_policy(0.5, 1.0, batch=1).margin == adaptive.MARGIN_BATCH_1 < adaptive.MARGIN
+    keys = torch.zeros(2, 1, dtype=torch.long)
+    policies = [learned_policy(0.3, 1.0) for _ in range(3)]  # lazy, eager, never decayed
+    for p in policies:
+        p.calib.tested.fill_(10.0), p.calib.accepted.fill_(3.0)
+    for _ in range(7):
+        for p in policies[:2]:
+            p.calib.decay()
+        policies[1].calib.rates(keys)  # read every step: applied one step at a time
+    for p in policies:
+        p.calib.update(keys, torch.full((2, 1), 5.0), torch.zeros(2, 1))
+    lazy, eager, never = (p.calib.rates(keys) for p in policies)
+    assert torch.allclose(lazy, eager, rtol=1e-5) and not torch.allclose(lazy, never, rtol=1e-2)
+
+
 def test_learning_and_the_gate():
     """Accepted chains raise the learned rate; a part that earns nothing while it costs is held back and
     tried again after a growing wait."""

@@ -386,6 +386,19 @@ def test_combined_heads_draft_no_more_nodes_than_the_step_keeps(model):
     assert state.heads.tree.num_nodes == full
 
 
+@pytest.mark.parametrize("heads_kind", ["medusa", "hydra++", "eagle-static", "amphista"])
+def test_combined_with_other_heads_at_small_budgets_is_plain_greedy(model, heads_kind):
+    """Every static-tree family as the combined drafter's heads part, sized to budgets 2 and 3 (its subtree, the
+    merge reading that subtree's own parents): plain greedy's tokens."""
+    heads, tree = make(model, heads_kind)
+    d = hk.new_drafter(model, kind="combined", drafters=[hk.new_drafter(model, kind="ngram"), heads])
+    prompts = [[5, 17, 3, 44, 9, 5, 17, 3], [8, 1, 60, 8, 1]]
+    plain = generate(model, prompts, max_new_tokens=8, eos_token_id=[]).sequences
+    for n in (2, 3):
+        out = generate(model, prompts, drafter=d, tree=tree, budget=n, max_new_tokens=8, eos_token_id=[])
+        assert out.sequences == plain and max(out.step_nodes) == n
+
+
 def test_step_timing_drafts_an_ngram_part_at_its_whole_budget(model, monkeypatch):
     """The search times steps from a synthetic state whose random text the n-gram lookup (almost) never matches
     at the real vocabulary (here: the lookup made to find nothing): the real combined (or n-gram) drafter would

@@ -149,6 +149,9 @@ def test_tree_batch_from_parent_lists_equals_the_constructor():
     for _ in range(300):
         shapes.append([[-1] + [rng.randrange(i) for i in range(1, rng.randint(1, rng.choice([2, 5, 12, 20])))]
                        for _ in range(rng.randint(1, 5))])
+    # past tree.HOST_BUILD_MAX mask entries the constructor builds it: both paths
+    shapes.append([[-1] + [rng.randrange(i) for i in range(1, 20)] for _ in range(16)])
+    assert len(shapes[-1]) * 20 * 20 > hk.tree.HOST_BUILD_MAX >= max(len(s) * max(map(len, s)) ** 2 for s in shapes[:3])
     for parent_lists in shapes:
         ref, got = TreeBatch(*_padded(parent_lists)), TreeBatch.from_parent_lists(parent_lists)
         for name in ("parents", "depths", "mask", "valid", "paths"):

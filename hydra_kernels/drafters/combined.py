@@ -118,8 +118,10 @@ class CombinedDrafter(Drafter):
         """The heads draft no more nodes than the step keeps (their subtree of that size, Tree.subtree): at a
         budget of 2 the shipped chain's second head would run for a node the merge drops."""
         cap = state.budget if state.heads_limit is None else min(state.budget, state.heads_limit)
-        fits = [n for n in state.heads_levels if n <= cap]
-        self.heads.set_budget(state.heads, fits[-1] if fits else state.heads_levels[0])
+        drafting = [n for n in state.heads_levels if n > 1]  # set_budget takes budgets > 1 (1: a plain step)
+        fits = [n for n in drafting if n <= cap]
+        if drafting:  # the largest that fits, else the smallest the heads draft
+            self.heads.set_budget(state.heads, fits[-1] if fits else drafting[0])
 
     def set_parts(self, state: CombinedState, parts: tuple[bool, ...]) -> None:
         state.use_ngram, state.use_heads = parts
