@@ -32,9 +32,12 @@ def test_random_bytes_inside_a_gguf_are_refused_and_not_cached(tiny_gguf):  # 4
     rnd = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8)
     rnd[:4] = np.frombuffer(np.float32(np.nan).tobytes(), np.uint8)  # at least one NaN among the fp32 weights
     garble(tiny_gguf, size // 2, rnd.tobytes())
-    with pytest.raises(ValueError, match="non-finite values.*corrupt"):
-        hk.load_model(tiny_gguf, device="cpu")
-    assert not any(gguf_convert.cache_root().glob("tiny-*-v*/manifest.json"))  # nothing cached
+    for weights in (None, "fp32", None):  # the quantized default reads the file's blocks, fp32 its conversion
+        with pytest.raises(ValueError, match="non-finite values.*corrupt"):
+            hk.load_model(tiny_gguf, device="cpu", weights=weights)
+    # no weights cached (the quantized load caches the header's config and tokenizer only, before reading them)
+    assert not any(gguf_convert.cache_root().glob("tiny-*/model.safetensors"))
+    assert not any(gguf_convert.cache_root().glob("tiny-*-v?/manifest.json"))
 
 
 def test_truncated_gguf_says_it_is_truncated(tiny_gguf):  # 4
@@ -61,7 +64,7 @@ def test_embedded_gguf_is_verified_against_its_digest(tmp_path, monkeypatch):
 @pytest.mark.parametrize("damage", ["truncate safetensors", "garble safetensors header", "nan in safetensors",
                                     "garble config.json", "delete config.json"])
 def test_corrupt_cache_entry_is_rebuilt(tiny_gguf, damage):
-    model, _ = hk.load_model(tiny_gguf, device="cpu")
+    model, _ = hk.load_model(tiny_gguf, device="cpu", weights="fp32")  # the load that reads the cached fp32 copy
     want = model(torch.tensor([[1, 2, 3]]))
     entry = next(gguf_convert.cache_root().glob("tiny-*"))
     st, cfg = entry / "model.safetensors", entry / "config.json"
@@ -77,7 +80,7 @@ def test_corrupt_cache_entry_is_rebuilt(tiny_gguf, damage):
         cfg.unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        again, _ = hk.load_model(tiny_gguf, device="cpu")
+        again, _ = hk.load_model(tiny_gguf, device="cpu", weights="fp32")
     assert torch.equal(again(torch.tensor([[1, 2, 3]])), want)
     assert gguf_convert.cache_entry_complete(entry)
 

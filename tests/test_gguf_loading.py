@@ -114,10 +114,19 @@ def test_synthetic_gguf_matches_transformers(tmp_path, monkeypatch, quantise):
     assert tok is None  # no tokenizer metadata in this file
     ids = torch.randint(0, 101, (2, 15), generator=torch.Generator().manual_seed(0))
     assert_close_rel(model(ids), hf(ids).logits, 1e-4, "synthetic GGUF")
+    # the default (quantized) load caches the config only: its weights are read from the GGUF, no fp32 copy
     cached = list((tmp_path / "cache").iterdir())
-    assert len(cached) == 1 and (cached[0] / "model.safetensors").exists()
+    assert len(cached) == 1 and cached[0].name.endswith("-config") and (cached[0] / "config.json").exists()
+    assert not (cached[0] / "model.safetensors").exists()
     hk.load_model(tmp_path / "tiny.gguf", device="cpu")  # second load reuses the cache
     assert list((tmp_path / "cache").iterdir()) == cached
+    fp32, _ = hk.load_model(tmp_path / "tiny.gguf", device="cpu", weights="fp32")  # the fp32 copy, once
+    assert_close_rel(fp32(ids), hf(ids).logits, 1e-4, "synthetic GGUF, fp32 load")
+    full = sorted(set((tmp_path / "cache").iterdir()) - set(cached))
+    assert len(full) == 1 and (full[0] / "model.safetensors").exists()
+    hk.load_model(tmp_path / "tiny.gguf", device="cpu")  # a complete entry with weights serves any load
+    hk.load_model(tmp_path / "tiny.gguf", device="cpu", weights="fp32")
+    assert sorted((tmp_path / "cache").iterdir()) == sorted(cached + full)
 
 
 def test_non_llama_gguf_is_rejected(tmp_path, monkeypatch):

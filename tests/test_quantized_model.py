@@ -42,9 +42,11 @@ def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkey
         assert mod.released and isinstance(mod._panels, QuantizedPanels) and mod.weight.is_meta, name
     assert isinstance(q.output.packed_weight(), QuantizedPanels)
     assert q.config.tie_word_embeddings == tied
-    # tied: the panels are the embedding and the LM head, no fp32 table (model/quantized_embedding.py); untied:
-    # the head keeps its fp32 weight beside its panels and the embedding is fp32
-    assert q.output.weight.is_meta == tied and isinstance(q.tok_embeddings, QuantizedEmbedding) == tied
+    # the embedding and the LM head as stored, no fp32 table (tied: one set of panels is both; untied: each its
+    # own, in its own format: model/quantized_embedding.py)
+    assert q.output.weight.is_meta and q.output.released and isinstance(q.tok_embeddings, QuantizedEmbedding)
+    assert (q.tok_embeddings.panels is q.output.packed_weight()) == tied
+    assert not any(p.numel() >= q.config.vocab_size * q.config.hidden_size and not p.is_meta for p in q.parameters())
     assert torch.equal(q.lm_head_weight(), f.output.weight) and torch.equal(q.embedding_weight(), f.tok_embeddings.weight)
     some = torch.tensor([100, 0, 7, 7])
     assert torch.equal(q.lm_head_rows(some), f.output.weight[some])
@@ -58,13 +60,20 @@ def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkey
             assert_close_rel(lq, f(ids), 1e-4, "quantized vs fp32 (MKL)")
         assert_close_rel(lq, hf(ids).logits, 1e-4, "quantized GGUF vs transformers")
     prompts = [[5, 7, 9, 11], [3, 1]]
-    assert generate(q, prompts, max_new_tokens=12).sequences == generate(f, prompts, max_new_tokens=12).sequences
+    plain_f = generate(f, prompts, max_new_tokens=12).sequences
+    with monkeypatch.context() as m:  # decoding reads rows, never the whole table
+        m.setattr(QuantizedPanels, "dequantize", lambda self: pytest.fail("a whole vocabulary table was built"))
+        assert generate(q, prompts, max_new_tokens=12).sequences == plain_f
+        for kind in ("ngram", "hydra"):  # a head drafter reads the LM head's rows (TiedLMHead)
+            d = hk.new_drafter(q, kind=kind)
+            spec = generate(q, prompts, max_new_tokens=12, drafter=d,
+                            budget=max(d.budget_levels(d.resolve_tree(None, "cpu"))))  # its whole tree every step
+            assert spec.sequences == plain_f and (kind == "ngram" or max(spec.step_nodes) > 1), kind
     # the layout survives a second packing pass and a no-op move: no fp32 copy comes back
     q.use_packed_cpu_weights()
     q.to("cpu").float()
-    assert isinstance(q.output.packed_weight(), QuantizedPanels) and q.output.weight.is_meta == tied
-    if tied:  # the embedding back on its panels too
-        assert q.tok_embeddings.panels is not None and q.tok_embeddings.weight.is_meta
+    assert isinstance(q.output.packed_weight(), QuantizedPanels) and q.output.weight.is_meta
+    assert q.tok_embeddings.panels is not None and q.tok_embeddings.weight.is_meta  # the embedding too
     assert all(m.released and isinstance(m._panels, QuantizedPanels) for m in projections(q).values())
     with torch.no_grad():
         assert torch.equal(q(ids), lq)

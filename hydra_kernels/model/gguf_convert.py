@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .config import LlamaConfig
+from .gguf_index import GGUFIndex
 
 _FORMAT_VERSION = 2  # bump when the conversion changes, so stale caches are not reused (2: manifest.json)
 MANIFEST = "manifest.json"  # written last into a cache entry: its files and their sizes (a complete entry)
@@ -182,9 +183,15 @@ def cache_entry_complete(out: Path) -> bool:
         return False
 
 
-def convert_gguf_cached(path: str | os.PathLike, *, sha256: str | None = None, rebuild: bool = False) -> Path:
+def convert_gguf_cached(path: str | os.PathLike, *, sha256: str | None = None, rebuild: bool = False,
+                        weights: bool = True) -> Path:
     """Convert a GGUF file to an HF directory under cache_root() once; return that directory.
 
+    weights=False: an entry with the config and tokenizer files only, for a load that reads the weights from the
+    GGUF itself (model/gguf_quantized.py): the fp32 copy is ~8x a 4-bit file on disk and, while converting, in
+    memory (~32 GB for Llama-3-8B's 4.9 GB Q4_K_M), so it is made only for a load that reads it. A complete
+    entry with the weights serves a weights=False call too. Entries never change once complete (a concurrent
+    load reads them safely): the two kinds live in two directories.
     sha256: the file's known digest, verified before converting (the embedded default's). An entry
     that is incomplete (cache_entry_complete), or `rebuild=True` (the caller found it unreadable), is
     converted again."""
@@ -192,7 +199,10 @@ def convert_gguf_cached(path: str | os.PathLike, *, sha256: str | None = None, r
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     st = path.stat()
-    out = cache_root() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{_FORMAT_VERSION}"
+    full = cache_root() / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{_FORMAT_VERSION}"
+    if not rebuild and cache_entry_complete(full):
+        return full
+    out = full if weights else full.with_name(full.name + "-config")
     if not rebuild and cache_entry_complete(out):
         return out
     if sha256 is not None and sha256_of(path) != sha256:
@@ -208,9 +218,13 @@ def convert_gguf_cached(path: str | os.PathLike, *, sha256: str | None = None, r
     tmp.mkdir()
     try:
         with tqdm(total=2, desc=f"converting {path.name} (once)", leave=False) as bar:
-            cfg, sd = read_gguf(path)
+            if weights:
+                cfg, sd = read_gguf(path)
+                save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+                del sd
+            else:
+                cfg = gguf_config(GGUFIndex(path))  # the header only (a truncated file is refused here too)
             (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2))
-            save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             bar.update()
             if cfg.extra.get("gguf_has_tokenizer"):
                 _save_gguf_tokenizer(path, tmp)

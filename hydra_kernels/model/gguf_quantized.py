@@ -5,10 +5,11 @@ straight from the file's blocks into quantized panels (ops/quantized_linear.py),
 in memory (one fused weight is decoded at a time; load_model's disk cache still holds the fp32 conversion, for
 weights="fp32" and the tokenizer). A fused weight (q / k / v, gate / up) whose parts differ in
 format takes the widest layout (lossless); one with a part in another type (F16, Q5_K, ...) loads as fp32.
-Norms load as fp32. A tied LM head in a decoded format is the embedding too, and its panels are the only copy of
-it (model/quantized_embedding.py: lookups read rows from them; Llama.lm_head_weight / lm_head_rows give its fp32
-values to the code that needs them); an untied one keeps its fp32 weight beside its panels, and the embedding
-loads as fp32.
+Norms load as fp32. The LM head and the token embedding in a decoded format are kept as stored too, their panels
+the only copy (tied, one set of panels is both): an embedding lookup reads its rows from them
+(model/quantized_embedding.py), and Llama.lm_head_weight / lm_head_rows / embedding_weight give fp32 values to the
+code that needs them. An fp32 table would be the largest item in memory: 113 MB for SmolLM2's tied table, 2.1 GB
+each for Llama-3-8B's untied embedding and head (V = 128256, H = 4096) beside ~0.3-0.4 GB as Q4_K / Q6_K blocks.
 
 Every dequantized value equals gguf's (as a number: +0 where gguf may write -0), so where the fp32 model runs
 the packed kernel too (AVX-512) this model's logits are bit-identical to the fp32 model convert_gguf_cached
@@ -83,22 +84,16 @@ class _GGUFTensors:
         return torch.from_numpy(np.array(w, dtype=np.float32, order="C"))
 
 
-def _input_major_values(panels, chunk: int = 4096) -> torch.Tensor:
-    """The panels' exact fp32 values [n, k], stored input-major ([k, n] memory seen transposed: the layout
-    Llama.use_input_major_weights gives the LM head, which then leaves it as is), filled `chunk` rows at a
-    time: the load never holds a second full fp32 copy (113 MB for SmolLM2's tied embedding)."""
-    out = torch.empty(panels.k, panels.n)
-    for i in range(0, panels.n, chunk):
-        ids = torch.arange(i, min(i + chunk, panels.n))
-        out[:, i:i + len(ids)] = panels.rows(ids).t()
-    return out.t()
-
-
 def load_gguf_quantized(path: str | os.PathLike) -> Llama:
     """An fp32 CPU Llama whose projections (and LM head) run on the GGUF's own blocks (see the module doc).
     One fused weight's blocks are decoded and packed at a time (peak memory: the panels plus one weight)."""
     f = _GGUFTensors(path)
     cfg = f.cfg
+    tied = cfg.tie_word_embeddings
+    # the vocabulary tables kept as stored where decodable: the LM head's panels (tied: the embedding's tensor),
+    # and an untied embedding's own
+    vocab_tables = {"model.embed_tokens.weight": "output.weight"} if tied else \
+        {"lm_head.weight": "output.weight", "model.embed_tokens.weight": "tok_embeddings.weight"}
     dense, panels = {}, {}
     for ours, names in _key_map(cfg).items():
         present = [n for n in names if n in f.tensors]
@@ -106,25 +101,23 @@ def load_gguf_quantized(path: str | os.PathLike) -> Llama:
             panels[ours] = concat_rows([f.blocks(n) for n in names]).panels()
             return_freed_memory()  # the decoded blocks' pages, before the next weight's: one weight's at a time
             continue
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        for n in present:  # norms, biases, embedding, and weights in formats not decoded here: fp32
-            if n == head and f.decodable(n):
-                panels["output.weight"] = f.blocks(n).panels()
-                if not cfg.tie_word_embeddings:  # untied: its fp32 values beside them (the drafters read them)
-                    dense[n] = _input_major_values(panels["output.weight"])
+        for n in present:  # norms, biases, embedding, LM head, and weights in formats not decoded here
+            if n in vocab_tables and f.decodable(n):
+                panels[vocab_tables[n]] = f.blocks(n).panels()  # as stored, the only copy (no fp32 values)
             else:
                 dense[n] = f.dense(n)
     del f  # the index (the tensors' bytes were read and freed one weight at a time)
     return_freed_memory()  # before the layout passes below take their transient copies: a lower peak
-    # tied and decodable: the panels are the embedding and the LM head, no fp32 table (quantized_embedding.py)
-    tied_panels = panels.get("output.weight") if cfg.tie_word_embeddings else None
-    quantized_layers = {k for k in panels if k != "output.weight"}
-    placeholders = quantized_layers | ({"tok_embeddings.weight", "output.weight"} if tied_panels else set())
+    # the embedding as its panels (tied: the LM head's), no fp32 table (quantized_embedding.py)
+    embedding = panels.pop("tok_embeddings.weight", None)
+    if tied:
+        embedding = panels.get("output.weight")
+    placeholders = set(panels) | ({"tok_embeddings.weight"} if embedding is not None else set())
     model = Llama.empty(cfg)
     model.load_state_dict(hf_to_ours(cfg, dense, allow_missing=placeholders), strict=False, assign=True)
     del dense
-    if tied_panels is not None:
-        model.tok_embeddings = QuantizedEmbedding(tied_panels)
+    if embedding is not None:
+        model.tok_embeddings = QuantizedEmbedding(embedding)
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta and n not in placeholders]
     if still_meta:

@@ -188,14 +188,14 @@ class Llama(nn.Module):
     def use_quantized_cpu_weights(self, panels: dict[str, QuantizedPanels]) -> bool:
         """CPU layout choice for a quantized checkpoint (model/gguf_quantized.py): each named weight runs on
         its quantized panels (ops/quantized_linear.py), the only copy of it, except an LM head loaded with an
-        fp32 weight, which keeps it beside panels of the same values. Returns False (and changes nothing)
-        where the kernel has no vector path on this CPU."""
+        fp32 weight (a caller's), which keeps it beside panels of the same values. Returns False (and changes
+        nothing) where the kernel has no vector path on this CPU."""
         if self.device.type != "cpu" or self.dtype != torch.float32 or not quantized_linear_available():
             return False
         for name, p in panels.items():
             mod = self.get_submodule(name.rsplit(".", 1)[0])
-            # the LM head keeps its fp32 weight beside the panels where one is loaded (an untied head); a
-            # tied quantized embedding holds none (model/quantized_embedding.py): the panels are all of it
+            # the LM head keeps its fp32 weight beside the panels where one is loaded; a GGUF's (tied or not)
+            # loads none (model/gguf_quantized.py): the panels are all of it
             mod.use_quantized(p, keep_weight=mod is self.output and not self.output.weight.is_meta)
         return True
 
@@ -210,8 +210,8 @@ class Llama(nn.Module):
 
     def lm_head_weight(self) -> torch.Tensor:
         """The LM head's fp32 values [V, H] (tied: the embedding's). Where quantized panels are the only copy
-        (a tied quantized GGUF on the CPU: model/quantized_embedding.py) a transient copy, ~113 MB for
-        SmolLM2: callers that need a few rows take lm_head_rows."""
+        (a quantized GGUF on the CPU: model/gguf_quantized.py) a transient copy, ~113 MB for SmolLM2:
+        callers that need a few rows take lm_head_rows."""
         return self.output.unpacked_weight() if self.output.released else self.output.weight
 
     def embedding_weight(self) -> torch.Tensor:

