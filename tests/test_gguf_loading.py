@@ -24,24 +24,29 @@ def parts_of(name):
 
 
 def random_k_quant(rows: int, cols: int, type_name: str, seed: int) -> np.ndarray:
-    """Random raw blocks of a K-quant (gguf's numpy code cannot quantise to them) with finite fp16 scales."""
-    from hydra_kernels.model.gguf_blocks import DECODERS
+    """Random raw blocks of a K-quant or an IQ4 type (gguf's numpy code cannot quantise to them) with finite
+    fp16 scales."""
+    from gguf import GGML_QUANT_SIZES
 
-    block_bytes, block_size, _ = DECODERS[type_name]
+    block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     rng = np.random.default_rng(seed)
     b = rng.integers(0, 256, (rows * cols // block_size, block_bytes), dtype=np.uint8)
     f16 = lambda k: rng.normal(0, 0.01, (b.shape[0], k)).astype(np.float16).view(np.uint8)  # noqa: E731
-    if type_name == "Q4_K":
+    if type_name in ("IQ4_NL", "IQ4_XS"):  # d first
+        b[:, :2] = f16(1)
+    elif type_name in ("Q4_K", "Q5_K"):  # d, dmin first
         b[:, :4] = f16(2)
-    else:  # Q6_K: d last
+    elif type_name == "Q2_K":  # d, dmin last
+        b[:, -4:] = f16(2)
+    else:  # Q6_K, Q3_K: d last
         b[:, -2:] = f16(1)
     return b.reshape(rows, -1)
 
 
 def write_gguf(hf, path, arch="llama", quantise=False):
     """hf's weights as a llama.cpp GGUF. quantise: False (F32), True (Q8_0 where rows hold blocks of 32), or
-    {GGUF role, e.g. "attn_q" / "token_embd" / "output": GGML type name} (Q4_0 / Q4_1 / Q8_0 quantised by
-    gguf, Q4_K / Q6_K random blocks, which then replace the weight). Returns the values the file holds, by
+    {GGUF role, e.g. "attn_q" / "token_embd" / "output": GGML type name} (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0
+    quantised by gguf, K-quants random blocks, which then replace the weight). Returns the values the file holds, by
     HF name, in HF row order."""
     cfg = hf.config
     w = GGUFWriter(str(path), arch)
@@ -74,7 +79,7 @@ def write_gguf(hf, path, arch="llama", quantise=False):
         elif parts_of(name)[-2:-1] == ["k_proj"]:
             stored = llama_cpp_permute(a, cfg.num_key_value_heads)
         kind = quantise.get(g.split(".")[-2]) if isinstance(quantise, dict) else ("Q8_0" if quantise else None)
-        if kind in ("Q4_K", "Q6_K"):
+        if kind is not None and (kind.endswith("_K") or kind.startswith("IQ")):
             q = random_k_quant(*stored.shape, kind, seed=len(g))
             w.add_tensor(g, q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType[kind])
             stored = dequantize(q, GGMLQuantizationType[kind]).reshape(stored.shape)

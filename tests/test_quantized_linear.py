@@ -58,6 +58,7 @@ def poison_then(fn):
     (130, 96, 32, 4, True),     # Q4_1 / Q4_K-like, N not a multiple of the 64-row panel
     (960, 576, 32, 4, True),    # SmolLM2's wqkv
     (65, 64, 16, 4, False),     # 4 bits, no offset, small groups
+    (96, 272, 16, 4, True),     # Q2_K / Q3_K-like: 4 bits, groups of 16 with an offset
     (100, 160, 32, 8, False),   # Q8_0-like
     (1, 48, 16, 8, False),      # Q6_K-like groups of 16, one output row
     (70, 80, 16, 8, True),      # 8 bits with an offset (a fused weight of mixed parts)
@@ -143,12 +144,14 @@ def gguf_random_blocks(name: str, n_blocks: int, rng: np.random.Generator) -> np
     block_bytes = DECODERS[name][0]
     b = rng.integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
     f16 = lambda k: rng.normal(0, 0.05, (n_blocks, k)).astype(np.float16).view(np.uint8)  # noqa: E731
-    if name in ("Q4_0", "Q8_0"):
+    if name in ("Q4_0", "Q8_0", "Q5_0"):
         b[:, :2] = f16(1)
-    elif name in ("Q4_1", "Q4_K"):
+    elif name in ("Q4_1", "Q4_K", "Q5_1", "Q5_K"):
         b[:, :4] = f16(2)
-    elif name == "Q6_K":
+    elif name in ("Q6_K", "Q3_K"):
         b[:, -2:] = f16(1)
+    elif name == "Q2_K":
+        b[:, -4:] = f16(2)
     return b
 
 
@@ -175,7 +178,7 @@ def test_gguf_blocks_refuse_a_wrong_size_and_an_unknown_type():
     with pytest.raises(ValueError, match="holds 10 bytes"):
         decode_blocks(np.zeros((1, 10), np.uint8), "Q8_0", (1, 32))
     with pytest.raises(ValueError, match="not decoded"):
-        decode_blocks(np.zeros((1, 22), np.uint8), "Q5_0", (1, 32))
+        decode_blocks(np.zeros((1, 18), np.uint8), "IQ4_NL", (1, 32))
 
 
 def test_fused_parts_of_different_formats_share_the_widest_layout_losslessly():

@@ -20,19 +20,23 @@ pytestmark = pytest.mark.skipif(not quantized_linear_available(),
 # every supported format in one file, as a Q4_K_M download mixes them (and Q4_0 / Q4_1 / Q8_0 files)
 MIXED = {"attn_q": "Q4_K", "attn_k": "Q6_K", "attn_v": "Q8_0", "attn_output": "Q4_0", "ffn_gate": "Q4_1",
          "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q8_0", "output": "Q6_K"}
+# the other formats a Q2_K .. Q5_K_M download holds (each decoded into the 4- or 8-bit layout that holds it)
+MIXED_LOW = {"attn_q": "Q5_K", "attn_k": "Q3_K", "attn_v": "Q2_K", "attn_output": "Q5_0", "ffn_gate": "Q5_1",
+             "ffn_up": "Q2_K", "ffn_down": "Q3_K", "token_embd": "Q5_K", "output": "Q5_0"}
 
 
 def projections(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and n != "output"}
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkeypatch, tied):
+@pytest.mark.parametrize("tied,formats", [(False, MIXED), (True, MIXED), (False, MIXED_LOW), (True, MIXED_LOW)],
+                         ids=["untied", "tied", "untied-low-bit", "tied-low-bit"])
+def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkeypatch, tied, formats):
     monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
     # widths that are multiples of 256 (K-quant super-blocks), GQA 2
     hf = make_hf("gqa3-tied" if tied else "mha-untied", seed=5, hidden_size=256, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=512)
-    held = write_gguf(hf, tmp_path / "mixed.gguf", quantise=MIXED)
+    held = write_gguf(hf, tmp_path / "mixed.gguf", quantise=formats)
     with torch.no_grad():
         for n, p in hf.named_parameters():
             p.copy_(held[n])
@@ -77,6 +81,24 @@ def test_mixed_format_gguf_loads_quantized_with_the_fp32_logits(tmp_path, monkey
     assert all(m.released and isinstance(m._panels, QuantizedPanels) for m in projections(q).values())
     with torch.no_grad():
         assert torch.equal(q(ids), lq)
+
+
+def test_a_format_the_kernel_does_not_decode_loads_as_fp32_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
+    hf = make_hf("mha-untied", seed=7, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=512)
+    held = write_gguf(hf, tmp_path / "iq.gguf", quantise={**MIXED, "ffn_down": "IQ4_NL"})  # a non-affine 4-bit code
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(held[n])
+    with pytest.warns(UserWarning, match=r"iq.gguf: weights in IQ4_NL are not decoded .* load as fp32 \(2 MB\)"):
+        q, _ = hk.load_model(tmp_path / "iq.gguf", device="cpu")
+    down = q.layers[0].feed_forward.w2
+    assert not isinstance(down._panels, QuantizedPanels) and isinstance(q.layers[0].attention.wqkv._panels,
+                                                                          QuantizedPanels)
+    ids = torch.randint(0, 101, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close_rel(q(ids), hf(ids).logits, 1e-4, "IQ4_NL down projections as fp32")
 
 
 def test_bad_weights_choice_is_refused_before_loading(tmp_path, monkeypatch):

@@ -10,10 +10,17 @@ fp32 where an offset is added, so fma(s, q, o) rounds once, exactly where gguf's
 | Q4_0   | 32 | 4           | d            | nibble 0..15        | -8 d           | d * (nibble - 8): exact |
 | Q4_1   | 32 | 4           | d            | nibble 0..15        | m              | d * nibble + m          |
 | Q8_0   | 32 | 8           | d            | int8                | -              | int8 * d                |
+| Q5_0   | 32 | 8           | d            | 5-bit value - 16    | -              | d * (value - 16)        |
+| Q5_1   | 32 | 8           | d            | 5-bit value 0..31   | m              | d * value + m           |
+| Q2_K   | 16 | 4           | d * sc (4 b) | 2-bit value 0..3    | -(dmin * m)    | (d sc) q - dmin m       |
+| Q3_K   | 16 | 4           | d * sc (i6)  | 3-bit value + 4 * mask bit (0..7) | -4 d sc | (d sc) (q - 4 (1 - mask bit)): exact |
 | Q4_K   | 32 | 4           | d * sc (6 b) | nibble 0..15        | -(dmin * m)    | (d sc) q - dmin m       |
+| Q5_K   | 32 | 8           | d * sc (6 b) | 5-bit value 0..31   | -(dmin * m)    | (d sc) q - dmin m       |
 | Q6_K   | 16 | 8           | d * sc (i8)  | 6-bit value - 32    | -              | (d sc) q                |
 
-(d, m, dmin fp16, so d * sc has at most 17 significant bits and d * sc * nibble at most 21: exact.) The
+(d, m, dmin fp16, so d * sc has at most 17 significant bits and d * sc * q at most 23: exact.) A 5-bit format is
+stored in the 8-bit layout and Q2_K / Q3_K in the 4-bit one (with groups of 16 the scale and offset take 4 bits a
+weight there): ~10 and ~8 bits a weight, against 5.5 / 2.6-3.4 in the file and 32 as fp32. The
 dequantized weights are therefore the exact fp32 values the GGUF converter (model/gguf_convert.py) caches,
 and a quantized model's logits equal its fp32 twin's bit for bit (csrc/quantized_linear_cpu.cpp keeps the
 fp32 kernel's accumulation order). Other GGUF types are not decoded here: their tensors load as fp32.
@@ -112,6 +119,29 @@ def _q8_0(blocks):
     return np.ascontiguousarray(qs).view(np.int8), d, None, 8
 
 
+def _bits(b: np.ndarray, count: int) -> np.ndarray:
+    """Bytes [n, B] -> bit j of each byte, for j < count, as [n, count, B] uint8 (the high bits of Q5 / Q3_K
+    blocks: sub-block j of a K-quant takes bit j of every byte)."""
+    return (b[:, None, :] >> np.arange(count, dtype=np.uint8).reshape(1, count, 1)) & np.uint8(1)
+
+
+def _q5_high(blocks, at: int) -> np.ndarray:
+    """Q5_0 / Q5_1: the 32 fifth bits (a little-endian uint32 at byte `at`) -> [n, 32] uint8, weight j's bit j."""
+    qh = np.ascontiguousarray(blocks[:, at:at + 4]).view("<u4")  # [n, 1]
+    return ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+
+
+def _q5_0(blocks):
+    d = _f16(blocks[:, :2])
+    q = (_nibbles(blocks[:, 6:], 16) | (_q5_high(blocks, 2) << np.uint8(4))).astype(np.int8) - np.int8(16)
+    return q, d, None, 8
+
+
+def _q5_1(blocks):
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    return _nibbles(blocks[:, 8:], 16) | (_q5_high(blocks, 4) << np.uint8(4)), d, m, 8
+
+
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K's 12 scale bytes -> 8 six-bit scales and 8 six-bit mins per super-block."""
     n = scales.shape[0]
@@ -127,6 +157,38 @@ def _q4_k(blocks):
     s = d * sc.astype(np.float32)  # [n, 8]: one per 32 weights
     o = -(dmin * mn.astype(np.float32))
     return _nibbles(blocks[:, 16:], 32), s, o, 4
+
+
+def _q5_k(blocks):
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    s = d * sc.astype(np.float32)  # [n, 8]: one per 32 weights
+    o = -(dmin * mn.astype(np.float32))
+    high = _bits(blocks[:, 16:48], 8)  # [n, 8, 32]: sub-block j takes bit j of the 32 bytes
+    q = _nibbles(blocks[:, 48:], 32).reshape(n, 8, 32) | (high << np.uint8(4))
+    return q.reshape(n, QK_K), s, o, 8
+
+
+def _q3_k(blocks):
+    n = blocks.shape[0]
+    hmask, qs, sc, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110])
+    low = (sc[:, None, :8] >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16) & np.uint8(0x0F)
+    high = (sc[:, None, 8:] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16) & np.uint8(3)
+    s = d * ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32)  # [n, 16]
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    # gguf: q = ql - 4 where the mask bit is 0; stored as ql + 4 * bit (0..7) with the offset -4 s (exact)
+    q = ql.reshape(n, 16, 16) + (_bits(hmask, 8).reshape(n, 16, 16) << np.uint8(2))
+    return q.reshape(n, QK_K), s, -4.0 * s, 4
+
+
+def _q2_k(blocks):
+    n = blocks.shape[0]
+    sc, qs, d, dmin = blocks[:, :16], blocks[:, 16:80], _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    s = d * (sc & np.uint8(0x0F)).astype(np.float32)  # [n, 16]: one per 16 weights
+    o = -(dmin * (sc >> np.uint8(4)).astype(np.float32))
+    q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    return q.reshape(n, QK_K), s, o, 4
 
 
 def _q6_k(blocks):
@@ -148,7 +210,12 @@ DECODERS = {
     "Q4_0": (18, 32, _q4_0),
     "Q4_1": (20, 32, _q4_1),
     "Q8_0": (34, 32, _q8_0),
+    "Q5_0": (22, 32, _q5_0),
+    "Q5_1": (24, 32, _q5_1),
+    "Q2_K": (84, QK_K, _q2_k),
+    "Q3_K": (110, QK_K, _q3_k),
     "Q4_K": (144, QK_K, _q4_k),
+    "Q5_K": (176, QK_K, _q5_k),
     "Q6_K": (210, QK_K, _q6_k),
 }
 

@@ -1,10 +1,11 @@
 """A GGUF file loaded with its projection weights kept as stored (4-8-bit blocks) for the CPU.
 
-The layer projections of a GGUF in a format model/gguf_blocks.py decodes (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) go
-straight from the file's blocks into quantized panels (ops/quantized_linear.py), the only copy of each weight
-in memory (one fused weight is decoded at a time; load_model's disk cache still holds the fp32 conversion, for
-weights="fp32" and the tokenizer). A fused weight (q / k / v, gate / up) whose parts differ in
-format takes the widest layout (lossless); one with a part in another type (F16, Q5_K, ...) loads as fp32.
+The layer projections of a GGUF in a format model/gguf_blocks.py decodes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K) go straight from the file's blocks into quantized panels (ops/quantized_linear.py), the
+only copy of each weight in memory (one fused weight is decoded at a time; load_model caches the GGUF's config and
+tokenizer only: an fp32 conversion is made for weights="fp32" alone). A fused weight (q / k / v, gate / up) whose
+parts differ in format takes the widest layout (lossless); one with a part in another type (F16, IQ4_XS, ...)
+loads as fp32.
 Norms load as fp32. The LM head and the token embedding in a decoded format are kept as stored too, their panels
 the only copy (tied, one set of panels is both): an embedding lookup reads its rows from them
 (model/quantized_embedding.py), and Llama.lm_head_weight / lm_head_rows / embedding_weight give fp32 values to the
@@ -19,6 +20,7 @@ summation order differs: equal to fp32 accuracy there, not bit for bit.
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -51,6 +53,15 @@ class _GGUFTensors:
         self.reader = GGUFIndex(path)  # not gguf's reader: its parsed tokenizer arrays would double the load's peak
         self.cfg = gguf_config(self.reader)
         self.tensors = {hf_name(t.name): t for t in self.reader.tensors}
+
+    def undecoded_quantized(self) -> dict[str, int]:
+        """Quantized types of 2-D weights not decoded here (IQ4_XS, ...: they load as fp32) -> their fp32 bytes."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            kind = t.tensor_type.name
+            if len(t.shape) == 2 and kind not in DECODERS and kind not in ("F32", "F16", "BF16"):
+                out[kind] = out.get(kind, 0) + 4 * int(np.prod([int(n) for n in t.shape]))
+        return out
 
     def decodable(self, name: str) -> bool:
         t = self.tensors.get(name)
@@ -89,6 +100,11 @@ def load_gguf_quantized(path: str | os.PathLike) -> Llama:
     One fused weight's blocks are decoded and packed at a time (peak memory: the panels plus one weight)."""
     f = _GGUFTensors(path)
     cfg = f.cfg
+    undecoded = f.undecoded_quantized()
+    if undecoded:  # said once per load, before the work: the memory it costs is the user's to weigh
+        warnings.warn(f"{os.path.basename(path)}: weights in {', '.join(sorted(undecoded))} are not decoded by the "
+                      f"quantized CPU kernel ({', '.join(DECODERS)}) and load as fp32 "
+                      f"({sum(undecoded.values()) / 2**20:.0f} MB); a file in one of those formats keeps its blocks")
     tied = cfg.tie_word_embeddings
     # the vocabulary tables kept as stored where decodable: the LM head's panels (tied: the embedding's tensor),
     # and an untied embedding's own

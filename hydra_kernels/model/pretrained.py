@@ -91,7 +91,7 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
     bf16 on CUDA; device defaults to CUDA when available. A GGUF's config and tokenizer are converted once
     and cached under ~/.cache/hydra_kernels (HYDRA_KERNELS_CACHE overrides), with an fp32 copy of its weights
     only for a load that reads one (weights="fp32", a GPU).
-    weights: "quantized" keeps a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K projection weights as stored and
+    weights: "quantized" keeps a GGUF's Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q2_K .. Q6_K weights as stored and
     runs them on the quantized CPU kernel (model/gguf_quantized.py: the same logits as "fp32", bit for bit on
     AVX-512 CPUs, from ~1/5 of the bytes); "fp32" loads the dequantised copy. None: "quantized" for a GGUF on the CPU in
     fp32 where the kernel has a vector path (AVX2 or AVX-512), else "fp32". An HF directory loads fp32 unless
