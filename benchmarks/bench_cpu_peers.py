@@ -16,7 +16,10 @@ says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
 
     python benchmarks/bench_cpu_peers.py [--mtbench 8] [--editing 4] [--new-tokens 128] [--rounds 2]
         [--threads 2] [--decoders plain combined combined-adaptive llama.cpp llama.cpp-lookup transformers plain-fp32]
-        [--rss] [--prefill 2048] [--out benchmarks/results]
+        [--rss] [--prefill 2048] [--gguf another.gguf] [--out benchmarks/results]
+
+--gguf: another GGUF of the embedded model (SmolLM2-135M-Instruct, e.g. requantized to Q4_K_M: the default drafter's
+heads fit it) instead of the embedded Q4_1 file; both sides read the same file.
 """
 from __future__ import annotations
 
@@ -127,14 +130,13 @@ def timed(dec, ids: list[int], n: int) -> tuple[float, float, list[int]]:
     return t2 - t1, max(t2 - t1 - (t1 - t0), 1e-9), toks
 
 
-def rss_probe(decoder: str, threads: int) -> None:
+def rss_probe(decoder: str, threads: int, gguf: Path | None) -> None:
     """In a fresh process: load what `decoder` needs, decode one prompt, print the peak RSS in MB as JSON."""
     torch.set_num_threads(threads)
     torch.set_grad_enabled(False)
     from hydra_kernels.chat import chat_prompt_ids
-    from hydra_kernels.model.pretrained import embedded_gguf_path
 
-    model, tok = hk.load_model(weights="fp32" if decoder == "plain-fp32" else None)
+    model, tok = hk.load_model(gguf, weights="fp32" if decoder == "plain-fp32" else None)
     dec = Ours(model, hk.load_drafter(model=model) if decoder.startswith("combined") else None,
                budget="adaptive" if decoder == "combined-adaptive" else None)
     dec.run(chat_prompt_ids(tok, "Explain how a hash map works."), 64)
@@ -168,14 +170,12 @@ print(json.dumps({"peak_rss_mb": int(hwm.split()[1]) / 1024}))
 """
 
 
-def peak_rss(decoder: str, threads: int) -> float:
+def peak_rss(decoder: str, threads: int, gguf: Path, embedded: bool) -> float:
     """Peak RSS (MB) of a fresh process that loads what `decoder` needs and decodes 64 tokens of one prompt."""
     if decoder.startswith("llama.cpp"):
-        from hydra_kernels.model.pretrained import embedded_gguf_path
-
-        argv = ["-c", _LLAMA_CPP_PROBE, str(embedded_gguf_path()), str(threads), str(int(decoder.endswith("lookup")))]
+        argv = ["-c", _LLAMA_CPP_PROBE, str(gguf), str(threads), str(int(decoder.endswith("lookup")))]
     else:
-        argv = [__file__, "--rss-probe", decoder, "--threads", str(threads)]
+        argv = [__file__, "--rss-probe", decoder, "--threads", str(threads)] + ([] if embedded else ["--gguf", str(gguf)])
     out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_rss_mb"]
 
@@ -190,14 +190,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--decoders", nargs="+", default=ALL_DECODERS, choices=ALL_DECODERS)
     ap.add_argument("--rss", action="store_true", help="peak RSS of a fresh process per decoder")
     ap.add_argument("--prefill", type=int, default=0, help="also time prefill of this many tokens (e.g. 2048)")
+    ap.add_argument("--gguf", type=Path, default=None, help="another GGUF of the embedded model (default: the embedded "
+                    "Q4_1 file)")
     ap.add_argument("--out", default=None, help="write cpu_peers.csv (+ .png) there")
     ap.add_argument("--rss-probe", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mtbench < 0 or args.editing < 0 or args.mtbench + args.editing == 0 or args.new_tokens < 2 \
             or args.rounds < 1 or args.threads < 1:
         ap.error("need --mtbench + --editing >= 1 prompts, --new-tokens >= 2, --rounds >= 1, --threads >= 1")
+    if args.gguf is not None and not args.gguf.is_file():
+        ap.error(f"--gguf {args.gguf}: no such file")
     if args.rss_probe:
-        return rss_probe(args.rss_probe, args.threads)
+        return rss_probe(args.rss_probe, args.threads, args.gguf)
     decoders = list(args.decoders)
     if not have_llama_cpp():
         skipped = [d for d in decoders if d.startswith("llama.cpp")]
@@ -213,10 +217,11 @@ def main(argv=None) -> list[dict]:
     from hydra_kernels.model.pretrained import EMBEDDED_SHA256, embedded_gguf_path
     from hydra_kernels.training.data import mtbench_questions
 
-    gguf = embedded_gguf_path()
-    model_dir = convert_gguf_cached(gguf, sha256=EMBEDDED_SHA256)
-    quantized, tok = hk.load_model()
-    fp32, _ = hk.load_model(weights="fp32")
+    embedded = args.gguf is None
+    gguf = embedded_gguf_path() if embedded else args.gguf
+    fp32, _ = hk.load_model(None if embedded else gguf, weights="fp32")  # the reference tokens
+    model_dir = convert_gguf_cached(gguf, sha256=EMBEDDED_SHA256 if embedded else None)  # its fp32 entry (transformers)
+    quantized, tok = hk.load_model(None if embedded else gguf)
     prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:args.mtbench]]
     prompts += editing_prompts(tok, args.editing)
     runners = {name: build(name, gguf, args.threads, quantized, fp32, model_dir) for name in decoders}
@@ -249,7 +254,8 @@ def main(argv=None) -> list[dict]:
                              x is not None for x in d) else ""))
     if args.rss:
         for r in rows:
-            r["peak_rss_mb"] = round(peak_rss(r["decoder"], args.threads)) if r["decoder"] != "transformers" else ""
+            r["peak_rss_mb"] = round(peak_rss(r["decoder"], args.threads, gguf, embedded)) \
+                if r["decoder"] != "transformers" else ""
     if args.prefill:
         from hydra_kernels.training.data import long_context_prompts
 
@@ -260,11 +266,11 @@ def main(argv=None) -> list[dict]:
                 dec.run(long, 1)  # warm-up at this length
                 t = min(_time(dec.run, long, 1) for _ in range(2))
                 r[f"prefill_{len(long)}_tok_s"] = round(len(long) / t, 1)
-    print(f"\n{len(prompts)} prompts ({args.mtbench} MT-Bench, {args.editing} editing), {args.new_tokens} new tokens "
+    print(f"\n{gguf.name}: {len(prompts)} prompts ({args.mtbench} MT-Bench, {args.editing} editing), {args.new_tokens} new tokens "
           f"at most, {args.rounds} rounds interleaved, {args.threads} threads, greedy; vs_our_plain: end to end")
     print_table(rows, list(rows[0]))
     if args.out:
-        write_results(rows, args.out, "cpu_peers", plot=lambda ax: _plot(ax, rows))
+        write_results(rows, args.out, "cpu_peers", plot=lambda ax: _plot(ax, rows, gguf.name))
     return rows
 
 
@@ -274,13 +280,13 @@ def _time(fn, *a) -> float:
     return time.perf_counter() - t
 
 
-def _plot(ax, rows: list[dict]) -> None:
+def _plot(ax, rows: list[dict], gguf_name: str) -> None:
     names = [r["decoder"] for r in rows]
     ax.barh(names, [r["e2e_tok_s"] for r in rows], label="end to end")
     ax.barh(names, [r["decode_tok_s"] for r in rows], alpha=0.4, label="decode only")
     ax.set_xlabel("tokens/s (median)")
     ax.legend()
-    ax.set_title("SmolLM2-135M Q4_1 GGUF, CPU, greedy")
+    ax.set_title(f"{gguf_name}, CPU, greedy")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ long_context_prompts), decoded greedily --new-tokens tokens by
 - speculative decoding with the drafter's default budget (its budget table for this device, when it has
   one: hydra_kernels/budget.py),
 - speculative decoding with its full tree every step (budget pinned), the behaviour before budget tables,
-in a rotating order, each call back to back, --reps rounds (each round rotates the order again); the
-figures are the medians over rounds, the ratios the medians of each round's ratio to plain (a round's
-variants ran back to back, so this VM's drift between rounds cancels). tok/s counts decode time only
+in a rotating order, each call back to back, --reps rounds (each round rotates the order again) of --groups
+prompt sets (another B prompts each); the figures are the medians over rounds and sets, the ratios the medians
+of each run's ratio to plain on the same prompts (a round's variants ran back to back, so this VM's drift
+between rounds cancels), with their min and max where there are over two. tok/s counts decode time only
 (prefill excluded), all sequences. Every speculative output is checked against plain decoding token for
 token (identical), in every round. --no-full-tree drops the third variant; --adaptive adds
 budget="adaptive" (hydra_kernels/adaptive.py: each step's draft sized by expected tokens per second) as
@@ -25,7 +26,7 @@ attention's time), attention GB/s = K/V bytes one step reads / the attention's t
 alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, context C, one query row).
 
     python benchmarks/bench_scaling.py [--drafter DIR | --kind KIND] [--compare KIND|DIR ...] [--batches 1 2 4 8 16]
-        [--contexts short 2048 8000] [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--no-full-tree]
+        [--contexts short 2048 8000] [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--groups 1] [--no-full-tree]
         [--adaptive] [--prompt-set mtbench|editing|sharegpt] [--ratio-reps 5] [--out DIR]
 
 Last, plain batch-1 decoding of a short and a 2048-token prompt, interleaved --ratio-reps times: the
@@ -110,14 +111,15 @@ def attention_seconds(model, B: int, C: int, reps: int = 5, cycle_mib: int = 204
     return statistics.median(times)
 
 
-def prompts_for(tok, C, B: int, questions: list[str], short: list[list[int]] | None = None) -> list[list[int]]:
+def prompts_for(tok, C, B: int, questions: list[str], short: list[list[int]] | None = None,
+                group: int = 0) -> list[list[int]]:
     """B prompts: MT-Bench questions as they are (C "short"; `short`: these prompts instead, cycled), or
-    C-token ones ending in the first question."""
+    C-token ones ending in the first question; `group` g: the g-th B of them (another set of prompts)."""
     if C == "short":
         if short is not None:
-            return [short[i % len(short)] for i in range(B)]
-        return [chat_prompt_ids(tok, q) for q in questions[:B]]
-    return long_context_prompts(tok, B, int(C), questions[0])
+            return [short[(group * B + i) % len(short)] for i in range(B)]
+        return [chat_prompt_ids(tok, q) for q in (questions[group * B:] + questions)[:B]]
+    return long_context_prompts(tok, (group + 1) * B, int(C), questions[0])[group * B:]
 
 
 def plain_context_ratio(model, tok, questions, context: int, reps: int, new_tokens: int) -> tuple[float, float]:
@@ -141,6 +143,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-batch-long", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=1, help="interleaved rounds per point (medians)")
+    ap.add_argument("--groups", type=int, default=1, help="prompt sets per point, each run every round (the ratios' "
+                    "medians over sets and rounds: one set's answers decide little)")
     ap.add_argument("--no-full-tree", action="store_true", help="skip the full-tree variant")
     ap.add_argument("--adaptive", action="store_true", help="add budget='adaptive' as a variant")
     ap.add_argument("--prompt-set", choices=("mtbench", "editing", "sharegpt"), default="mtbench",
@@ -169,32 +173,33 @@ def main(argv=None) -> list[dict]:
     if args.prompt_set == "editing":
         from bench_ngram import editing_prompts
 
-        short = editing_prompts(tok, max(args.batches))
+        short = editing_prompts(tok, max(args.batches) * args.groups)
     elif args.prompt_set == "sharegpt":
         from hydra_kernels.training.data import heldout_chat_prompts
 
-        short = heldout_chat_prompts(tok, max(args.batches))
+        short = heldout_chat_prompts(tok, max(args.batches) * args.groups)
     points = [(B, C) for C in args.contexts for B in args.batches
               if C == "short" or int(C) < 8000 or B <= args.max_batch_long]
     rows = []
     for i, (B, C) in enumerate(tqdm(points, desc="batch x context")):
-        prompts = prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions, short)
+        sets = [prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions, short, g) for g in range(args.groups)]
         full = whole_tree_budget(drafter, None, "cpu")  # its largest budget (a combined drafter: node_budget)
         kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full),
               ADAPTIVE: dict(drafter=drafter, budget="adaptive"), **{n: dict(drafter=d) for n, d in others.items()}}
         variants = ((VARIANTS[:2] if args.no_full_tree else VARIANTS) + ((ADAPTIVE,) if args.adaptive else ())
                     + tuple(others))
-        runs = {v: [] for v in variants}  # variant -> one GenerateOutput per round
+        runs = {v: [] for v in variants}  # variant -> one GenerateOutput per (round, prompt set)
         for rep in range(args.reps):
-            k = (i + rep) % len(variants)
-            for v in variants[k:] + variants[:k]:
-                runs[v].append(generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **kw[v]))
+            for g, prompts in enumerate(sets):
+                k = (i + rep + g) % len(variants)
+                for v in variants[k:] + variants[:k]:
+                    runs[v].append(generate(model, prompts, max_new_tokens=args.new_tokens, eos_token_id=[], **kw[v]))
         plain = runs["plain"]
-        ctx = sum(map(len, prompts)) / B
+        ctx = sum(len(p) for s in sets for p in s) / (B * len(sets))
         att = attention_seconds(model, B, int(ctx + args.new_tokens / 2), cycle_mib=args.attention_cycle_mib)
         step = statistics.median(o.decode_s / max(1, o.num_steps) for o in plain)
         kv = B * (ctx + args.new_tokens / 2) * kvt
-        row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps,
+        row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps * args.groups,
                "plain_tok_s": statistics.median(o.tokens_per_second for o in plain)}
         for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), (ADAPTIVE, "adaptive"),
                         *((n, n) for n in others)):
@@ -202,7 +207,10 @@ def main(argv=None) -> list[dict]:
                 continue
             outs = runs[v]
             row[f"{name}_tok_s"] = statistics.median(o.tokens_per_second for o in outs)
-            row[f"{name}_ratio"] = statistics.median(o.tokens_per_second / p.tokens_per_second for o, p in zip(outs, plain))
+            ratios = [o.tokens_per_second / p.tokens_per_second for o, p in zip(outs, plain)]
+            row[f"{name}_ratio"] = statistics.median(ratios)
+            if len(ratios) > 2:  # the spread of the paired ratios (this VM's run-to-run noise is a few percent)
+                row[f"{name}_ratio_min"], row[f"{name}_ratio_max"] = min(ratios), max(ratios)
             row[f"{name}_tokens_per_step"] = statistics.median(o.mean_accepted_tokens for o in outs)
             # sequences identical to plain decoding's, counted over every round
             row[f"{name}_identical"] = sum(a == b for o, p in zip(outs, plain) for a, b in zip(o.sequences, p.sequences))

@@ -84,15 +84,16 @@ def test_bench_sampling_runs(tmp_path):
 
 def test_bench_scaling_runs(tmp_path):
     """Plain vs speculative (default budget, full tree, the adaptive budget and a compared drafter) on the smallest
-    grid, two rounds: every output of every round lossless."""
+    grid, one round of three prompt sets: every output of every run lossless."""
     rows = _run_returning("bench_scaling", ["--batches", "1", "2", "--contexts", "short", "300", "--new-tokens", "4",
                                             "--compare", "medusa", "--adaptive",
-                                            "--reps", "2", "--ratio-reps", "1", "--ratio-context", "200",
+                                            "--reps", "1", "--groups", "3", "--ratio-reps", "1", "--ratio-context", "200",
                                             "--attention-cycle-mib", "16",
                                             "--out", str(tmp_path)])
     assert [(r["batch"], r["context"]) for r in rows] == [(1, "short"), (2, "short"), (1, "300"), (2, "300")]
     assert all(r["default_identical"] == r["full_identical"] == r["medusa_identical"] == r["adaptive_identical"]
-               == 2 * r["batch"] for r in rows)
+               == 3 * r["batch"] for r in rows)
+    assert all(r["adaptive_ratio_min"] <= r["adaptive_ratio"] <= r["adaptive_ratio_max"] for r in rows)
     assert all(r["adaptive_policy_ms_per_step"] >= 0 and 1 <= r["adaptive_mean_nodes"] for r in rows)
     assert all(r["plain_tok_s"] > 0 and r["weight_gb_s"] > 0 and r["attention_gb_s"] > 0 for r in rows)
     assert rows[0]["plain_long_over_short"] > 0 and (tmp_path / "scaling.png").exists()
@@ -145,3 +146,18 @@ def test_bench_cpu_peers_runs(tmp_path):
     assert [r["decoder"] for r in rows] == ["plain", "combined", "plain-fp32"]
     assert all(r["same_as_fp32"] == "1/1" and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
     assert len(_rows(tmp_path / "cpu_peers.csv")) == 3
+
+
+def test_bench_cpu_peers_reads_another_gguf_of_the_model(tmp_path, monkeypatch):
+    """--gguf: both sides read that file (here a copy of the embedded one: another path, not the embedded digest)."""
+    import shutil
+
+    from hydra_kernels.model.pretrained import embedded_gguf_path
+
+    monkeypatch.setenv("HYDRA_KERNELS_CACHE", str(tmp_path / "cache"))
+    copy = tmp_path / "smollm2-copy.gguf"
+    shutil.copyfile(embedded_gguf_path(), copy)
+    rows = _run_returning("bench_cpu_peers", ["--mtbench", "1", "--editing", "0", "--new-tokens", "6", "--rounds", "1",
+                                              "--decoders", "plain", "combined", "--gguf", str(copy)])
+    assert [r["decoder"] for r in rows] == ["plain", "combined"] and all(r["same_as_fp32"] == "1/1" for r in rows)
+    assert any(p.name.startswith("smollm2-copy-") for p in (tmp_path / "cache").iterdir())

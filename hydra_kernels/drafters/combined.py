@@ -34,7 +34,8 @@ class CombinedState:
         # heads_levels: the node budgets the heads take (their budget_levels; the largest: their whole tree)
         self.heads_levels, self.budget, self.device = heads_levels, budget, device
         self.heads_limit = None  # size_part's bound on the heads' nodes (None: the step's budget alone)
-        self.heads_lists = {}  # the heads' tree of n nodes -> (its parents, its nodes' ranks) as host lists
+        # the heads' tree of n nodes -> (its parents as a host list, its nodes' ranks on the host and on the device)
+        self.heads_lists = {}
         self.use_ngram, self.use_heads = True, True  # set_parts (the adaptive budget)
         self.root_only = Tree([])  # the heads' draft while they are held back
         self.part_s = [0.0, 0.0]  # seconds the last propose() spent in each part (ngram, heads)
@@ -178,12 +179,13 @@ class CombinedDrafter(Drafter):
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
         dev = state.device
         if Th not in state.heads_lists:  # once per tree size and run (a device tree's lists: one read)
-            state.heads_lists[Th] = (hp.tree.parents.tolist(), hp.tree.ranks.tolist())
-        heads_parents, heads_ranks = state.heads_lists[Th]
-        heads_signal = torch.tensor(heads_ranks, dtype=torch.long)  # a heads node: its guess's rank
+            ranks = hp.tree.ranks.tolist()  # a heads node's signal: its guess's rank
+            state.heads_lists[Th] = (hp.tree.parents.tolist(), torch.tensor(ranks, dtype=torch.long),
+                                     torch.tensor(ranks, dtype=torch.long, device=dev))
+        heads_parents, heads_signal, heads_signal_dev = state.heads_lists[Th]
         if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
             groups = torch.ones(B, Th, dtype=torch.long, device=dev)
-            return hp._replace(groups=groups, signal=heads_signal.to(dev).expand(B, Th))
+            return hp._replace(groups=groups, signal=heads_signal_dev.expand(B, Th))
         src_lists, par_lists = [], []
         for b in range(B):
             pn = ng_parents[b]
