@@ -178,3 +178,28 @@ def test_drafters_read_the_quantized_heads_rows_of_their_draft_vocabulary(smollm
         fp = hk.load_drafter(model=f).heads
         assert isinstance(fp._tied.packed_logits(f, fp.draft_vocab, h), torch.Tensor)
         assert fp._tied._panels._value.dtype is torch.bfloat16
+
+
+def test_drafters_build_their_lm_head_rows_when_a_run_starts(smollm2_pair, monkeypatch):
+    """The tied rows a drafter ranks with (heads, Amphista, a base-tied MLPSpeculator) are built in start(), not
+    in the first drafting step: the adaptive budget times a step's drafting as its part's cost, and a ~25 ms
+    one-time build there kept the heads held back (adaptive.py's gates). No draft runs here (propose would fail)."""
+    from hydra_kernels.drafters import fit
+
+    q, _, _ = smollm2_pair
+    backends = q.backend_plan()
+    for kind in ("hydra", "amphista", "mlp_speculator"):
+        d = hk.load_drafter(kind=kind, model=q)
+        tied = d.base_head if kind == "mlp_speculator" else d._tied
+        if kind == "mlp_speculator" and not d.config.tie_base:
+            continue
+        tied._panels.clear()
+        with torch.no_grad():
+            d.start(q, 1, 64, d.resolve_tree(None, "cpu"), backends)
+        assert isinstance(tied._panels._value, QuantizedPanels), kind
+        monkeypatch.setattr(fit, "pack_lm_head_rows", lambda *a: pytest.fail("rows built again"))
+        monkeypatch.setattr(QuantizedPanels, "select_rows", lambda *a: pytest.fail("rows built again"))
+        h = torch.randn(2, q.config.hidden_size)
+        with torch.no_grad():
+            tied.packed_logits(q, d.draft_vocab, h)  # the first draft's read: built already
+        monkeypatch.undo()

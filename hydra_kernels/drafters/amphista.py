@@ -347,6 +347,8 @@ class AmphistaDrafter(Drafter):
     # ---- the run ----------------------------------------------------------------------------------
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> AmphistaState:
         self.use_packed_cpu_weights(backends.packed_linear)
+        if self.lm_down is None:  # its heads rank with the base head's rows: built now, not in the first draft
+            self._tied.prepare(model, self.draft_vocab, self.packed)
         # rows: the committed prefix plus a pending chunk's padding (at most the accept width, depth + 1)
         cfg = dataclasses.replace(self.block_config, num_layers=self.config.num_stages)
         cache = KVCache(cfg, batch_size, max_seq_len + tree.depth + 2, dtype=model.dtype, device=model.device)

@@ -8,6 +8,7 @@ import torch
 
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..ops.packed_linear import pack_linear_weight, packed_linear
+from ..ops.quantized_linear import QuantizedPanels
 from ..weight_cache import DerivedCache
 
 # storage of the drafters' packed CPU panels (fp32 accumulation); torch.float32 keeps fp32 weights (same kernel)
@@ -92,16 +93,30 @@ class TiedLMHead:
         rule): where the model's LM head is quantized (a GGUF's Q8_0 head, Llama.lm_head_quantized), the rows'
         own blocks (QuantizedPanels.select_rows: the head's exact values at ~1.1 bytes a weight, where bf16
         panels take 2 and round them: a drafting step reads these rows every depth); else bf16 panels."""
+        panels = self._cpu_panels(model, draft_vocab)
+        if isinstance(panels, QuantizedPanels):
+            return panels.linear(hidden)
+        return packed_linear(hidden, panels, model.output.out_features if draft_vocab is None else draft_vocab.numel())
+
+    def _cpu_panels(self, model, draft_vocab: torch.Tensor | None):
+        """The rows packed_logits reads (built once, kept until the head's weight or the vocabulary changes)."""
         src, V = model.lm_head_source(), model.output.out_features
         sources = (src,) if draft_vocab is None else (src, draft_vocab)
         quantized = model.lm_head_quantized()
         if quantized is not None:
-            rows = self._panels.get(sources, lambda: quantized if draft_vocab is None else
+            return self._panels.get(sources, lambda: quantized if draft_vocab is None else
                                     quantized.select_rows(draft_vocab), extra=("quantized",))
-            return rows.linear(hidden)
-        panels = self._panels.get(sources, lambda: pack_lm_head_rows(
+        return self._panels.get(sources, lambda: pack_lm_head_rows(
             model.lm_head_rows, torch.arange(V) if draft_vocab is None else draft_vocab), extra=(DRAFT_PACK_DTYPE,))
-        return packed_linear(hidden, panels, V if draft_vocab is None else draft_vocab.numel())
+
+    def prepare(self, model, draft_vocab: torch.Tensor | None, packed: bool) -> None:
+        """At a run's start: build the CPU rows now where this run's drafting reads them (the packed kernel on an
+        fp32 CPU model, no autograd). Built lazily they landed in the first drafting step (~25 ms for SmolLM2's
+        16384-token draft vocabulary, ~4x a plain step), which the adaptive budget times as that part's cost: the
+        part then looked dear and stayed held back for runs after (adaptive.py keeps its gates)."""
+        if (packed and model.device.type == "cpu" and model.output.weight.dtype is torch.float32
+                and not torch.is_grad_enabled()):
+            self._cpu_panels(model, draft_vocab)
 
     def logits(self, model, draft_vocab: torch.Tensor | None, hidden: torch.Tensor, packed: bool) -> torch.Tensor:
         """hidden [..., H] -> logits [..., Vd]. packed: the CPU kernel on bf16 panels where its rule allows

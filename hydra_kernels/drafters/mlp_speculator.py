@@ -318,6 +318,8 @@ class MLPSpeculatorDrafter(Drafter):
 
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> SpeculatorState:
         self.use_packed_cpu_weights(backends is not None and backends.packed_linear)  # None: fp32 F.linear (tests)
+        if self.config.tie_base:  # its stages rank with the base head's rows: built now, not in the first draft
+            self.base_head.prepare(model, self.draft_vocab, self.packed)
         return SpeculatorState(model.device, model=model)
 
     def use_packed_cpu_weights(self, on: bool) -> None:
