@@ -41,16 +41,18 @@ def test_barrier_check_sees_loads_before_stores():
 
 # CI's share of the matrix `make triton-aot` compiles (every model, dtype and arch: 1068 compiles, ~15 CPU-minutes
 # on a cold cache, 2026-11-26; its table is committed): sm_90 at both head dims (SmolLM2's 64, Llama-3-8B's 128,
-# GQA) in bf16 and fp32 (fp16 compiles as bf16 does; fp32 holds the largest tiles: the spill and shared-memory
-# limits), and sm_80 (the smaller shared memory) at Llama-3-8B's shapes in the same dtypes.
-CI_MATRIX = {"90": (["smollm2-135m", "llama-3-8b"], ["bf16", "fp32"]), "80": (["llama-3-8b"], ["bf16", "fp32"])}
+# GQA) in bf16 (fp16 compiles as bf16 does), fp32 at Llama-3-8B's (head dim 128 holds the largest tiles: the spill
+# and shared-memory limits; SmolLM2's fp32 left out for CI's time, 2026-11-28: the test took 346-366 s), and sm_80
+# (the smaller shared memory) at Llama-3-8B's shapes in both dtypes.
+CI_RUNS = [("90", ["smollm2-135m"], ["bf16"]), ("90", ["llama-3-8b"], ["bf16", "fp32"]),
+           ("80", ["llama-3-8b"], ["bf16", "fp32"])]  # (arch, models, dtypes): one triton_aot.py call each
 
 
 def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     rows = []
-    for arch, (models, dtypes) in CI_MATRIX.items():
-        out = tmp_path / f"sm{arch}"
+    for arch, models, dtypes in CI_RUNS:
+        out = tmp_path / f"sm{arch}-{models[0]}"
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "triton_aot.py"), "--out", str(out), "--arch", arch,
                             "--models", *models, "--dtypes", *dtypes], capture_output=True, text=True, env=env, cwd=ROOT)
         assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
@@ -63,7 +65,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80(tmp_path):
     aot = _aot()
     for op in aot.kernel_files():
         for kernel in aot.declared_kernels(op):
-            for arch in CI_MATRIX:
+            for arch in {a for a, _, _ in CI_RUNS}:
                 got = [x for x in rows if x["kernel"] == kernel and x["arch"] == arch]
                 assert got and all(x["registers"] for x in got), f"{kernel} sm_{arch} not compiled"
     assert not [x for x in rows if x["fails"]]
