@@ -126,9 +126,9 @@ def _bits(b: np.ndarray, count: int) -> np.ndarray:
 
 
 def _q5_high(blocks, at: int) -> np.ndarray:
-    """Q5_0 / Q5_1: the 32 fifth bits (a little-endian uint32 at byte `at`) -> [n, 32] uint8, weight j's bit j."""
-    qh = np.ascontiguousarray(blocks[:, at:at + 4]).view("<u4")  # [n, 1]
-    return ((qh >> np.arange(32, dtype=np.uint32)) & np.uint32(1)).astype(np.uint8)
+    """Q5_0 / Q5_1: the 32 fifth bits (a little-endian uint32 at byte `at`) -> [n, 32] uint8: weight j takes bit
+    j % 8 of byte j // 8."""
+    return _bits(blocks[:, at:at + 4], 8).transpose(0, 2, 1).reshape(-1, 32)
 
 
 def _q5_0(blocks):
