@@ -17,6 +17,9 @@ Per step, two decisions:
    since a step's expected emitted tokens are 1 + the sum over drafted nodes of P(node) (each accepted
    node is one token; siblings are disjoint events). T = 1 is a plain step. The padded TreeBatch makes
    every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
+   Where the drafter knows its draft's shape before drafting (Drafter.outline: the n-gram lookups, a static
+   tree), the same choice is made first on the host from that shape (the drafting cost its parts' recent
+   mean): a draft it would cut to the root alone is not drafted, and the step is plain at once.
 
 Conditional acceptance rates are learned during the run (`Calibration`): keyed by (part, depth, signal),
 signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
@@ -44,6 +47,7 @@ the one-host-read loop does not have (generate() runs the adaptive budget in the
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 
@@ -100,6 +104,7 @@ class Calibration:
         self.seq_tested = torch.zeros(batch, self.K, device=device)
         self.seq_accepted = torch.zeros(batch, self.K, device=device)
         self.pending = 0  # decay steps not applied yet (_settle): a plain step then costs no tensor op
+        self.host = None  # host copies of the counts and the prior (host_rates), until they next change
 
     def keys(self, groups: torch.Tensor, depths: torch.Tensor, signal: torch.Tensor) -> torch.Tensor:
         d = (depths - 1).clamp(0, MAX_DEPTH_KEY - 1)
@@ -112,6 +117,24 @@ class Calibration:
         seq = (self.seq_accepted + SEQ_PRIOR_WEIGHT * run) / (self.seq_tested + SEQ_PRIOR_WEIGHT)  # [B, K]
         return seq.gather(1, keys)
 
+    def host_rates(self, keys: dict[int, list[int]]) -> dict[int, list[float]]:
+        """rates() of keys {b: [T] keys of sequence b} computed on the host, as floats: for the pre-check of a
+        draft not drafted yet, where a few dozen keys are read and the tensor ops' dispatch would cost more
+        than the arithmetic. The counts' pending decay f enters as (accepted * f + w * prior) / (tested * f + w)."""
+        if self.host is None:
+            self.host = [t.tolist() for t in (self.tested, self.accepted, self.prior, self.seq_tested,
+                                              self.seq_accepted)]
+        tested, accepted, prior, seq_tested, seq_accepted = self.host
+        f = DECAY ** self.pending
+        out = {}
+        for b, ks in keys.items():
+            st, sa, row = seq_tested[b], seq_accepted[b], []
+            for k in ks:
+                run = (accepted[k] * f + RUN_PRIOR_WEIGHT * prior[k]) / (tested[k] * f + RUN_PRIOR_WEIGHT)
+                row.append((sa[k] * f + SEQ_PRIOR_WEIGHT * run) / (st[k] * f + SEQ_PRIOR_WEIGHT))
+            out[b] = row
+        return out
+
     def decay(self) -> None:
         """Every step, verified or not: counts fade, so a key that stops being verified drifts back to its
         prior and is tried again (a low rate learned once is not kept for good). Applied when the counts are next
@@ -123,7 +146,7 @@ class Calibration:
             f = DECAY ** self.pending
             for t in (self.tested, self.accepted, self.seq_tested, self.seq_accepted):
                 t.mul_(f)
-            self.pending = 0
+            self.pending, self.host = 0, None
 
     def update(self, keys: torch.Tensor, tested: torch.Tensor, accepted: torch.Tensor) -> None:
         """keys [B, T]; tested / accepted float [B, T] (0 / 1)."""
@@ -132,6 +155,7 @@ class Calibration:
         self.seq_accepted.scatter_add_(1, keys, accepted)
         self.tested.index_add_(0, keys.flatten(), tested.flatten())
         self.accepted.index_add_(0, keys.flatten(), accepted.flatten())
+        self.host = None
 
     def remember(self) -> None:
         """This run's rates become the next run's prior (same drafter)."""
@@ -254,7 +278,7 @@ class AdaptiveBudget:
         self.runs = [0] * len(self.parts)  # per part: the steps it drafted
         self.last_t = None
         # the step in flight: (parts ran, their drafting ms, verified width, the verified nodes' keys / depths /
-        # valid / parents / groups or None, active [B] float or None)
+        # valid / parents / groups or None, active [B] float or None, the drafting ms their gates record)
         self.step = None
 
     # ---- before proposing -------------------------------------------------------------------------
@@ -271,7 +295,7 @@ class AdaptiveBudget:
 
     def plain_step(self) -> None:
         """No part drafted this step."""
-        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None)
+        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None, None)
 
     # ---- proposing ---------------------------------------------------------------------------------
     def propose(self, drafter, state, root: torch.Tensor, seqlens: torch.Tensor, active: torch.Tensor,
@@ -285,15 +309,34 @@ class AdaptiveBudget:
                 self.runs[p] += 1
                 whole = self.keep[p] is None or self.runs[p] % EXPLORE_EVERY == 0
                 drafter.size_part(state, p, None if whole else max(self.keep[p], 1) + 1)  # + the root
+        ran = max(sum(parts), 1)
         t0 = self.clock()
+        # the draft's shape where the drafter knows it before drafting (Drafter.outline): a draft this step
+        # would cut to the root alone is not drafted at all (the lookups and the heads' work saved)
+        shape = drafter.outline(state, self.batch) if self.prunable else None
+        if shape is not None:
+            drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
+            if self._best_width(*self._host_expected(shape, active), drafting) == 1:
+                drafter.skip_step(state, root, seqlens)  # as on a plain step (EAGLE / Amphista catch up)
+                self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
+                t1 = self.clock()
+                # the gates judge it as the trial it replaces, at their parts' drafting cost: the trial schedule
+                # (waits from that cost, PROBE_SHARE) stays the one the margins were measured with; only the
+                # drafting is saved (EPYC VM, 2026-11-28: charged at the check's ~0.2 ms, the parts were tried
+                # every 2 steps and drafted more, at batch 2 on the editing set 0.91x plain against 1.04-1.09x)
+                gate_ms = [g.cost if r and g.gain is not None else 0.0 for g, r in zip(self.gates, parts)]
+                self._charge(parts, [(t1 - t0) * 1e3 / ran if r else 0.0 for r in parts], 1, None,
+                             active.to(torch.float32), t1, gate_ms)
+                return None
+        t_shape = self.clock()
         prop = drafter.propose(state, root, seqlens)
         t1 = self.clock()
         part_ms = drafter.part_times(state)  # seconds per part where the drafter times them, else the whole call
         if part_ms is None:
-            ran = max(sum(parts), 1)
-            part_ms = [(t1 - t0) * 1e3 / ran if r else 0.0 for r in parts]
+            part_ms = [(t1 - t_shape) * 1e3 / ran if r else 0.0 for r in parts]
         else:
             part_ms = [x * 1e3 for x in part_ms]
+        part_ms = [m + (t_shape - t0) * 1e3 / ran if r else m for m, r in zip(part_ms, parts)]  # + the outline
         tokens, tree = prop.tokens, prop.tree
         B, T0 = tokens.shape
         if T0 == 1:  # the parts found nothing to draft (no n-gram match, say): a plain step, nothing to cut
@@ -317,13 +360,7 @@ class AdaptiveBudget:
         order = torch.sort(P, dim=1, descending=True, stable=True).indices  # root first, parents before children
         act = active.to(P.dtype)
         expected = (P.gather(1, order).cumsum(1) * act[:, None]).sum(0).tolist()  # [T0]: tokens of the best w nodes
-        # a proposal that cannot be cut is verified whole once drafted (its drafter expects that step)
-        widths = range(1, min(self.cap, T0) + 1) if self.prunable else (T0,)
-        drafted = sum(part_ms)  # paid already, by every width alike
-        per_ms = {w: expected[w - 1] / (drafted + self.costs.predict(w)) for w in widths}
-        best = max(widths, key=per_ms.get)
-        if self.prunable and best > 1 and per_ms[best] < self.margin * per_ms[1]:
-            best = 1
+        best = self._best_width(expected, T0, sum(part_ms))  # the drafting, paid already, by every width alike
         if best == T0:
             out, vp = prop, (keys, depths, valid, parents, groups)
         elif best > 1:
@@ -340,13 +377,51 @@ class AdaptiveBudget:
         self._charge(parts, part_ms, best, vp, act, t1)
         return out
 
-    def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float) -> None:
+    def _best_width(self, expected: list[float], T0: int, drafted: float) -> int:
+        """The verified width w (nodes per sequence) maximising expected[w - 1] tokens per (drafted + a step
+        of w rows) ms; 1 unless it beats a plain step's rate by the margin. A proposal that cannot be cut is
+        verified whole once drafted (its drafter expects that step)."""
+        widths = range(1, min(self.cap, T0) + 1) if self.prunable else (T0,)
+        per_ms = {w: expected[w - 1] / (drafted + self.costs.predict(w)) for w in widths}
+        best = max(widths, key=per_ms.get)
+        if self.prunable and best > 1 and per_ms[best] < self.margin * per_ms[1]:
+            best = 1
+        return best
+
+    def _host_expected(self, shape, active: torch.Tensor) -> tuple[list[float], int]:
+        """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
+        per sequence) instead of the drafted proposal's tensors: the same keys, rates and P (a product down the
+        path), each sequence's P sorted. -> (expected [T0], T0)."""
+        T0 = max(len(parents) for parents, _, _ in shape)
+        keys = {}  # active sequences only: a finished one's nodes count for nothing
+        for b, ((parents, groups, signal), a) in enumerate(zip(shape, active.tolist())):
+            if not a:
+                continue
+            depth = [0] * len(parents)
+            for j in range(1, len(parents)):
+                depth[j] = depth[parents[j]] + 1
+            keys[b] = [(g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
+                       + min(max(x, 0), SIGNALS - 1) for g, d, x in zip(groups, depth, signal)]
+        expected = [0.0] * T0
+        for b, r in self.calib.host_rates(keys).items():
+            parents = shape[b][0]
+            P = [1.0]
+            for j in range(1, len(parents)):
+                P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
+            P.sort(reverse=True)
+            P += [0.0] * (T0 - len(P))
+            for w, total in enumerate(itertools.accumulate(P)):
+                expected[w] += total
+        return expected, T0
+
+    def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None) -> None:
         """Set the step in flight. The policy's own work on the proposal since t1 is part of what drafting cost
         (a trial that drafts nothing still pays it): charged to the parts that ran, so their gates weigh a
-        trial's whole price."""
+        trial's whole price (gate_ms: what the gates record instead, where it differs; see propose)."""
         own_ms = (self.clock() - t1) * 1e3
         ran = max(sum(parts), 1)
-        self.step = (parts, [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)], width, vp, act)
+        part_ms = [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)]
+        self.step = (parts, part_ms, width, vp, act, gate_ms or part_ms)
         self.host_s += own_ms / 1e3
 
     # ---- after the step ---------------------------------------------------------------------------
@@ -354,7 +429,7 @@ class AdaptiveBudget:
         """accept_indices [B, D+1]: the verified tree's node ids along the accepted path (-1 past it; None
         for a plain step), after the step's host read. Times the step, learns the rates, judges the parts."""
         t0 = self.clock()
-        parts, part_ms, width, vp, act = self.step
+        parts, part_ms, width, vp, act, gate_ms = self.step
         if self.last_t is not None:
             self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
         self.first = False
@@ -380,7 +455,7 @@ class AdaptiveBudget:
         n_seq = float(act.sum()) if act is not None else float(self.batch)
         for p, ran in enumerate(parts):
             if ran:
-                self.gates[p].record(earned[p], rows[p], part_ms[p], self.costs.predict(1))
+                self.gates[p].record(earned[p], rows[p], gate_ms[p] or part_ms[p], self.costs.predict(1))
         for p, ran in enumerate(parts):
             if not ran:
                 continue

@@ -85,6 +85,17 @@ class Tree:
             offsets.append(offsets[-1] + plan.topk)
         self.flat_source = torch.tensor([0] + [offsets[len(c) - 1] + c[-1] for c in self.choices], dtype=torch.long)
 
+    def host_parents(self) -> list[int]:
+        """parents as a host list, from the choices (no device read; built once)."""
+        if "_host_parents" not in self.__dict__:
+            index = {c: i for i, c in enumerate([()] + self.choices)}
+            self._host_parents = [-1] + [index[c[:-1]] for c in self.choices]
+        return self._host_parents
+
+    def host_ranks(self) -> list[int]:
+        """ranks as a host list (node 0, the root: 0), from the choices."""
+        return [0] + [c[-1] for c in self.choices]
+
     def to(self, device) -> "Tree":
         """A copy whose tensors live on `device` (the buffers are built once per generate call)."""
         t = object.__new__(Tree)
@@ -355,6 +366,17 @@ def run_subtree(full: Tree, nodes: int, built: dict, device) -> Tree:
     if nodes not in built:
         built[nodes] = full.subtree(nodes).to(device)
     return built[nodes]
+
+
+def sibling_ranks(parents: list[int]) -> list[int]:
+    """parents (a host list, root first) -> each node's rank among its siblings (0: its parent's first child),
+    as adaptive.sibling_rank computes it on tensors."""
+    seen: dict[int, int] = {}
+    out = []
+    for p in parents:
+        out.append(seen.get(p, 0))
+        seen[p] = out[-1] + 1
+    return out
 
 
 def chain(depth: int) -> Tree:

@@ -30,12 +30,44 @@ def randomise_policy(monkeypatch, seed: int) -> None:
     monkeypatch.setattr(adaptive.PartGate, "due", lambda self: rng.random() < 0.8)
 
 
+def check_outlines(drafter) -> list[int]:
+    """Wraps drafter.propose: each proposal must be the tree Drafter.outline gave just before it (parents,
+    parts, signal or sibling ranks, per sequence). Returns [proposals checked]."""
+    propose, checked = drafter.propose, [0]
+
+    def wrapped(state, root, seqlens):
+        shape = drafter.outline(state, root.shape[0])
+        prop = propose(state, root, seqlens)
+        if shape is not None:
+            B, T = prop.tokens.shape
+            tr = prop.tree
+            parents = tr.parents.expand(B, T) if isinstance(tr, hk.tree.Tree) else tr.parents
+            valid = torch.ones(B, T, dtype=torch.bool) if isinstance(tr, hk.tree.Tree) else tr.valid
+            groups = prop.groups if prop.groups is not None else torch.zeros(B, T, dtype=torch.long)
+            signal = prop.signal if prop.signal is not None else sibling_rank(parents)
+            assert len(shape) == B
+            for b, (par, grp, sig) in enumerate(shape):
+                n = len(par)
+                assert int(valid[b].sum()) == n and parents[b, :n].tolist() == par, (b, par, parents[b])
+                assert groups[b, :n].tolist() == grp and signal[b, :n].tolist() == sig, b
+            checked[0] += 1
+        return prop
+
+    drafter.propose = wrapped
+    return checked
+
+
+OUTLINED = ("medusa", "hydra", "hydra++", "eagle-static", "amphista", "ngram", "combined")
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_any_choice_of_the_policy_is_lossless(model, name, monkeypatch):  # noqa: F811
     """budget='adaptive' with random costs and gates: plain greedy's tokens, batched, ragged prompts; the
-    steps verified plain steps and cut trees of several widths."""
+    steps verified plain steps and cut trees of several widths; every proposal is the tree its outline (the
+    host pre-check's input) said it would be."""
     randomise_policy(monkeypatch, seed=len(name))
     d, tree = make(model, name)
+    checked = check_outlines(d)
     plain = generate(model, PROMPTS, max_new_tokens=24, eos_token_id=[])
     out = generate(model, PROMPTS, drafter=d, tree=tree, budget="adaptive", max_new_tokens=24, eos_token_id=[],
                    backend="reference")
@@ -44,6 +76,7 @@ def test_any_choice_of_the_policy_is_lossless(model, name, monkeypatch):  # noqa
     assert [len(s) for s in out.seq_step_nodes] == [len(a) for a in out.accept_lengths]
     assert all(a >= 0 for a in out.depth_accepted)
     assert all(x <= y for x, y in zip(out.depth_accepted[1:], out.depth_drafted[1:]))
+    assert (checked[0] > 0) == (name in OUTLINED), checked
 
 
 def test_the_real_policy_is_lossless_on_the_real_model():
@@ -128,13 +161,31 @@ class OneChainDrafter:
     def part_times(self, state):
         return [0.0]
 
+    def outline(self, state, batch):
+        return None  # the policy judges the drafted proposal
+
+    def skip_step(self, state, root, seqlens):
+        self.skipped = getattr(self, "skipped", 0) + 1
+
     def propose(self, state, root, seqlens):
+        self.proposed = getattr(self, "proposed", 0) + 1
         B = root.shape[0]
         return Proposal(torch.arange(5).expand(B, 5).clone(), hk.tree.chain(4))
 
 
-def learned_policy(rate: float, row_ms: float, batch: int = 2) -> AdaptiveBudget:
-    p = AdaptiveBudget(OneChainDrafter(), batch, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+class OutlinedChainDrafter(OneChainDrafter):
+    """The same chain, its shape known before drafting (Drafter.outline, as a static tree's)."""
+
+    def outline(self, state, batch):
+        return hk.drafters.protocol.Drafter.outline(self, state, batch)
+
+    def static_tree(self, state):
+        return hk.tree.chain(4)
+
+
+def learned_policy(rate: float, row_ms: float, batch: int = 2, drafter=None) -> AdaptiveBudget:
+    p = AdaptiveBudget(drafter or OneChainDrafter(), batch, 5, OneChainDrafter(), torch.device("cpu"),
+                       clock=lambda: 0.0)
     p.calib.tested.fill_(1000.0)
     p.calib.accepted.fill_(1000.0 * rate)
     p.costs.coef = [10.0, row_ms]
@@ -147,14 +198,104 @@ def test_the_policy_drafts_only_what_pays(rate, row_ms, width):
     """Chain nodes accepted at `rate` each, a row costing row_ms beside a 10 ms step: the width chosen
     maximises (1 + rate + rate^2 + ...) / (10 + row_ms (w - 1)) (0.5 / 1 ms: 1.75 / 12 beats 1.5 / 11 and
     1.875 / 13), where it beats a plain step by adaptive.MARGIN (0.2 / 1 ms: 1.2 / 11 is 1.09x 1 / 10: plain)."""
-    p = learned_policy(rate, row_ms)
-    d = OneChainDrafter()
-    out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
-    got = 1 if out is None else out.tree.num_nodes
-    assert got == width
-    r = {w: sum(rate**k for k in range(w)) / (10 + row_ms * (w - 1)) for w in range(1, 6)}
-    expect = max(r, key=r.get)
-    assert got == (expect if r[expect] >= p.margin * r[1] else 1) and p.margin == adaptive.MARGIN
+    for d in (OneChainDrafter(), OutlinedChainDrafter()):
+        p = learned_policy(rate, row_ms, drafter=d)
+        out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+        got = 1 if out is None else out.tree.num_nodes
+        assert got == width
+        r = {w: sum(rate**k for k in range(w)) / (10 + row_ms * (w - 1)) for w in range(1, 6)}
+        expect = max(r, key=r.get)
+        assert got == (expect if r[expect] >= p.margin * r[1] else 1) and p.margin == adaptive.MARGIN
+        # a drafter whose outline shows the draft would be cut to the root is not asked to draft: it skips
+        outlined = isinstance(d, OutlinedChainDrafter)
+        assert getattr(d, "proposed", 0) == (0 if outlined and width == 1 else 1)
+        assert getattr(d, "skipped", 0) == (1 if outlined and width == 1 else 0)
+
+
+def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
+    """A draft the outline shows would be cut is not drafted; its part's gate records a trial that earned
+    nothing at the part's known drafting cost (not the check's): its trial schedule stays the one a drafted
+    trial would set."""
+    d = OutlinedChainDrafter()
+    p = learned_policy(0.05, 2.0, drafter=d)  # the draft would be cut to the root
+    g = p.gates[0]
+    g.record(1.0, 1.0, 3.0)  # an earlier drafted trial: 1 token earned, 3 ms of drafting
+    assert p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,)) is None
+    assert getattr(d, "proposed", 0) == 0 and d.skipped == 1
+    p.observe(None)
+    assert g.cost == pytest.approx(3.0) and g.gain == pytest.approx(0.7)  # the mean gain: 0.7 * 1 + 0.3 * 0
+    assert not g.open
+
+
+class RandomTreeDrafter:
+    """Per sequence a random tree of parts and signals (a Proposal with groups and signal, or without a
+    signal: sibling ranks), its outline the same lists."""
+
+    parts = ("a", "b")
+    prunable_proposals = True
+
+    def __init__(self, seed: int, B: int, with_signal: bool):
+        rng = random.Random(seed)
+        self.lists = []
+        for _ in range(B):
+            T = rng.randint(1, 9)
+            parents = [-1] + [rng.randrange(j) for j in range(1, T)]
+            self.lists.append((parents, [rng.randrange(2) for _ in range(T)],
+                               [rng.randrange(10) for _ in range(T)] if with_signal else None))
+
+    def set_parts(self, state, parts):
+        pass
+
+    def size_part(self, state, part, nodes):
+        pass
+
+    def part_times(self, state):
+        return [0.0, 0.0]
+
+    def outline(self, state, batch):
+        return [(p, g, x if x is not None else hk.tree.sibling_ranks(p)) for p, g, x in self.lists]
+
+    def skip_step(self, state, root, seqlens):
+        pass
+
+    def propose(self, state, root, seqlens):
+        B, T = len(self.lists), max(len(p) for p, _, _ in self.lists)
+        pad = lambda v: v + [0] * (T - len(v))  # noqa: E731
+        tree = TreeBatch.from_parent_lists([p for p, _, _ in self.lists])
+        groups = torch.tensor([pad(g) for _, g, _ in self.lists])
+        signal = None if self.lists[0][2] is None else torch.tensor([pad(x) for _, _, x in self.lists])
+        return Proposal(torch.zeros(B, T, dtype=torch.long), tree, groups=groups, signal=signal)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
+    """The host pre-check (Drafter.outline -> _host_expected) computes the expected tokens per width that the
+    drafted proposal's tensors give: random trees per sequence, two parts, signals and sibling ranks, random
+    learned rates per sequence, pending decay, a finished sequence."""
+    B = 4
+    p = AdaptiveBudget(RandomTreeDrafter(0, B, True), B, 16, OneChainDrafter(), torch.device("cpu"),
+                       clock=lambda: 0.0)
+    g = torch.Generator().manual_seed(seed)
+    p.calib.seq_tested.copy_(torch.rand(p.calib.seq_tested.shape, generator=g) * 20)
+    p.calib.seq_accepted.copy_(p.calib.seq_tested * torch.rand(p.calib.seq_tested.shape, generator=g))
+    p.costs.coef, p.margin = [10.0, 0.0], 1.0  # rows free, no margin: the pre-check passes, the proposal is judged
+    for _ in range(seed):  # decay not applied yet: the host read applies it as the tensors' _settle does
+        p.calib.decay()
+    seen = []
+    best = AdaptiveBudget._best_width
+    monkeypatch.setattr(AdaptiveBudget, "_best_width",
+                        lambda self, e, T0, d: seen.append(list(e)) or best(self, e, T0, d))
+    active = torch.tensor([1, 1, 0, 1])
+    for with_signal in (True, False):
+        seen.clear()
+        d = RandomTreeDrafter(seed * 2 + with_signal, B, with_signal)
+        p.propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
+        T0 = max(len(x) for x, _, _ in d.lists)
+        if T0 == 1:  # nothing drafted anywhere: a plain step from the outline alone
+            assert len(seen) == 1
+            continue
+        assert len(seen) == 2, "the pre-check must pass where rows are free"
+        assert seen[0] == pytest.approx(seen[1], rel=1e-5, abs=1e-5)
 
 
 def test_a_sized_part_drafts_what_the_last_cut_kept_and_its_whole_draft_every_few_runs():

@@ -49,6 +49,20 @@ def test_index_matches_brute_force_rescan(min_n, max_n, k, branches):
             assert idx.lookup(k, branches) == brute_lookup(idx.text, min_n, max_n, k, branches), idx.text
 
 
+def test_byte_matches_across_token_boundaries_are_not_matches():
+    """The index searches the text's 4-byte words: ids whose bytes shift into each other (0x05, 0x500,
+    0x50000, 0x5000000, 0) make byte matches that straddle two tokens, which must be skipped, never taken
+    for an occurrence (the rescan is the reference)."""
+    rng = random.Random(7)
+    ids = [0, 5, 0x500, 0x50000, 0x5000000, 0x5050505, 2**32 - 1]
+    for min_n, max_n, k, branches in [(1, 4, 5, 1), (1, 3, 4, 3)]:
+        for _ in range(20):
+            idx = NgramIndex(min_n, max_n)
+            while len(idx.text) < 120:
+                idx.extend([rng.choice(ids) for _ in range(rng.randint(1, 4))])
+                assert idx.lookup(k, branches) == brute_lookup(idx.text, min_n, max_n, k, branches), idx.text
+
+
 @pytest.mark.parametrize("period", [1, 2, 3, 7])
 def test_a_loop_drafts_num_tokens_of_the_loop(period):
     """The most recent occurrence of the suffix ends `period` tokens back: its continuation runs into the

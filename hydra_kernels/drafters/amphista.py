@@ -380,6 +380,9 @@ class AmphistaDrafter(Drafter):
     def skip_step(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
         self._adapt_chunk(state, root)  # the pending positions still enter the adaptation layers' buffers
 
+    def static_tree(self, state: AmphistaState) -> Tree:
+        return state.tree
+
     def propose(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor | None) -> Proposal:
         if state.pend_tok is None:
             raise RuntimeError("amphista needs the prompts' tokens: call observe_tokens after after_prefill")

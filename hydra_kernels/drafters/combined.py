@@ -178,27 +178,15 @@ class CombinedDrafter(Drafter):
             ng_parents, ng_tokens = [[-1]] * B, [[0]] * B
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
         dev = state.device
-        if Th not in state.heads_lists:  # once per tree size and run (a device tree's lists: one read)
-            ranks = hp.tree.ranks.tolist()  # a heads node's signal: its guess's rank
-            state.heads_lists[Th] = (hp.tree.parents.tolist(), torch.tensor(ranks, dtype=torch.long),
+        if Th not in state.heads_lists:  # once per tree size and run
+            ranks = hp.tree.host_ranks()  # a heads node's signal: its guess's rank
+            state.heads_lists[Th] = (hp.tree.host_parents(), torch.tensor(ranks, dtype=torch.long),
                                      torch.tensor(ranks, dtype=torch.long, device=dev))
         heads_parents, heads_signal, heads_signal_dev = state.heads_lists[Th]
         if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
             groups = torch.ones(B, Th, dtype=torch.long, device=dev)
             return hp._replace(groups=groups, signal=heads_signal_dev.expand(B, Th))
-        src_lists, par_lists = [], []
-        for b in range(B):
-            pn = ng_parents[b]
-            c = len(pn) - 1
-            if state.ngram.matched[b] >= self.strong_match:  # a long match: the n-gram draft first
-                kn = min(c, N - 1)
-                kh = min(Th - 1, N - 1 - kn)
-            else:
-                kh = min(Th - 1, N - 1)
-                kn = min(c, N - 1 - kh)
-            # node sources in cat([heads tokens [Th], n-gram tokens without root [C]])
-            src_lists.append(list(range(kh + 1)) + [Th + j - 1 for j in range(1, kn + 1)])
-            par_lists.append(heads_parents[: kh + 1] + [0 if pn[j] == 0 else kh + pn[j] for j in range(1, kn + 1)])
+        src_lists, par_lists = self._merge(state, heads_parents, ng_parents)
         T = max(len(s) for s in src_lists)
         # padded with zeros (padded nodes copy the root; never accepted) as lists, then one tensor each
         src = torch.tensor([s + [0] * (T - len(s)) for s in src_lists], dtype=torch.long)
@@ -218,6 +206,42 @@ class CombinedDrafter(Drafter):
             draft_probs = q[torch.arange(B, device=dev)[:, None], src]  # [B, T, V]
         return Proposal(tokens, tree if dev.type == "cpu" else tree.to(dev), draft_probs=draft_probs, groups=groups,
                         signal=signal)
+
+    def _merge(self, state: CombinedState, heads_parents: list[int], ng_parents: list[list[int]]):
+        """Per sequence, which nodes the step keeps (node sources in cat([heads tokens [Th], n-gram tokens
+        without their root])) and their parents, the stronger draft first, at most state.budget nodes."""
+        Th, N = len(heads_parents), state.budget
+        src_lists, par_lists = [], []
+        for b, pn in enumerate(ng_parents):
+            c = len(pn) - 1
+            if state.use_ngram and state.ngram.matched[b] >= self.strong_match:  # a long match: the n-gram draft first
+                kn = min(c, N - 1)
+                kh = min(Th - 1, N - 1 - kn)
+            else:
+                kh = min(Th - 1, N - 1)
+                kn = min(c, N - 1 - kh)
+            src_lists.append(list(range(kh + 1)) + [Th + j - 1 for j in range(1, kn + 1)])
+            par_lists.append(heads_parents[: kh + 1] + [0 if pn[j] == 0 else kh + pn[j] for j in range(1, kn + 1)])
+        return src_lists, par_lists
+
+    def outline(self, state: CombinedState, batch: int) -> list[tuple[list[int], list[int], list[int]]] | None:
+        """The merged tree propose() builds, from the n-gram lookups (kept for propose()) and the heads'
+        static tree, before the heads draft: groups 0 n-gram / 1 heads, signal the match length / the head's
+        rank. None where the heads build their tree per step."""
+        if state.use_heads:
+            ht = self.heads.static_tree(state.heads)
+            if ht is None:
+                return None
+            heads_parents, heads_ranks = ht.host_parents(), ht.host_ranks()
+        else:
+            heads_parents, heads_ranks = [-1], [0]
+        ng_parents = self.ngram.draft_lists(state.ngram)[0] if state.use_ngram else [[-1]] * batch
+        matched = state.ngram.matched if state.use_ngram else [0] * batch
+        Th = len(heads_parents)
+        out = []
+        for src, par, m in zip(*self._merge(state, heads_parents, ng_parents), matched):
+            out.append((par, [1 if j < Th else 0 for j in src], [heads_ranks[j] if j < Th else m for j in src]))
+        return out
 
     def save(self, path, dtype: torch.dtype | None = None) -> None:
         """config.json (kind "combined", node_budget, strong_match) + the parts in ngram/ and heads/."""

@@ -224,6 +224,9 @@ class HeadDrafter(Drafter):
         if state.tree.num_nodes != n:
             state.tree = run_subtree(state.full_tree, n, state.subtrees, state.model.device)
 
+    def static_tree(self, state: HeadState) -> Tree:
+        return state.tree
+
     def after_prefill(self, state: HeadState, hidden, lengths) -> None:
         if self.prefix is None:
             state.h = _at(hidden, lengths.long() - 1)

@@ -331,6 +331,9 @@ class EagleDrafter(Drafter):
     def skip_step(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
         self._chunk(state, root)  # the committed positions still enter the layer's buffer
 
+    def static_tree(self, state: EagleState) -> Tree | None:
+        return state.tree if state.dynamic is None else None  # a dynamic tree is chosen by its drafting
+
     def propose(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         y_root = self._chunk(state, root)  # [B, H]: the predicted feature at the root
         if state.dynamic is not None:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..tree import Tree, TreeBatch
+from ..tree import Tree, TreeBatch, sibling_ranks
 
 
 class Proposal(NamedTuple):
@@ -131,6 +131,24 @@ class Drafter(nn.Module):
         `parts`), where that part's work grows with the nodes it drafts (a head per depth); None: its whole
         draft. The adaptive budget sizes such a part by what it kept lately, so a draft it will cut is not
         drafted. Default: nothing (each part drafts its whole draft)."""
+
+    def static_tree(self, state) -> Tree | None:
+        """The Tree the next propose() drafts, where it is fixed before drafting (a static tree at the current
+        budget and size_part bound); None (default): the drafter builds its tree per step."""
+        return None
+
+    def outline(self, state, batch: int) -> list[tuple[list[int], list[int], list[int]]] | None:
+        """The next propose()'s tree known on the host before any drafting work (after set_parts / size_part):
+        per sequence (parents, groups, signal), one entry per node, root first (parent -1), as the Proposal
+        will carry them (groups: the parts' indices; signal: Proposal.signal, or the sibling rank where the
+        proposal has none). The adaptive budget reads it to skip a draft it would cut to nothing before paying
+        for it. Default: from static_tree (one part, sibling ranks), None where there is none. A drafter
+        whose outline needs work that propose() also does (the n-gram lookups) keeps it for that call."""
+        tree = self.static_tree(state)
+        if tree is None:
+            return None
+        parents = tree.host_parents()
+        return [(parents, [0] * len(parents), sibling_ranks(parents))] * batch
 
     def part_times(self, state) -> list[float] | None:
         """Seconds each part spent in the last propose() (a part held back: what it still did, e.g. the heads'
