@@ -314,29 +314,33 @@ class AdaptiveBudget:
         # the draft's shape where the drafter knows it before drafting (Drafter.outline): a draft this step
         # would cut to the root alone is not drafted at all (the lookups and the heads' work saved)
         shape = drafter.outline(state, self.batch) if self.prunable else None
+        t_shape = self.clock()
+        outline_ms, check_ms = (t_shape - t0) * 1e3 / ran, 0.0
         if shape is not None:
             drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
             if self._best_width(*self._host_expected(shape, active), drafting) == 1:
-                drafter.skip_step(state, root, seqlens)  # as on a plain step (EAGLE / Amphista catch up)
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
-                t1 = self.clock()
                 # the gates judge it as the trial it replaces, at their parts' drafting cost: the trial schedule
                 # (waits from that cost, PROBE_SHARE) stays the one the margins were measured with; only the
                 # drafting is saved (EPYC VM, 2026-11-28: charged at the check's ~0.2 ms, the parts were tried
                 # every 2 steps and drafted more, at batch 2 on the editing set 0.91x plain against 1.04-1.09x)
                 gate_ms = [g.cost if r and g.gain is not None else 0.0 for g, r in zip(self.gates, parts)]
-                self._charge(parts, [(t1 - t0) * 1e3 / ran if r else 0.0 for r in parts], 1, None,
-                             active.to(torch.float32), t1, gate_ms)
+                self._charge(parts, [outline_ms if r else 0.0 for r in parts], 1, None, active.to(torch.float32),
+                             t_shape, gate_ms)  # the check is the policy's own work (charged from t_shape)
+                drafter.skip_step(state, root, seqlens)  # as on a plain step (EAGLE / Amphista catch up)
                 return None
-        t_shape = self.clock()
+            check_ms = (self.clock() - t_shape) * 1e3
+            self.host_s += check_ms / 1e3
+        t_prop = self.clock()
         prop = drafter.propose(state, root, seqlens)
         t1 = self.clock()
         part_ms = drafter.part_times(state)  # seconds per part where the drafter times them, else the whole call
         if part_ms is None:
-            part_ms = [(t1 - t_shape) * 1e3 / ran if r else 0.0 for r in parts]
+            part_ms = [(t1 - t_prop) * 1e3 / ran if r else 0.0 for r in parts]
         else:
             part_ms = [x * 1e3 for x in part_ms]
-        part_ms = [m + (t_shape - t0) * 1e3 / ran if r else m for m, r in zip(part_ms, parts)]  # + the outline
+        # + the outline and the check, which drafting cost too
+        part_ms = [m + outline_ms + check_ms / ran if r else m for m, r in zip(part_ms, parts)]
         tokens, tree = prop.tokens, prop.tree
         B, T0 = tokens.shape
         if T0 == 1:  # the parts found nothing to draft (no n-gram match, say): a plain step, nothing to cut
