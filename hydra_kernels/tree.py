@@ -93,8 +93,16 @@ class Tree:
         return self._host_parents
 
     def host_ranks(self) -> list[int]:
-        """ranks as a host list (node 0, the root: 0), from the choices."""
-        return [0] + [c[-1] for c in self.choices]
+        """ranks as a host list (node 0, the root: 0), from the choices (built once)."""
+        if "_host_ranks" not in self.__dict__:
+            self._host_ranks = [0] + [c[-1] for c in self.choices]
+        return self._host_ranks
+
+    def host_sibling_ranks(self) -> list[int]:
+        """Each node's rank among its siblings (sibling_ranks of host_parents; built once)."""
+        if "_host_sibling_ranks" not in self.__dict__:
+            self._host_sibling_ranks = sibling_ranks(self.host_parents())
+        return self._host_sibling_ranks
 
     def to(self, device) -> "Tree":
         """A copy whose tensors live on `device` (the buffers are built once per generate call)."""

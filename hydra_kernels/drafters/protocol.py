@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..tree import Tree, TreeBatch, sibling_ranks
+from ..tree import Tree, TreeBatch
 
 
 class Proposal(NamedTuple):
@@ -148,7 +148,7 @@ class Drafter(nn.Module):
         if tree is None:
             return None
         parents = tree.host_parents()
-        return [(parents, [0] * len(parents), sibling_ranks(parents))] * batch
+        return [(parents, [0] * len(parents), tree.host_sibling_ranks())] * batch
 
     def part_times(self, state) -> list[float] | None:
         """Seconds each part spent in the last propose() (a part held back: what it still did, e.g. the heads'

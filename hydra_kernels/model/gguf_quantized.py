@@ -5,8 +5,8 @@ Q3_K, Q4_K, Q5_K, Q6_K) go straight from the file's blocks into quantized panels
 only copy of each weight in memory (one fused weight is decoded at a time; load_model caches the GGUF's config and
 tokenizer only: an fp32 conversion is made for weights="fp32" alone). A fused weight (q / k / v, gate / up) whose
 parts differ in format takes the widest layout (lossless); one with a part in another type (F16, IQ4_XS, ...)
-loads as fp32. Norms load as fp32. The LM head and the token embedding in a decoded format are kept as stored too, their panels
-the only copy (tied, one set of panels is both): an embedding lookup reads its rows from them
+loads as fp32. Norms load as fp32. The LM head and the token embedding in a decoded format are kept as stored too,
+their panels the only copy (tied, one set of panels is both): an embedding lookup reads its rows from them
 (model/quantized_embedding.py), and Llama.lm_head_weight / lm_head_rows / embedding_weight give fp32 values to the
 code that needs them. An fp32 table would be the largest item in memory: 113 MB for SmolLM2's tied table, 2.1 GB
 each for Llama-3-8B's untied embedding and head (V = 128256, H = 4096) beside ~0.3-0.4 GB as Q4_K / Q6_K blocks.
