@@ -133,7 +133,8 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor& w, std::optional<at::ScalarT
 template <typename W>
 void packed_linear_panels(const float* xp, int64_t M, int64_t K, const W* wp, int64_t N, const float* bp, float* yp) {
   const bool fast = cpu_has_avx512();
-  for_each_panel_tile(M, N, bp, kRows, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb) {
+  for_each_panel_tile(M, N, bp, kRows, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb,
+                                           int /*half: whole panels here*/) {
     const W* panel = wp + p * K * kPanel;
 #ifdef HK_X86
     if (fast) return kAvx512<W>[rows](xp + m0 * K, K, panel, K, pb, yp + m0 * N + n0, N, ncols);

@@ -80,11 +80,11 @@ inline int q_at(const uint8_t* qd, int bits, int64_t k, int64_t c) {
   return (k % 2 == 0) ? (b & 0x0F) : (b >> 4);
 }
 
-// Portable order: y[m, c] = bias[c], then fma(x[m, k], w[c, k], y[m, c]) for k ascending.
+// Portable order: y[m, c] = bias[c], then fma(x[m, k], w[c, k], y[m, c]) for k ascending; columns [c0, c1).
 void panel_rows_portable(const float* x, int64_t ldx, int rows, const uint8_t* panel, const Layout& l,
-                         const float* bias, float* y, int64_t ldy, int ncols) {
+                         const float* bias, float* y, int64_t ldy, int c0, int c1) {
   for (int m = 0; m < rows; ++m)
-    for (int c = 0; c < ncols; ++c) {
+    for (int c = c0; c < c1; ++c) {
       float acc = bias ? bias[c] : 0.0f;
       for (int64_t g = 0; g < l.NG; ++g) {
         const uint8_t* grp = panel + g * l.GB;
@@ -108,28 +108,30 @@ __attribute__((target("avx512f"))) inline __m512 dequant16(const float* s, const
   return OFF ? _mm512_fmadd_ps(_mm512_loadu_ps(s), qf, _mm512_loadu_ps(o)) : _mm512_mul_ps(_mm512_loadu_ps(s), qf);
 }
 
-template <int R, int BITS, bool OFF>
+// Columns [c0, c0 + 16 J) of the panel: J = 4 the whole panel (c0 = 0), J = 2 one half (c0 = 0 or 32; for_each_panel_tile
+// hands a thread half a panel where the panels do not split evenly over the threads). A column's sum is the same either way.
+template <int R, int BITS, bool OFF, int J = 4>
 __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_t ldx, const uint8_t* panel,
-                                                           const Layout& l, const float* bias, float* y,
+                                                           const Layout& l, int64_t c0, const float* bias, float* y,
                                                            int64_t ldy, int ncols) {
   constexpr int64_t kAhead = 1024;  // prefetch distance in bytes of the panel stream (16 lines)
-  __m512 acc[R][4];
-  for (int j = 0; j < 4; ++j) {
-    const __m512 b = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
+  __m512 acc[R][J];
+  for (int j = 0; j < J; ++j) {
+    const __m512 b = bias ? _mm512_loadu_ps(bias + c0 + 16 * j) : _mm512_setzero_ps();
     for (int m = 0; m < R; ++m) acc[m][j] = b;
   }
   const __m512i low4 = _mm512_set1_epi32(0x0F);
   for (int64_t g = 0; g < l.NG; ++g) {
     const uint8_t* grp = panel + g * l.GB;
-    const float* s = reinterpret_cast<const float*>(grp);
+    const float* s = reinterpret_cast<const float*>(grp) + c0;
     const float* o = s + kPanel;  // read only when OFF
-    const uint8_t* qd = grp + l.header;
+    const uint8_t* qd = grp + l.header + c0;
     const float* xg = x + g * l.G;
     if (BITS == 4) {
       for (int64_t i = 0; i < l.G / 2; ++i) {  // rows 2i and 2i + 1 of the group: one 64-byte line
         const uint8_t* line = qd + i * kPanel;
         _mm_prefetch(reinterpret_cast<const char*>(line + kAhead), _MM_HINT_T0);
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < J; ++j) {
           const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * j)));
           const __m512 w0 = dequant16<OFF>(s + 16 * j, o + 16 * j, _mm512_and_si512(v, low4));
           const __m512 w1 = dequant16<OFF>(s + 16 * j, o + 16 * j, _mm512_srli_epi32(v, 4));
@@ -143,7 +145,7 @@ __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_
       for (int64_t k = 0; k < l.G; ++k) {
         const uint8_t* row = qd + k * kPanel;
         _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < J; ++j) {
           const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
           const __m512 w = dequant16<OFF>(s + 16 * j, o + 16 * j, v);
           for (int m = 0; m < R; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + k]), w, acc[m][j]);
@@ -152,12 +154,12 @@ __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_
     }
   }
   for (int m = 0; m < R; ++m)
-    for (int j = 0; j < 4; ++j) {
-      const int left = ncols - 16 * j;
+    for (int j = 0; j < J; ++j) {
+      const int left = ncols - static_cast<int>(c0) - 16 * j;
       if (left >= 16) {
-        _mm512_storeu_ps(y + m * ldy + 16 * j, acc[m][j]);
+        _mm512_storeu_ps(y + m * ldy + c0 + 16 * j, acc[m][j]);
       } else if (left > 0) {
-        _mm512_mask_storeu_ps(y + m * ldy + 16 * j, static_cast<__mmask16>((1u << left) - 1u), acc[m][j]);
+        _mm512_mask_storeu_ps(y + m * ldy + c0 + 16 * j, static_cast<__mmask16>((1u << left) - 1u), acc[m][j]);
       }
     }
 }
@@ -222,19 +224,20 @@ __attribute__((target("avx2,fma"))) void half_panel_rows_avx2(const float* x, in
     }
 }
 
-using PanelFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, const float*, float*, int64_t, int);
-using HalfFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, int64_t, const float*, float*,
-                        int64_t, int);
+// (x, ldx, panel, layout, first column c0, bias, y, ldy, ncols): a panel's columns from c0 (all, or one half)
+using PanelFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, int64_t, const float*, float*,
+                         int64_t, int);
+using HalfFn = PanelFn;
 
-template <int BITS, bool OFF>
+template <int BITS, bool OFF, int J>
 PanelFn avx512_fn(int rows) {
   static constexpr PanelFn table[7] = {nullptr,
-                                       panel_rows_avx512<1, BITS, OFF>,
-                                       panel_rows_avx512<2, BITS, OFF>,
-                                       panel_rows_avx512<3, BITS, OFF>,
-                                       panel_rows_avx512<4, BITS, OFF>,
-                                       panel_rows_avx512<5, BITS, OFF>,
-                                       panel_rows_avx512<6, BITS, OFF>};
+                                       panel_rows_avx512<1, BITS, OFF, J>,
+                                       panel_rows_avx512<2, BITS, OFF, J>,
+                                       panel_rows_avx512<3, BITS, OFF, J>,
+                                       panel_rows_avx512<4, BITS, OFF, J>,
+                                       panel_rows_avx512<5, BITS, OFF, J>,
+                                       panel_rows_avx512<6, BITS, OFF, J>};
   return table[rows];
 }
 
@@ -245,9 +248,10 @@ HalfFn avx2_fn(int rows) {
   return table[rows];
 }
 
+template <int J>
 PanelFn pick_avx512(const Layout& l, int rows) {
-  if (l.bits == 4) return l.offset ? avx512_fn<4, true>(rows) : avx512_fn<4, false>(rows);
-  return l.offset ? avx512_fn<8, true>(rows) : avx512_fn<8, false>(rows);
+  if (l.bits == 4) return l.offset ? avx512_fn<4, true, J>(rows) : avx512_fn<4, false, J>(rows);
+  return l.offset ? avx512_fn<8, true, J>(rows) : avx512_fn<8, false, J>(rows);
 }
 
 HalfFn pick_avx2(const Layout& l, int rows) {
@@ -265,18 +269,22 @@ Isa resolve_isa(int64_t isa) {
   return static_cast<Isa>(isa);
 }
 
-// Rows [m0, m0 + rows) of one panel, by the chosen ISA (rows <= the ISA's tile).
+// Rows [m0, m0 + rows) of one panel, by the chosen ISA (rows <= the ISA's tile): its columns [0, ncols) (half < 0), or
+// only those of half 0 ([0, 32)) or half 1 ([32, 64)) of them.
 void panel_tile(Isa isa, const float* x, int64_t ldx, int rows, const uint8_t* panel, const Layout& l,
-                const float* bias, float* y, int64_t ldy, int ncols) {
+                const float* bias, float* y, int64_t ldy, int ncols, int half) {
 #ifdef HK_X86
-  if (isa == kAvx512) return pick_avx512(l, rows)(x, ldx, panel, l, bias, y, ldy, ncols);
+  if (isa == kAvx512)
+    return half < 0 ? pick_avx512<4>(l, rows)(x, ldx, panel, l, 0, bias, y, ldy, ncols)
+                    : pick_avx512<2>(l, rows)(x, ldx, panel, l, 32 * half, bias, y, ldy, ncols);
   if (isa == kAvx2) {
-    pick_avx2(l, rows)(x, ldx, panel, l, 0, bias, y, ldy, ncols);
-    if (ncols > 32) pick_avx2(l, rows)(x, ldx, panel, l, 32, bias, y, ldy, ncols);
+    if (half <= 0) pick_avx2(l, rows)(x, ldx, panel, l, 0, bias, y, ldy, ncols);
+    if (half != 0 && ncols > 32) pick_avx2(l, rows)(x, ldx, panel, l, 32, bias, y, ldy, ncols);
     return;
   }
 #endif
-  panel_rows_portable(x, ldx, rows, panel, l, bias, y, ldy, ncols);
+  const int c0 = half == 1 ? 32 : 0, c1 = half == 0 ? std::min(ncols, 32) : ncols;
+  panel_rows_portable(x, ldx, rows, panel, l, bias, y, ldy, c0, c1);
 }
 
 // q int8 [N, K] (4 bits: values 0..15), s fp32 [N, K/G], o fp32 [N, K/G] or None -> uint8 [P, K/G, GB].
@@ -353,9 +361,9 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, i
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  for_each_panel_tile(M, N, bp, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb) {
-    panel_tile(isa, xp + m0 * K, K, rows, wp + p * l.NG * l.GB, l, pb, yp + m0 * N + n0, N, ncols);
-  });
+  for_each_panel_tile(M, N, bp, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb, int half) {
+    panel_tile(isa, xp + m0 * K, K, rows, wp + p * l.NG * l.GB, l, pb, yp + m0 * N + n0, N, ncols, half);
+  }, /*halves=*/true);
   return y.view(out_sizes);
 }
 

@@ -531,12 +531,29 @@ __attribute__((target("avx512f"))) void values_units(const Attn& a, int64_t u0, 
   }
 }
 
+// Pass 1's key ranges per sequence: about two units per thread, each of at least kMinRangeKeys keys, and where it
+// can be, as many units as split evenly over the threads (parallel_for hands each thread ceil(units / threads)): at
+// batch 1 the one run of 3 KV heads took 1 range below 256 keys and 3 from 384, so one thread scored all or 2/3 of
+// the keys while the other waited (2026-11-28, EPYC VM, perf of a plain SmolLM2 step: pass 1 on the calling thread
+// 3.4x the other's samples). Ranges only choose which keys a unit scores: every score and the row's max are the same.
+constexpr int64_t kMinRangeKeys = 32;
+
+inline int64_t max_key_ranges(int64_t threads, int64_t max_len) {
+  return std::max<int64_t>(1, std::min<int64_t>(2 * threads, max_len / kMinRangeKeys));
+}
+
+inline int64_t key_ranges(int64_t threads, int64_t nruns, int64_t max_len) {
+  int64_t nr = std::clamp<int64_t>((2 * threads + nruns - 1) / nruns, 1, max_key_ranges(threads, max_len));
+  for (int64_t even = nr; even > 1; --even)
+    if ((nruns * even) % threads == 0) return even;
+  return nr;
+}
+
 // The three passes over pairs [p0, p1), each split over the threads (units of pass 1 and 3 above).
 template <int ND>
 void attend_group(Attn& a, int64_t p1, int64_t threads, bool parallel) {
   const int64_t p0 = a.p0;
-  // pass 1 units: (sequence b's heads in [p0, p1), key range); nranges ranges per sequence, so that
-  // there are about two units per thread, each at least 128 keys
+  // pass 1 units: (sequence b's heads in [p0, p1), key range); nranges ranges per sequence (key_ranges)
   struct Run { int64_t b, g0, g1; };
   std::vector<Run> runs;
   for (int64_t p = p0; p < p1;) {
@@ -547,7 +564,7 @@ void attend_group(Attn& a, int64_t p1, int64_t threads, bool parallel) {
   const int64_t nruns = static_cast<int64_t>(runs.size());
   int64_t max_len = 0;
   for (const Run& r : runs) max_len = std::max(max_len, a.lens[r.b]);
-  a.nranges = parallel ? std::clamp<int64_t>((2 * threads + nruns - 1) / nruns, 1, std::max<int64_t>(1, max_len / 128)) : 1;
+  a.nranges = parallel ? key_ranges(threads, nruns, max_len) : 1;
   const int64_t nr = a.nranges;
   at::parallel_for(0, nruns * nr, parallel ? 1 : nruns * nr, [&](int64_t w0, int64_t w1) {
     for (int64_t w = w0; w < w1; ++w) {
@@ -622,7 +639,7 @@ at::Tensor tree_attention_fp32(const at::Tensor& q_in, const at::Tensor& k, cons
     // (SmolLM2, T = 1: from ~115 cached rows): a plain step at 300 rows 5% faster, at 200 2-3%, at 40-100 the
     // same (2026-11-27, EPYC VM, interleaved; 2^18 had been sized on a hot cache)
     const bool parallel = threads > 1 && Hq * T * total_len * D >= (1 << 16);
-    const int64_t max_ranges = std::max<int64_t>(1, std::min<int64_t>(2 * threads, max_len / 128));
+    const int64_t max_ranges = max_key_ranges(threads, max_len);
     // scratch floats per pair; pairs per group: as many as fit ~16 MiB (at least one)
     const int64_t per_pair = rows * (sstride + max_ranges * 16 + nd * 16 + 1);
     const int64_t pairs = B * Hkv, group = std::clamp<int64_t>((int64_t{1} << 22) / per_pair, 1, pairs);

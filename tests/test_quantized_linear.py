@@ -83,6 +83,27 @@ def test_quantized_linear_is_the_fp32_kernel_on_the_dequantized_weight(N, K, G, 
     assert_close_rel(ref, f64, RTOL[torch.float32], "quantized_linear vs fp64")
 
 
+@pytest.mark.parametrize("N", [1, 150, 300, 9 * 64, 15 * 64])  # odd panel counts; last panels of <= 32 and > 32 columns
+@pytest.mark.parametrize("M", [1, 7])
+def test_quantized_linear_splits_half_panels_over_the_threads_without_changing_a_value(N, M):
+    """The threads split half panels (csrc/panel_loop.h), so an odd panel count divides evenly: at 2, 3 and 4
+    threads every ISA's output equals one thread's bit for bit (a lone half panel at a thread's ends runs the
+    half-panel kernels: AVX-512 J = 2, AVX2 one half call, the portable column range)."""
+    gen = torch.Generator().manual_seed(N + M)
+    panels = random_blocks(N, 96, 32, 4, True, gen).panels()
+    x, b = torch.randn(M, 96, generator=gen), torch.randn(N, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        for isa in ISAS:
+            torch.set_num_threads(1)
+            one = panels.linear(x, b, isa)
+            for n in (2, 3, 4):
+                torch.set_num_threads(n)
+                assert torch.equal(poison_then(lambda: panels.linear(x, b, isa))(), one), f"isa {isa}, {n} threads"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_quantized_linear_takes_any_leading_shape_and_the_rows_op_gathers():
     gen = torch.Generator().manual_seed(1)
     bw = random_blocks(70, 64, 32, 4, True, gen)

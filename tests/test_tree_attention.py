@@ -312,6 +312,11 @@ TILE_CASES = [  # seed, Hq, Hkv, D, node counts of the sequences' trees, seqlens
     (43, 5, 1, 40, [1], [47]),  # G = 5, head_dim 40 (masked tail): 5 rows
     (44, 7, 1, 32, [1], [64]),  # G = 7, head_dim 32: 7 rows
     (45, 9, 3, 80, [1], [515]),  # SmolLM2's GQA at head_dim 80: 3 rows
+    # SmolLM2 decoding at the lengths where the score pass splits its keys into 2, 3 or 4 ranges (key_ranges:
+    # as many as split evenly over the threads), batch 1 and an odd batch
+    (46, 9, 3, 64, [1], [130]),
+    (47, 9, 3, 64, [1], [300]),
+    (48, 9, 3, 64, [1, 1, 1], [200, 90, 400]),
 ]
 
 
@@ -341,8 +346,9 @@ def test_tree_attention_native_fp32_row_is_its_own_one_token_step(backend, seed,
         torch.set_num_threads(2)  # the parallel split, whatever this process's default (1 under make test's workers)
         full = ops.tree_attention(q, k, v, sl, mask, None)
         assert torch.isfinite(full).all()
-        torch.set_num_threads(1)
-        assert torch.equal(ops.tree_attention(q, k, v, sl, mask, None), full), "one thread"
+        for n in (1, 3, 4):  # other splits of the keys and columns over the threads: the same values
+            torch.set_num_threads(n)
+            assert torch.equal(ops.tree_attention(q, k, v, sl, mask, None), full), f"{n} thread(s)"
     finally:
         torch.set_num_threads(threads)
     one = torch.ones(1, 1, dtype=torch.bool)
