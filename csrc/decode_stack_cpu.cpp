@@ -5,9 +5,9 @@
 // ~5 ms, and the work around them was as large again (2026-11-27, EPYC VM, loaded profile of a plain step:
 // 9.8 ms a step, 7.3 ms of it inside 30 per-layer native calls, 2.4 ms of Python choosing their arguments;
 // inside a layer, ~40 ATen ops of a few microseconds each: the composite rms_norm alone was 10 us a call).
-// Here a layer is its four projections and attention (our kernels, through the dispatcher) plus loops over
-// rows for everything elementwise: the norms, RoPE with the cache write, the residual adds, SwiGLU's product.
-// SiLU stays ATen's (at::silu: the module path's exp, so the values stay the module path's bit for bit).
+// Here a layer is its four projections and attention (our kernels, called directly on one workspace: step_kernels.h)
+// plus loops over rows for everything elementwise: the norms, RoPE with the cache write, the residual adds, SwiGLU's
+// product. SiLU stays ATen's (at::silu_out: the module path's exp, so the values stay the module path's bit for bit).
 //
 // Exactness: every elementwise loop is the module path's math in its rounding order (x * cos + rot * sin as
 // two rounded products and a rounded sum; GCC contracts a * b + c into an fma by default in C++, so setup.py
@@ -20,12 +20,14 @@
 // panels of quantized_linear with kind = 10 * bits + offset (40, 41, 80, 81).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <vector>
+
+#include "step_kernels.h"
 
 namespace hydra_kernels {
 namespace {
@@ -69,27 +71,12 @@ at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& w, double ep
   return y;
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t kind, int64_t N, const std::optional<at::Tensor>& b) {
-  if (kind == 0) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("hydra_kernels::packed_linear", "")
-                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&)>();
-    return op.call(x, w, N, b);
-  }
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hydra_kernels::quantized_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool,
-                                         const std::optional<at::Tensor>&, int64_t)>();
-  return op.call(x, w, N, kind / 10, kind % 2 == 1, b, 0);
-}
-
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqlens,
-                          const at::Tensor& mask) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("hydra_kernels::tree_attention", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, std::optional<double>)>();
-  return op.call(q, k, v, seqlens, mask, std::nullopt);
+// y [M, N] = x [M, K] W^T (+ bias): the packed (kind 0) or quantized (10 * bits + offset) op's kernel, called directly
+void linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y) {
+  if (kind == 0)
+    packed_linear_into(x, M, w, N, bias, y);
+  else
+    quantized_linear_into(x, M, w, N, kind / 10, kind % 2 == 1, bias, y);
 }
 
 // Rotate-half RoPE of one head (reference.apply_rope): out[d] = x[d] * c[d] + rot[d] * s[d], rot = (-x[half:],
@@ -110,64 +97,65 @@ struct Shape {
   int64_t B, T, H, Hq, Hkv, D, I, S;
 };
 
-// One layer. x [B, T, H] (contiguous) -> its output; kv_layer this layer's buffer [2, B, S, Hkv, D] (contiguous),
-// rows [B, T] the new tokens' cache rows (checked in [0, S) by the caller).
-at::Tensor layer(const at::Tensor& x, const Shape& s, const float* attn_norm, const float* ffn_norm, float eps,
-                 const at::TensorList w, const c10::List<std::optional<at::Tensor>>& bias, int64_t wbase,
-                 const std::vector<int64_t>& kinds, const float* cos, const float* sin, const at::Tensor& kv_layer,
-                 const int64_t* rows, const at::Tensor& seqlens, const at::Tensor& tree_mask, int64_t kv_len) {
+// One step's buffers, reused by every layer (one allocation a step, where each layer made ~10): the normed inputs,
+// q / k / v, attention's output, the residual stream between the two halves, the FFN's gate and up, its product.
+struct Workspace {
+  at::Tensor t;
+  float *xn, *qkv, *q, *o, *h, *hn, *gu, *act;
+  at::Tensor gate_view, act_view;  // [M, I] views of gu's gate half and of act, for at::silu_out
+  Workspace(const Shape& s, const at::TensorOptions& opts) {
+    const int64_t M = s.B * s.T, NH = s.Hq + 2 * s.Hkv;
+    const int64_t sizes[8] = {M * s.H, M * NH * s.D, M * s.Hq * s.D, M * s.Hq * s.D, M * s.H, M * s.H, M * 2 * s.I, M * s.I};
+    int64_t total = 0;
+    for (int64_t n : sizes) total += n;
+    t = at::empty({total}, opts);
+    float* p = t.data_ptr<float>();
+    float** slots[8] = {&xn, &qkv, &q, &o, &h, &hn, &gu, &act};
+    for (int i = 0; i < 8; ++i) {
+      *slots[i] = p;
+      p += sizes[i];
+    }
+    gate_view = t.narrow(0, gu - t.data_ptr<float>(), M * 2 * s.I).view({M, 2 * s.I}).narrow(1, 0, s.I);
+    act_view = t.narrow(0, act - t.data_ptr<float>(), M * s.I).view({M, s.I});
+  }
+};
+
+// One layer: x [B, T, H] (contiguous) -> y (its output, [B, T, H]); kv_layer this layer's buffer [2, B, S, Hkv, D]
+// (contiguous), rows [B, T] the new tokens' cache rows (checked in [0, S) by the caller); attention over the rows
+// [0, kv_len) of each sequence, with the step's lengths and tree (attn).
+void layer(const float* x, float* y, const Shape& s, const float* attn_norm, const float* ffn_norm, float eps,
+           const at::TensorList w, const std::vector<const float*>& bias, int64_t wbase, const std::vector<int64_t>& kinds,
+           const float* cos, const float* sin, float* kvp, const int64_t* rows, TreeAttentionStep& attn, Workspace& ws) {
   const int64_t M = s.B * s.T, NH = s.Hq + 2 * s.Hkv, D = s.D;
-  at::Tensor xn = at::empty({s.B, s.T, s.H}, x.options());
-  rms_norm_rows_into(x.data_ptr<float>(), attn_norm, eps, M, s.H, xn.data_ptr<float>());
-  const at::Tensor qkv = linear(xn, w[wbase], kinds[wbase], NH * D, bias.get(wbase)).contiguous();  // [B, T, NH*D]
+  rms_norm_rows_into(x, attn_norm, eps, M, s.H, ws.xn);
+  linear(ws.xn, M, w[wbase], kinds[wbase], NH * D, bias[wbase], ws.qkv);  // [B, T, NH*D]
   // RoPE on the q and k heads; k and v written to the cache rows; q kept for attention
-  at::Tensor q = at::empty({s.B, s.T, s.Hq, D}, x.options());
-  {
-    const float* src = qkv.data_ptr<float>();
-    float* qp = q.data_ptr<float>();
-    float* kvp = kv_layer.data_ptr<float>();
-    const int64_t plane = s.B * s.S * s.Hkv * D;  // kv_layer[1] - kv_layer[0]
-    for (int64_t m = 0; m < M; ++m) {
-      const int64_t b = m / s.T;
-      const float *row = src + m * NH * D, *c = cos + m * D, *sn = sin + m * D;
-      for (int64_t h = 0; h < s.Hq; ++h) rope_head(row + h * D, c, sn, D, qp + (m * s.Hq + h) * D);
-      float* kdst = kvp + (b * s.S + rows[m]) * s.Hkv * D;
-      for (int64_t h = 0; h < s.Hkv; ++h) {
-        rope_head(row + (s.Hq + h) * D, c, sn, D, kdst + h * D);
-        std::copy_n(row + (s.Hq + s.Hkv + h) * D, D, kdst + plane + h * D);
-      }
+  const int64_t plane = s.B * s.S * s.Hkv * D;  // the V buffer's offset from the K buffer's
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t b = m / s.T;
+    const float *row = ws.qkv + m * NH * D, *c = cos + m * D, *sn = sin + m * D;
+    for (int64_t h = 0; h < s.Hq; ++h) rope_head(row + h * D, c, sn, D, ws.q + (m * s.Hq + h) * D);
+    float* kdst = kvp + (b * s.S + rows[m]) * s.Hkv * D;
+    for (int64_t h = 0; h < s.Hkv; ++h) {
+      rope_head(row + (s.Hq + h) * D, c, sn, D, kdst + h * D);
+      std::copy_n(row + (s.Hq + s.Hkv + h) * D, D, kdst + plane + h * D);
     }
   }
-  const at::Tensor o = tree_attention(q, kv_layer.select(0, 0).narrow(1, 0, kv_len), kv_layer.select(0, 1).narrow(1, 0, kv_len),
-                                      seqlens, tree_mask);
+  tree_attention_into(attn, ws.q, kvp, kvp + plane, s.S * s.Hkv * D, s.Hkv * D, D, ws.o);
   // h = x + wo(o)
-  at::Tensor h = linear(o.reshape({s.B, s.T, s.Hq * D}), w[wbase + 1], kinds[wbase + 1], s.H, bias.get(wbase + 1));
-  TORCH_INTERNAL_ASSERT(h.is_contiguous());
+  linear(ws.o, M, w[wbase + 1], kinds[wbase + 1], s.H, bias[wbase + 1], ws.h);
+  for (int64_t i = 0; i < M * s.H; ++i) ws.h[i] = x[i] + ws.h[i];
+  // y = h + w2(silu(gate) * up), [gate, up] = w13(ffn_norm(h))
+  rms_norm_rows_into(ws.h, ffn_norm, eps, M, s.H, ws.hn);
+  linear(ws.hn, M, w[wbase + 2], kinds[wbase + 2], 2 * s.I, bias[wbase + 2], ws.gu);  // [B, T, 2I]
+  at::silu_out(ws.act_view, ws.gate_view);  // ATen's SiLU: the module path's values
   {
-    float* hp = h.data_ptr<float>();
-    const float* xp = x.data_ptr<float>();
-    for (int64_t i = 0; i < M * s.H; ++i) hp[i] = xp[i] + hp[i];
-  }
-  // out = h + w2(silu(gate) * up), [gate, up] = w13(ffn_norm(h))
-  at::Tensor hn = at::empty_like(h);
-  rms_norm_rows_into(h.data_ptr<float>(), ffn_norm, eps, M, s.H, hn.data_ptr<float>());
-  const at::Tensor gu = linear(hn, w[wbase + 2], kinds[wbase + 2], 2 * s.I, bias.get(wbase + 2));  // [B, T, 2I]
-  at::Tensor act = at::silu(gu.narrow(-1, 0, s.I)).contiguous();
-  {
-    float* ap = act.data_ptr<float>();
-    const at::Tensor guc = gu.contiguous();
-    const float* up = guc.data_ptr<float>() + s.I;
+    const float* up = ws.gu + s.I;
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < s.I; ++i) ap[m * s.I + i] = ap[m * s.I + i] * up[m * 2 * s.I + i];
+      for (int64_t i = 0; i < s.I; ++i) ws.act[m * s.I + i] = ws.act[m * s.I + i] * up[m * 2 * s.I + i];
   }
-  at::Tensor out = linear(act, w[wbase + 3], kinds[wbase + 3], s.H, bias.get(wbase + 3));
-  TORCH_INTERNAL_ASSERT(out.is_contiguous());
-  {
-    float* op = out.data_ptr<float>();
-    const float* hp = h.data_ptr<float>();
-    for (int64_t i = 0; i < M * s.H; ++i) op[i] = hp[i] + op[i];
-  }
-  return out;
+  linear(ws.act, M, w[wbase + 3], kinds[wbase + 3], s.H, bias[wbase + 3], y);
+  for (int64_t i = 0; i < M * s.H; ++i) y[i] = ws.h[i] + y[i];
 }
 
 // x [B, T, H] fp32 -> (the last layer's output [B, T, H], the inputs of the layers in `capture` concatenated
@@ -226,17 +214,38 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
   for (int64_t c : capture) TORCH_CHECK(0 <= c && c < L, "decode_stack: capture layer ", c, " not in [0, ", L, ")");
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const std::vector<int64_t> kind_list(kinds.begin(), kinds.end());
-  const Shape s{B, T, H, n_heads, n_kv_heads, D, intermediate, S};
-  std::vector<at::Tensor> kept(capture.size());
-  at::Tensor x = x_in.contiguous();
-  for (int64_t l = 0; l < L; ++l) {
-    for (size_t c = 0; c < capture.size(); ++c)
-      if (capture[c] == l) kept[c] = x;
-    x = layer(x, s, norms[2 * l].data_ptr<float>(), norms[2 * l + 1].data_ptr<float>(), static_cast<float>(eps), weights,
-              biases, 4 * l, kind_list, cos.data_ptr<float>(), sin.data_ptr<float>(), kv.select(0, l), rp, seqlens,
-              tree_mask, kv_len);
+  std::vector<const float*> bias_ptrs(biases.size(), nullptr);
+  for (size_t i = 0; i < biases.size(); ++i) {
+    const std::optional<at::Tensor> b = biases.get(i);
+    if (!b.has_value()) continue;
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->is_contiguous(),
+                "decode_stack: biases must be contiguous fp32 vectors");
+    bias_ptrs[i] = b->data_ptr<float>();
   }
-  return {x, capture.empty() ? at::empty({0}, x.options()) : at::cat(kept, -1)};
+  const Shape s{B, T, H, n_heads, n_kv_heads, D, intermediate, S};
+  // the step's lengths and trees, once for all layers (each reads them the same way)
+  TreeAttentionStep attn = tree_attention_step(seqlens, tree_mask, B, T, n_heads, n_kv_heads, D, kv_len,
+                                               1.0 / std::sqrt(static_cast<double>(D)));
+  Workspace ws(s, x_in.options());
+  // layer outputs alternate between two buffers; the last layer writes the returned tensor
+  at::Tensor out = at::empty({B, T, H}, x_in.options()), ping = at::empty({2, B * T * H}, x_in.options());
+  const int64_t C = static_cast<int64_t>(capture.size()), M = B * T;
+  at::Tensor feats = C ? at::empty({B, T, C * H}, x_in.options()) : at::empty({0}, x_in.options());
+  const at::Tensor x0 = x_in.contiguous();
+  const float* x = x0.data_ptr<float>();
+  float* kv0 = kv.data_ptr<float>();
+  const int64_t kv_layer_stride = kv.stride(0);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t c = 0; c < C; ++c)  // a captured layer's input: column block c of the features (at::cat's layout)
+      if (capture[c] == l)
+        for (int64_t m = 0; m < M; ++m) std::copy_n(x + m * H, H, feats.data_ptr<float>() + (m * C + c) * H);
+    float* y = l == L - 1 ? out.data_ptr<float>() : ping.data_ptr<float>() + (l % 2) * M * H;
+    layer(x, y, s, norms[2 * l].data_ptr<float>(), norms[2 * l + 1].data_ptr<float>(), static_cast<float>(eps), weights,
+          bias_ptrs, 4 * l, kind_list, cos.data_ptr<float>(), sin.data_ptr<float>(), kv0 + l * kv_layer_stride, rp, attn,
+          ws);
+    x = y;
+  }
+  return {out, feats};
 }
 
 }  // namespace

@@ -27,6 +27,7 @@
 
 #include "cpu_features.h"
 #include "panel_loop.h"
+#include "step_kernels.h"
 
 namespace hydra_kernels {
 namespace {
@@ -174,6 +175,18 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int6
 bool packed_linear_is_fast_cpu() { return cpu_has_avx512(); }
 
 }  // namespace
+
+void packed_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, const float* bias, float* y) {
+  const at::ScalarType wt = packed.scalar_type();
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && (wt == at::kFloat || wt == at::kBFloat16) &&
+                  packed.is_contiguous() && N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
+              "packed_linear: packed must come from pack_linear_weight (fp32 or bf16 [P, K, 64], contiguous) for N=", N);
+  if (M == 0) return;
+  if (wt == at::kFloat)
+    packed_linear_panels(x, M, packed.size(1), packed.data_ptr<float>(), N, bias, y);
+  else
+    packed_linear_panels(x, M, packed.size(1), packed.data_ptr<c10::BFloat16>(), N, bias, y);
+}
 
 TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def("pack_linear_weight(Tensor weight, ScalarType? dtype=None) -> Tensor");

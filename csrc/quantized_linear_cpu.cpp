@@ -33,6 +33,7 @@
 
 #include "cpu_features.h"
 #include "panel_loop.h"
+#include "step_kernels.h"
 
 namespace hydra_kernels {
 namespace {
@@ -339,17 +340,30 @@ at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, c
   return packed;
 }
 
+void quantized_panels_into(const float* xp, int64_t M, const uint8_t* wp, const Layout& l, int64_t N, const float* bp,
+                           float* yp, Isa isa) {
+  const int tile = isa == kAvx512 ? 6 : (isa == kAvx2 ? 3 : 6);
+  const int64_t K = l.K();
+  for_each_panel_tile(M, N, bp, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb, int half) {
+    panel_tile(isa, xp + m0 * K, K, rows, wp + p * l.NG * l.GB, l, pb, yp + m0 * N + n0, N, ncols, half);
+  }, /*halves=*/true);
+}
+
+void check_panel_count(const at::Tensor& packed, int64_t N) {
+  const int64_t P = packed.size(0);
+  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "quantized_linear: N=", N, " does not match ", P, " panels");
+}
+
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
                                 const std::optional<at::Tensor>& bias, int64_t isa_arg) {
   const Layout l = layout_of(packed, bits, offset);
-  const int64_t P = packed.size(0), K = l.K();
-  TORCH_CHECK(N > (P - 1) * kPanel && N <= P * kPanel, "quantized_linear: N=", N, " does not match ", P, " panels");
+  check_panel_count(packed, N);
+  const int64_t K = l.K();
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
               "quantized_linear: x must be fp32 [..., K=", K, "], got ", x.scalar_type(), " ", x.sizes());
   TORCH_CHECK(!bias.has_value() || (bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat),
               "quantized_linear: bias must be fp32 [N=", N, "]");
   const Isa isa = resolve_isa(isa_arg);
-  const int tile = isa == kAvx512 ? 6 : (isa == kAvx2 ? 3 : 6);
   at::Tensor x2 = x.reshape({-1, K}).contiguous();
   const int64_t M = x2.size(0);
   auto out_sizes = x.sizes().vec();
@@ -357,13 +371,8 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, i
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y.view(out_sizes);
   at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* xp = x2.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  for_each_panel_tile(M, N, bp, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb, int half) {
-    panel_tile(isa, xp + m0 * K, K, rows, wp + p * l.NG * l.GB, l, pb, yp + m0 * N + n0, N, ncols, half);
-  }, /*halves=*/true);
+  quantized_panels_into(x2.data_ptr<float>(), M, packed.data_ptr<uint8_t>(), l, N, b.defined() ? b.data_ptr<float>() : nullptr,
+                        y.data_ptr<float>(), isa);
   return y.view(out_sizes);
 }
 
@@ -401,6 +410,13 @@ at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, i
 int64_t quantized_linear_isa() { return resolve_isa(kAuto); }
 
 }  // namespace
+
+void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
+                           const float* bias, float* y) {
+  const Layout l = layout_of(packed, bits, offset);
+  check_panel_count(packed, N);
+  if (M > 0) quantized_panels_into(x, M, packed.data_ptr<uint8_t>(), l, N, bias, y, resolve_isa(kAuto));
+}
 
 TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? offsets, int bits) -> Tensor");

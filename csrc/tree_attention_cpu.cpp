@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "step_kernels.h"
 #include "tree_buffer.h"
 
 namespace hydra_kernels {
@@ -595,91 +596,16 @@ void attend_group_nd(int64_t nd, Attn& a, int64_t p1, int64_t threads, bool para
 
 #endif
 
-// q [B, T, Hq, D] fp32; k, v [B, S, Hkv, D] fp32, unit stride in D and equal strides (the caller takes
-// this path only then). AVX-512: the passes above over groups of (b, KV head) pairs; otherwise rows
-// (b, i, h) one at a time, in parallel.
+// q [B, T, Hq, D] fp32; k, v [B, S, Hkv, D] fp32, unit stride in D and equal strides (the caller takes this path only
+// then): tree_attention_step, then tree_attention_into (below the anonymous namespace).
 at::Tensor tree_attention_fp32(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqlens,
                                const at::Tensor& tree_mask, double scale) {
   const at::Tensor q = q_in.contiguous();
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2), G = Hq / Hkv;
-  const TreeBuffer tm = tree_buffer(tree_mask, 2, at::kBool);  // [T, T] shared (batch stride 0) or [B, T, T]
-  const at::Tensor sl = seqlens.to(at::kLong).contiguous();
-  const bool* mp = tm.t.data_ptr<bool>();
-  const int64_t mb = tm.batch_stride;
-  const int64_t* lens = sl.data_ptr<int64_t>();
-  int64_t max_len = 0, total_len = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 0 && lens[b] + T <= k.size(1), "tree_attention: seqlens[", b, "] + T = ", lens[b] + T,
-                " exceeds the cache's rows");
-    max_len = std::max(max_len, lens[b]);
-    total_len += lens[b] + T;
-  }
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3);
+  TreeAttentionStep step = tree_attention_step(seqlens, tree_mask, B, T, Hq, k.size(2), D, k.size(1), scale);
   at::Tensor out = at::empty({B, T, Hq, D}, q.options());
-  if (out.numel() == 0) return out;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t sb = k.stride(0), ss = k.stride(1), sh = k.stride(2);
-#ifdef HK_X86
-  if (cpu_has_avx512() && D <= 256) {
-    std::vector<int32_t> nodes(B * T * T), nt(B * T);  // each (b, i): its ancestors-or-self in node order
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i = 0; i < T; ++i) {
-        const bool* mrow = mp + b * mb + i * T;
-        int32_t n = 0;
-        for (int64_t m = 0; m < T; ++m)
-          if (mrow[m]) nodes[(b * T + i) * T + n++] = static_cast<int32_t>(m);
-        nt[b * T + i] = n;
-      }
-    const int64_t nd = (D + 15) / 16, rows = G * T, threads = at::get_num_threads();
-    const int64_t sstride = (max_len + T + 15) / 16 * 16;
-    // ~4 flops per (row, key, d) in each of passes 1 and 3: small problems run on the calling thread. Inside a
-    // decoding step the K/V rows come from DRAM (the layers' weights evicted them), so splitting pays from ~2^16
-    // (SmolLM2, T = 1: from ~115 cached rows): a plain step at 300 rows 5% faster, at 200 2-3%, at 40-100 the
-    // same (2026-11-27, EPYC VM, interleaved; 2^18 had been sized on a hot cache)
-    const bool parallel = threads > 1 && Hq * T * total_len * D >= (1 << 16);
-    const int64_t max_ranges = max_key_ranges(threads, max_len);
-    // scratch floats per pair; pairs per group: as many as fit ~16 MiB (at least one)
-    const int64_t per_pair = rows * (sstride + max_ranges * 16 + nd * 16 + 1);
-    const int64_t pairs = B * Hkv, group = std::clamp<int64_t>((int64_t{1} << 22) / per_pair, 1, pairs);
-    at::Tensor scratch = at::empty({group * per_pair}, q.options());
-    Attn a{};
-    a.q = qp, a.out = op, a.k = kp, a.v = vp, a.sb = sb, a.ss = ss, a.sh = sh;
-    a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.G = G, a.D = D, a.rows = rows, a.scale = static_cast<float>(scale);
-    a.tail = static_cast<__mmask16>(D % 16 == 0 ? 0xFFFF : (1u << (D % 16)) - 1u);
-    a.lens = lens, a.nodes = nodes.data(), a.nt = nt.data(), a.sstride = sstride;
-    float* s0 = scratch.data_ptr<float>();
-    a.scores = s0, a.mx = s0 + group * rows * sstride, a.o = a.mx + group * rows * max_ranges * 16;
-    a.inv_l = a.o + group * rows * nd * 16;
-    for (int64_t p0 = 0; p0 < pairs; p0 += group) {
-      a.p0 = p0;
-      attend_group_nd(nd, a, std::min(pairs, p0 + group), threads, parallel);
-    }
-    return out;
-  }
-#endif
-  // grain: a row is ~L * D * 4 flops; small problems stay on one thread (no fork/join for T = 1)
-  const int64_t rows = B * T * Hq, grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, (max_len + T) * D));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> key_rows(max_len + T);
-    std::vector<float> scores(max_len + T + 16);
-    int64_t cached_bi = -1, L = 0;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t h = r % Hq, bi = r / Hq, i = bi % T, b = bi / T;
-      if (bi != cached_bi) {  // the row's keys: prefix, then ancestors-or-self in node order
-        const int64_t len = lens[b];
-        for (int64_t j = 0; j < len; ++j) key_rows[j] = j;
-        L = len;
-        const bool* mrow = mp + b * mb + i * T;  // node i's ancestors-or-self in sequence b's tree
-        for (int64_t n = 0; n < T; ++n)
-          if (mrow[n]) key_rows[L++] = len + n;
-        cached_bi = bi;
-      }
-      attend_row_portable({qp + r * D, kp + b * sb + (h / G) * sh, vp + b * sb + (h / G) * sh, ss, key_rows.data(), L,
-                           D, static_cast<float>(scale), scores.data(), op + r * D});
-    }
-  });
+  tree_attention_into(step, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1),
+                      k.stride(2), out.data_ptr<float>());
   return out;
 }
 
@@ -703,6 +629,101 @@ at::Tensor tree_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at
 }
 
 }  // namespace
+
+TreeAttentionStep tree_attention_step(const at::Tensor& seqlens, const at::Tensor& tree_mask, int64_t B, int64_t T,
+                                      int64_t Hq, int64_t Hkv, int64_t D, int64_t cache_rows, double scale) {
+  TreeAttentionStep st;
+  st.B = B, st.T = T, st.Hq = Hq, st.Hkv = Hkv, st.D = D, st.scale = static_cast<float>(scale);
+  const TreeBuffer tm = tree_buffer(tree_mask, 2, at::kBool);  // [T, T] shared (batch stride 0) or [B, T, T]
+  st.mask = tm.t, st.mp = tm.t.data_ptr<bool>(), st.mb = tm.batch_stride;
+  const at::Tensor sl = seqlens.to(at::kLong).contiguous();
+  const int64_t* lens = sl.data_ptr<int64_t>();
+  st.lens.assign(lens, lens + B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] + T <= cache_rows, "tree_attention: seqlens[", b, "] + T = ", lens[b] + T,
+                " exceeds the cache's rows");
+    st.max_len = std::max(st.max_len, lens[b]);
+    st.total_len += lens[b] + T;
+  }
+#ifdef HK_X86
+  st.avx512 = cpu_has_avx512() && D <= 256;
+  if (st.avx512) {
+    st.nodes.resize(B * T * T);
+    st.nt.resize(B * T);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i = 0; i < T; ++i) {
+        const bool* mrow = st.mp + b * st.mb + i * T;
+        int32_t n = 0;
+        for (int64_t m = 0; m < T; ++m)
+          if (mrow[m]) st.nodes[(b * T + i) * T + n++] = static_cast<int32_t>(m);
+        st.nt[b * T + i] = n;
+      }
+    const int64_t nd = (D + 15) / 16, rows = (Hq / Hkv) * T, threads = at::get_num_threads();
+    st.sstride = (st.max_len + T + 15) / 16 * 16;
+    // ~4 flops per (row, key, d) in each of passes 1 and 3: small problems run on the calling thread. Inside a
+    // decoding step the K/V rows come from DRAM (the layers' weights evicted them), so splitting pays from ~2^16
+    // (SmolLM2, T = 1: from ~115 cached rows): a plain step at 300 rows 5% faster, at 200 2-3%, at 40-100 the
+    // same (2026-11-27, EPYC VM, interleaved; 2^18 had been sized on a hot cache)
+    st.parallel = threads > 1 && Hq * T * st.total_len * D >= (1 << 16);
+    st.threads = threads;
+    st.max_ranges = max_key_ranges(threads, st.max_len);
+    // scratch floats per pair; pairs per group: as many as fit ~16 MiB (at least one)
+    st.per_pair = rows * (st.sstride + st.max_ranges * 16 + nd * 16 + 1);
+    st.group = std::clamp<int64_t>((int64_t{1} << 22) / st.per_pair, 1, B * Hkv);
+    st.scratch = at::empty({st.group * st.per_pair}, at::TensorOptions().dtype(at::kFloat));
+  }
+#endif
+  return st;
+}
+
+void tree_attention_into(TreeAttentionStep& st, const float* qp, const float* kp, const float* vp, int64_t sb,
+                         int64_t ss, int64_t sh, float* op) {
+  const int64_t B = st.B, T = st.T, Hq = st.Hq, Hkv = st.Hkv, D = st.D, G = Hq / Hkv;
+  if (B * T * Hq * D == 0) return;
+#ifdef HK_X86
+  if (st.avx512) {  // AVX-512: the passes above over groups of (b, KV head) pairs
+    const int64_t nd = (D + 15) / 16, rows = G * T, pairs = B * Hkv, group = st.group;
+    Attn a{};
+    a.q = qp, a.out = op, a.k = kp, a.v = vp, a.sb = sb, a.ss = ss, a.sh = sh;
+    a.T = T, a.Hq = Hq, a.Hkv = Hkv, a.G = G, a.D = D, a.rows = rows, a.scale = st.scale;
+    a.tail = static_cast<__mmask16>(D % 16 == 0 ? 0xFFFF : (1u << (D % 16)) - 1u);
+    a.lens = st.lens.data(), a.nodes = st.nodes.data(), a.nt = st.nt.data(), a.sstride = st.sstride;
+    float* s0 = st.scratch.data_ptr<float>();
+    a.scores = s0, a.mx = s0 + group * rows * st.sstride, a.o = a.mx + group * rows * st.max_ranges * 16;
+    a.inv_l = a.o + group * rows * nd * 16;
+    for (int64_t p0 = 0; p0 < pairs; p0 += group) {
+      a.p0 = p0;
+      attend_group_nd(nd, a, std::min(pairs, p0 + group), st.threads, st.parallel);
+    }
+    return;
+  }
+#endif
+  // otherwise rows (b, i, h) one at a time, in parallel. grain: a row is ~L * D * 4 flops; small problems stay on one
+  // thread (no fork/join for T = 1)
+  const int64_t* lens = st.lens.data();
+  const bool* mp = st.mp;
+  const int64_t mb = st.mb, max_len = st.max_len, nrows = B * T * Hq;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, (max_len + T) * D));
+  at::parallel_for(0, nrows, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> key_rows(max_len + T);
+    std::vector<float> scores(max_len + T + 16);
+    int64_t cached_bi = -1, L = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t h = r % Hq, bi = r / Hq, i = bi % T, b = bi / T;
+      if (bi != cached_bi) {  // the row's keys: prefix, then ancestors-or-self in node order
+        const int64_t len = lens[b];
+        for (int64_t j = 0; j < len; ++j) key_rows[j] = j;
+        L = len;
+        const bool* mrow = mp + b * mb + i * T;  // node i's ancestors-or-self in sequence b's tree
+        for (int64_t n = 0; n < T; ++n)
+          if (mrow[n]) key_rows[L++] = len + n;
+        cached_bi = bi;
+      }
+      attend_row_portable({qp + r * D, kp + b * sb + (h / G) * sh, vp + b * sb + (h / G) * sh, ss, key_rows.data(), L,
+                           D, st.scale, scores.data(), op + r * D});
+    }
+  });
+}
 
 TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor tree_mask, "

@@ -1,0 +1,53 @@
+// The CPU kernels a decoding step's layer stack (decode_stack_cpu.cpp) calls directly: the ops' own code on raw
+// buffers, without the ops' tensors and the dispatcher. A step's 30 layers made ~1,600 ATen calls (views, empty
+// outputs, dtype copies of the lengths, the dispatcher's lookups), ~0.5-0.7 ms of one thread's host work beside
+// ~6 ms of kernels, while the other thread waited (2026-11-28, EPYC VM, perf of a plain SmolLM2 step). The ops
+// (packed_linear, quantized_linear, tree_attention) call the same functions, so both give the same values.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace hydra_kernels {
+
+// y [M, N] = x [M, K] W^T (+ bias [N]; nullptr: none), x and y contiguous: the packed_linear op's kernel on its
+// panels (fp32 / bf16 [P, K, 64] from pack_linear_weight).
+void packed_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, const float* bias, float* y);
+
+// The same on the quantized_linear op's panels (pack_quantized_weight: bits 4 / 8, with or without offsets), with the
+// fastest ISA this machine runs.
+void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
+                           const float* bias, float* y);
+
+// What the tree_attention op's fp32 kernel needs beyond q, K and V, which every layer of a step shares: the committed
+// lengths, each (sequence, node)'s tree keys, the scratch. Built once a step (tree_attention_step), used by each
+// layer (tree_attention_into).
+struct TreeAttentionStep {
+  int64_t B = 0, T = 0, Hq = 0, Hkv = 0, D = 0;
+  float scale = 0.0f;
+  std::vector<int64_t> lens;   // [B] committed lengths
+  at::Tensor mask;             // bool [T, T] or [B, T, T], inner dims contiguous (kept alive for mp)
+  const bool* mp = nullptr;
+  int64_t mb = 0;              // the mask's batch stride (0: one tree)
+  int64_t max_len = 0, total_len = 0;
+  std::vector<int32_t> nodes;  // [B, T, T]: node i's ancestors-or-self in node order, nt[b * T + i] of them
+  std::vector<int32_t> nt;     // [B, T]
+  // the AVX-512 passes (tree_attention_cpu.cpp): whether they run, their thread split and scratch (scores, maxima,
+  // accumulators of `group` (b, KV head) pairs at a time)
+  bool avx512 = false, parallel = false;
+  int64_t threads = 1, sstride = 0, max_ranges = 1, per_pair = 0, group = 1;
+  at::Tensor scratch;
+};
+
+// seqlens int32 / int64 [B]; tree_mask bool [T, T] or [B, T, T]; cache_rows: the K / V buffers' rows (each
+// seqlens[b] + T must fit, checked); scale: the softmax scale.
+TreeAttentionStep tree_attention_step(const at::Tensor& seqlens, const at::Tensor& tree_mask, int64_t B, int64_t T,
+                                      int64_t Hq, int64_t Hkv, int64_t D, int64_t cache_rows, double scale);
+
+// out [B, T, Hq, D] (contiguous) = the attention of q [B, T, Hq, D] (contiguous) over K / V rows at k + b * sb +
+// row * ss + head * sh (unit stride in D; V the same strides).
+void tree_attention_into(TreeAttentionStep& step, const float* q, const float* k, const float* v, int64_t sb,
+                         int64_t ss, int64_t sh, float* out);
+
+}  // namespace hydra_kernels
