@@ -132,6 +132,43 @@ def test_captured_layer_inputs_are_the_python_layers(monkeypatch, capture):
     assert_same(got, want, kv_got, kv_want)
 
 
+def test_a_runs_memo_of_the_stack_weights_follows_every_change():
+    """stack_weights keeps a run's result (KVCache.stack_memo) only while it is what a fresh walk would give: a norm's
+    weight replaced, the packed kernel switched off and on, a block swapped each give the fresh walk's weights; a
+    layer whose fp32 panels are rebuilt from a weight that may change in place is never memoized."""
+    from hydra_kernels.model.packed_linear import packed_kernel_off
+
+    m = model_of("a", False, seed=3)
+    memo = {}
+    first = decode_stack.stack_weights(m, 1, memo)
+    assert first is not None and decode_stack.stack_weights(m, 5, memo) is first  # held panels: any row count
+    m.layers[1].ffn_norm.weight = torch.nn.Parameter(torch.randn(64) * 0.3 + 1.0)
+    second = decode_stack.stack_weights(m, 1, memo)
+    assert second is not first and second[3][3] is m.layers[1].ffn_norm.weight
+    with packed_kernel_off(m):
+        assert decode_stack.stack_weights(m, 1, memo) is None  # the layers take F.linear: no stack
+    third = decode_stack.stack_weights(m, 1, memo)
+    assert third is not second and [w is v for w, v in zip(third[0], second[0])] == [True] * len(second[0])
+    donor = model_of("b", False, seed=4)
+    m.layers[2] = donor.layers[2]
+    fourth = decode_stack.stack_weights(m, 1, memo)
+    assert fourth[0][8:] == decode_stack.stack_weights(donor, 1)[0][8:] and fourth[1] != third[1]
+    assert fourth[0][8] is donor.layers[2].attention.wqkv.step_weights(1)[0]
+    # each returned spec is what a walk without a memo returns
+    fresh = decode_stack.stack_weights(m, 1)
+    assert all(all(a is b for a, b in zip(x, y)) for x, y in zip(fourth[:4], fresh[:4])) and fourth[4] == fresh[4]
+    fp32 = model_of(False, False, seed=6)
+    wo = fp32.layers[0].attention.wo
+    wo.restore_original()  # the weight kept, its panels derived from it (rebuilt when it changes)
+    memo = {}
+    before = decode_stack.stack_weights(fp32, 1, memo)
+    assert not wo.holds_panels and "stack" not in memo
+    with torch.no_grad():
+        wo.weight.add_(1.0)  # changed in place: no attribute assigned
+    after = decode_stack.stack_weights(fp32, 1, memo)
+    assert torch.equal(after[0][1], before[0][1] + 1.0)  # the panels rebuilt from the changed weight
+
+
 @pytest.mark.parametrize("hidden,heads,kv_heads", [(40, 5, 1), (60, 6, 3), (28, 2, 2)])
 def test_awkward_shapes(monkeypatch, hidden, heads, kv_heads):
     """H not a multiple of the norm's 16 lanes, odd head counts, head_dim 8 / 10 / 14 (the norm's tail, RoPE's

@@ -47,6 +47,8 @@ class KVCache:
         )
         self.layers: tuple[torch.Tensor, ...] = self.kv.unbind(0)
         self.seqlens = torch.zeros(batch_size, dtype=torch.int32, device=device)
+        # what a run's steps memoize about the model they step (decode_stack.stack_weights): a cache serves one run
+        self.stack_memo: dict = {}
 
     @property
     def batch_size(self) -> int:

@@ -9,7 +9,7 @@ from ..ops import reference
 from ..ops.native import extension_op
 from .attention import Attention, AttentionSite
 from .config import LlamaConfig
-from .packed_linear import Linear
+from .packed_linear import Linear, bump_layout
 
 # y = (x * r) * w, r = 1 / sqrt(sum(x^2) / H + eps) summed in a fixed order (csrc/decode_stack_cpu.cpp); None
 # without the extension
@@ -23,6 +23,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def __setattr__(self, name, value):
+        if name in ("weight", "eps"):
+            bump_layout()  # a run's memo of the layer stack's weights holds this norm's (decode_stack.stack_weights)
+        super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype is torch.float32 and x.is_cpu and self.weight.dtype is torch.float32:
@@ -106,6 +111,12 @@ class TransformerBlock(nn.Module):
 _DECODE_STACK = extension_op("decode_stack")
 
 
+def block_linears(block: TransformerBlock) -> tuple:
+    """The block's projections in the decode stack's order: wqkv, wo, w13, w2."""
+    att, ff = block._modules["attention"]._modules, block._modules["feed_forward"]._modules
+    return att["wqkv"], att["wo"], ff["w13"], ff["w2"]
+
+
 def block_weights(block: TransformerBlock, rows: int):
     """(weights, kinds, biases, norms, eps) of one block for the native decode stack (wqkv, wo, w13, w2; the
     attention and FFN norms), or None where it cannot take it: a projection without panels for `rows` rows
@@ -119,8 +130,7 @@ def block_weights(block: TransformerBlock, rows: int):
     norms = (n1._parameters["weight"], n2._parameters["weight"])
     if any(w.dtype is not torch.float32 or not w.is_cpu for w in norms):
         return None
-    att, ff = mods["attention"]._modules, mods["feed_forward"]._modules
-    lins = (att["wqkv"], att["wo"], ff["w13"], ff["w2"])
+    lins = block_linears(block)
     weights, kinds = [], []
     for lin in lins:
         spec = lin.step_weights(rows)

@@ -32,11 +32,30 @@ from ..ops.packed_linear import MAX_PACKED_ROWS, pack_linear_weight, packed_line
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from ..weight_cache import DerivedCache, source_key
 
-__all__ = ["Linear", "MAX_PACKED_ROWS", "packed_linear_available", "packed_kernel_off"]
+__all__ = ["Linear", "MAX_PACKED_ROWS", "packed_linear_available", "packed_kernel_off", "layout_version"]
+
+# Bumped whenever a Linear (or a norm: layers.RMSNorm) is assigned what decides the weights a step runs on (panels,
+# packed_on, weight, bias; a norm's weight or eps): what a run memoizes from them (decode_stack.stack_weights) is
+# valid while it stays the same.
+_LAYOUT = [0]
+_LAYOUT_ATTRS = frozenset({"_panels", "packed_on", "weight", "bias"})
+
+
+def layout_version() -> int:
+    return _LAYOUT[0]
+
+
+def bump_layout() -> None:
+    _LAYOUT[0] += 1
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state_dict) whose small-M fp32 CPU inference can use packed weights."""
+
+    def __setattr__(self, name, value):
+        if name in _LAYOUT_ATTRS:
+            bump_layout()
+        super().__setattr__(name, value)
 
     def __init__(self, *args, pack_dtype: torch.dtype = torch.float32, **kwargs):
         super().__init__(*args, **kwargs)
@@ -113,6 +132,12 @@ class Linear(nn.Linear):
         else:
             self._hold_only(panels)
         return True
+
+    @property
+    def holds_panels(self) -> bool:
+        """Its panels are its weight (released or quantized) and forward runs them: what step_weights returns then
+        is fixed until an attribute changes (layout_version), not rebuilt from a weight changed in place."""
+        return self._panels is not None and self.packed_on
 
     def step_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
         """(weights, kind) that forward would run `rows` rows of fp32 CPU inference on, for the fused decode
