@@ -317,6 +317,7 @@ TILE_CASES = [  # seed, Hq, Hkv, D, node counts of the sequences' trees, seqlens
     (46, 9, 3, 64, [1], [130]),
     (47, 9, 3, 64, [1], [300]),
     (48, 9, 3, 64, [1, 1, 1], [200, 90, 400]),
+    (49, 4, 2, 288, [3, 2], [40, 7]),  # head_dim > 256: the portable row kernel (the path of a CPU without AVX-512)
 ]
 
 
