@@ -34,6 +34,8 @@ def stack_weights(model, rows: int, memo: dict | None = None):
     holds its panels as its weight (Linear.holds_panels: nothing is rebuilt from a weight changed in place). Collecting
     it walks ~1,800 module attributes, which a step's weight stream has just evicted from the caches: ~0.5 ms a step
     inside generate() where it took 0.1 ms in a loop of its own (2026-11-28, EPYC VM, SmolLM2)."""
+    if torch.compiler.is_compiling():  # a traced step walks once, at trace time; a memo would only add guards
+        memo = None
     blocks = tuple(model.layers._modules.values())
     version = layout_version()
     if memo is not None:  # (panels held: the same weights for any row count)
