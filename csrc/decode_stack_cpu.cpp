@@ -215,11 +215,13 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const std::vector<int64_t> kind_list(kinds.begin(), kinds.end());
   std::vector<const float*> bias_ptrs(biases.size(), nullptr);
+  const int64_t outputs[4] = {(n_heads + 2 * n_kv_heads) * D, H, 2 * intermediate, H};  // wqkv, wo, w13, w2
   for (size_t i = 0; i < biases.size(); ++i) {
     const std::optional<at::Tensor> b = biases.get(i);
     if (!b.has_value()) continue;
-    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->is_contiguous(),
-                "decode_stack: biases must be contiguous fp32 vectors");
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->is_contiguous() && b->size(0) == outputs[i % 4],
+                "decode_stack: bias ", i, " must be a contiguous fp32 vector of its projection's ", outputs[i % 4],
+                " outputs, got ", b->scalar_type(), " ", b->sizes());
     bias_ptrs[i] = b->data_ptr<float>();
   }
   const Shape s{B, T, H, n_heads, n_kv_heads, D, intermediate, S};

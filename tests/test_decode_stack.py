@@ -240,8 +240,8 @@ def test_rms_norm_module_is_the_native_norm_with_and_without_autograd(shape):
 
 
 def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
-    """A cache row outside the buffer, a committed length past kv_len or float rows are refused by the op before
-    any layer runs (the KV buffer unchanged); a seqlens past the buffer by the Python check, with its message,
+    """A cache row outside the buffer, a committed length past kv_len, float rows or a bias of the wrong length are
+    refused by the op before any layer runs (the KV buffer unchanged); a seqlens past the buffer by the Python check, with its message,
     before the op is called."""
     m = model_of(True, False, seed=1)
     cache = m.new_kv_cache(1, 16)
@@ -266,6 +266,12 @@ def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
         with pytest.raises(RuntimeError, match="int64"):
             decode_stack.DECODE_STACK(x, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
                                       cache.kv, torch.tensor([[4.0]]), cache.seqlens, torch.ones(1, 1, dtype=torch.bool),
+                                      16, [])
+        wrong = list(biases)
+        wrong[5] = torch.zeros(a.n_heads * a.head_dim + 1)  # layer 1's wo: a bias of the wrong length
+        with pytest.raises(RuntimeError, match="bias 5 must be a contiguous fp32 vector of its projection's 64 outputs"):
+            decode_stack.DECODE_STACK(x, weights, kinds, wrong, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
+                                      cache.kv, torch.tensor([[4]]), cache.seqlens, torch.ones(1, 1, dtype=torch.bool),
                                       16, [])
         assert torch.equal(cache.kv.nan_to_num(7.0), before.nan_to_num(7.0))
         monkeypatch.setattr(decode_stack, "DECODE_STACK", lambda *a: pytest.fail("called with bad seqlens"))
