@@ -21,7 +21,8 @@ inline bool cpu_has_avx512() {
 
 inline bool cpu_has_avx2_fma() {
 #ifdef HK_X86
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  // (and F16C, which every AVX2 CPU has: the quantized kernel's fp16 scales)
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   return yes;
 #else
   return false;

@@ -17,7 +17,7 @@
 // only on that row (and, in attention, on its own keys), so a token's logits are the same alone and in a tree.
 //
 // Linear layers come as (weights, kind): kind 0 = packed fp32 / bf16 panels (packed_linear), else the quantized
-// panels of quantized_linear with kind = 10 * bits + offset (40, 41, 80, 81).
+// panels of quantized_linear with kind = 10 * bits + offset (40, 41, 80, 81), + 100 where the scales are stored fp16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -71,12 +71,13 @@ at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& w, double ep
   return y;
 }
 
-// y [M, N] = x [M, K] W^T (+ bias): the packed (kind 0) or quantized (10 * bits + offset) op's kernel, called directly
+// y [M, N] = x [M, K] W^T (+ bias): the packed (kind 0) or quantized (100 * fp16 scales + 10 * bits + offset) op's kernel,
+// called directly
 void linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y) {
   if (kind == 0)
     packed_linear_into(x, M, w, N, bias, y);
   else
-    quantized_linear_into(x, M, w, N, kind / 10, kind % 2 == 1, bias, y);
+    quantized_linear_into(x, M, w, N, kind % 100 / 10, kind % 2 == 1, kind >= 100, bias, y);
 }
 
 // Rotate-half RoPE of one head (reference.apply_rope): out[d] = x[d] * c[d] + rot[d] * s[d], rot = (-x[half:],

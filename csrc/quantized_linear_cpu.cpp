@@ -18,13 +18,18 @@
 //
 // Layout (pack_quantized_weight): output rows in panels of 64 (N padded with zero rows), each panel K / G
 // groups, each group of GB bytes:
-//   [s: 64 fp32][o: 64 fp32, only with an offset][q: G rows x 64 columns]
+//   [s: 64 fp32 or fp16][o: 64 fp32 or fp16, only with an offset][q: G rows x 64 columns]
+// fp16 (half_scales) where every scale and offset is an fp16 value: GGUF's Q4_0 / Q4_1 / Q5_x / Q8_0 store d and m as
+// fp16, so the same exact values at half the header bytes (a Q4_1 group of 32 inputs: 5 bits a weight, not 6; the
+// projections of a SmolLM2 step stream at this VM's DRAM rate, so bytes are time); converted in registers (vcvtph2ps,
+// exact). The K-quants' scales are products (d * sub-block scale) that fp16 may not hold: fp32.
 // q 8-bit: int8, row-major (k, then column). q 4-bit: unsigned nibbles 0..15, two rows a byte: byte
 // (i, c) = q[2i][c] | q[2i + 1][c] << 4, so one 64-byte line holds two rows of the panel.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -39,13 +44,16 @@ namespace hydra_kernels {
 namespace {
 
 constexpr int64_t kPanel = kPanelColumns;  // output rows (weight rows) per panel
-constexpr int64_t kHeader = kPanel * 4;  // bytes of one fp32 vector of the panel (s or o)
+// bytes of one vector of the panel's scales or offsets: fp32, or fp16 where every one is an fp16 value (GGUF's Q4_0, Q4_1,
+// Q5_x and Q8_0 store fp16 d and m: half the header bytes, 1 bit a weight instead of 2, the same exact values)
+constexpr int64_t header_bytes(bool half) { return kPanel * (half ? 2 : 4); }
 
 enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3 };
 
 struct Layout {
   int bits;         // 4 or 8
   bool offset;      // o stored (w = fma(s, q, o)) or not (w = s * q)
+  bool half;        // s and o stored fp16 (converted exactly in registers), else fp32
   int64_t G;        // inputs per group
   int64_t NG;       // groups per row: K = NG * G
   int64_t GB;       // bytes per group
@@ -53,7 +61,7 @@ struct Layout {
   int64_t K() const { return NG * G; }
 };
 
-Layout layout_of(const at::Tensor& packed, int64_t bits, bool offset) {
+Layout layout_of(const at::Tensor& packed, int64_t bits, bool offset, bool half) {
   TORCH_CHECK(bits == 4 || bits == 8, "quantized_linear: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "quantized_linear: packed must come from pack_quantized_weight (uint8 [P, K/G, group bytes], "
@@ -61,19 +69,24 @@ Layout layout_of(const at::Tensor& packed, int64_t bits, bool offset) {
   Layout l;
   l.bits = static_cast<int>(bits);
   l.offset = offset;
+  l.half = half;
   l.NG = packed.size(1);
   l.GB = packed.size(2);
-  l.header = kHeader * (offset ? 2 : 1);
+  l.header = header_bytes(half) * (offset ? 2 : 1);
   const int64_t qbytes = l.GB - l.header, row_bytes = kPanel * bits / 8;
   TORCH_CHECK(qbytes > 0 && qbytes % row_bytes == 0, "quantized_linear: group of ", l.GB, " bytes does not fit bits=",
-              bits, ", offset=", offset);
+              bits, ", offset=", offset, ", half_scales=", half);
   l.G = qbytes / row_bytes;
   TORCH_CHECK(bits == 8 || l.G % 2 == 0, "quantized_linear: a 4-bit group must hold an even number of inputs");
   return l;
 }
 
 // ---- one weight, the definition every path computes ---------------------------------------------------------
-inline float dequant(float s, float q, const float* o, int64_t c) { return o ? __builtin_fmaf(s, q, o[c]) : s * q; }
+inline float dequant(float s, float q, bool off, float o) { return off ? __builtin_fmaf(s, q, o) : s * q; }
+
+// A group's scale or offset of column c, as stored: fp32, or fp16 (whose conversion to fp32 is exact)
+inline float scale_at(const float* p, int64_t c) { return p[c]; }
+inline float scale_at(const uint16_t* p, int64_t c) { return c10::detail::fp16_ieee_to_fp32_value(p[c]); }
 
 inline int q_at(const uint8_t* qd, int bits, int64_t k, int64_t c) {
   if (bits == 8) return static_cast<int8_t>(qd[k * kPanel + c]);
@@ -82,6 +95,7 @@ inline int q_at(const uint8_t* qd, int bits, int64_t k, int64_t c) {
 }
 
 // Portable order: y[m, c] = bias[c], then fma(x[m, k], w[c, k], y[m, c]) for k ascending; columns [c0, c1).
+template <typename S>
 void panel_rows_portable(const float* x, int64_t ldx, int rows, const uint8_t* panel, const Layout& l,
                          const float* bias, float* y, int64_t ldy, int c0, int c1) {
   for (int m = 0; m < rows; ++m)
@@ -89,11 +103,11 @@ void panel_rows_portable(const float* x, int64_t ldx, int rows, const uint8_t* p
       float acc = bias ? bias[c] : 0.0f;
       for (int64_t g = 0; g < l.NG; ++g) {
         const uint8_t* grp = panel + g * l.GB;
-        const float* s = reinterpret_cast<const float*>(grp);
-        const float* o = l.offset ? s + kPanel : nullptr;
+        const S* s = reinterpret_cast<const S*>(grp);
         const uint8_t* qd = grp + l.header;
         for (int64_t k = 0; k < l.G; ++k) {
-          const float w = dequant(s[c], static_cast<float>(q_at(qd, l.bits, k, c)), o, c);
+          const float w = dequant(scale_at(s, c), static_cast<float>(q_at(qd, l.bits, k, c)), l.offset,
+                                  l.offset ? scale_at(s + kPanel, c) : 0.0f);
           acc = __builtin_fmaf(x[m * ldx + g * l.G + k], w, acc);
         }
       }
@@ -103,15 +117,20 @@ void panel_rows_portable(const float* x, int64_t ldx, int rows, const uint8_t* p
 
 #ifdef HK_X86
 // ---- AVX-512: up to 6 rows x 64 columns of accumulators (24 zmm) ------------------------------------------
-template <bool OFF>
-__attribute__((target("avx512f"))) inline __m512 dequant16(const float* s, const float* o, __m512i q) {
+__attribute__((target("avx512f"))) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <bool OFF, typename S>
+__attribute__((target("avx512f"))) inline __m512 dequant16(const S* s, const S* o, __m512i q) {
   const __m512 qf = _mm512_cvtepi32_ps(q);
-  return OFF ? _mm512_fmadd_ps(_mm512_loadu_ps(s), qf, _mm512_loadu_ps(o)) : _mm512_mul_ps(_mm512_loadu_ps(s), qf);
+  return OFF ? _mm512_fmadd_ps(load16(s), qf, load16(o)) : _mm512_mul_ps(load16(s), qf);
 }
 
 // Columns [c0, c0 + 16 J) of the panel: J = 4 the whole panel (c0 = 0), J = 2 one half (c0 = 0 or 32; for_each_panel_tile
 // hands a thread half a panel where the panels do not split evenly over the threads). A column's sum is the same either way.
-template <int R, int BITS, bool OFF, int J = 4>
+template <int R, int BITS, bool OFF, int J, typename S>
 __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_t ldx, const uint8_t* panel,
                                                            const Layout& l, int64_t c0, const float* bias, float* y,
                                                            int64_t ldy, int ncols) {
@@ -124,8 +143,8 @@ __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_
   const __m512i low4 = _mm512_set1_epi32(0x0F);
   for (int64_t g = 0; g < l.NG; ++g) {
     const uint8_t* grp = panel + g * l.GB;
-    const float* s = reinterpret_cast<const float*>(grp) + c0;
-    const float* o = s + kPanel;  // read only when OFF
+    const S* s = reinterpret_cast<const S*>(grp) + c0;
+    const S* o = s + kPanel;  // read only when OFF
     const uint8_t* qd = grp + l.header + c0;
     const float* xg = x + g * l.G;
     if (BITS == 4) {
@@ -134,8 +153,8 @@ __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_
         _mm_prefetch(reinterpret_cast<const char*>(line + kAhead), _MM_HINT_T0);
         for (int j = 0; j < J; ++j) {
           const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * j)));
-          const __m512 w0 = dequant16<OFF>(s + 16 * j, o + 16 * j, _mm512_and_si512(v, low4));
-          const __m512 w1 = dequant16<OFF>(s + 16 * j, o + 16 * j, _mm512_srli_epi32(v, 4));
+          const __m512 w0 = dequant16<OFF, S>(s + 16 * j, o + 16 * j, _mm512_and_si512(v, low4));
+          const __m512 w1 = dequant16<OFF, S>(s + 16 * j, o + 16 * j, _mm512_srli_epi32(v, 4));
           for (int m = 0; m < R; ++m) {
             acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + 2 * i]), w0, acc[m][j]);
             acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + 2 * i + 1]), w1, acc[m][j]);
@@ -148,7 +167,7 @@ __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_
         _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
         for (int j = 0; j < J; ++j) {
           const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * j)));
-          const __m512 w = dequant16<OFF>(s + 16 * j, o + 16 * j, v);
+          const __m512 w = dequant16<OFF, S>(s + 16 * j, o + 16 * j, v);
           for (int m = 0; m < R; ++m) acc[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xg[m * ldx + k]), w, acc[m][j]);
         }
       }
@@ -166,14 +185,19 @@ __attribute__((target("avx512f"))) void panel_rows_avx512(const float* x, int64_
 }
 
 // ---- AVX2 + FMA: 16 ymm registers, so up to 3 rows x 32 columns (12 accumulators), one half-panel a call ----
-template <bool OFF>
-__attribute__((target("avx2,fma"))) inline __m256 dequant8(const float* s, const float* o, __m256i q) {
-  const __m256 qf = _mm256_cvtepi32_ps(q);
-  return OFF ? _mm256_fmadd_ps(_mm256_loadu_ps(s), qf, _mm256_loadu_ps(o)) : _mm256_mul_ps(_mm256_loadu_ps(s), qf);
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-template <int R, int BITS, bool OFF>
-__attribute__((target("avx2,fma"))) void half_panel_rows_avx2(const float* x, int64_t ldx, const uint8_t* panel,
+template <bool OFF, typename S>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 dequant8(const S* s, const S* o, __m256i q) {
+  const __m256 qf = _mm256_cvtepi32_ps(q);
+  return OFF ? _mm256_fmadd_ps(load8(s), qf, load8(o)) : _mm256_mul_ps(load8(s), qf);
+}
+
+template <int R, int BITS, bool OFF, typename S>
+__attribute__((target("avx2,fma,f16c"))) void half_panel_rows_avx2(const float* x, int64_t ldx, const uint8_t* panel,
                                                              const Layout& l, int64_t c0, const float* bias,
                                                              float* y, int64_t ldy, int ncols) {
   constexpr int64_t kAhead = 1024;
@@ -185,8 +209,8 @@ __attribute__((target("avx2,fma"))) void half_panel_rows_avx2(const float* x, in
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   for (int64_t g = 0; g < l.NG; ++g) {
     const uint8_t* grp = panel + g * l.GB;
-    const float* s = reinterpret_cast<const float*>(grp) + c0;
-    const float* o = s + kPanel;
+    const S* s = reinterpret_cast<const S*>(grp) + c0;
+    const S* o = s + kPanel;
     const uint8_t* qd = grp + l.header;
     const float* xg = x + g * l.G;
     if (BITS == 4) {
@@ -195,8 +219,8 @@ __attribute__((target("avx2,fma"))) void half_panel_rows_avx2(const float* x, in
         _mm_prefetch(reinterpret_cast<const char*>(line + kAhead), _MM_HINT_T0);
         for (int j = 0; j < 4; ++j) {
           const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(line + 8 * j)));
-          const __m256 w0 = dequant8<OFF>(s + 8 * j, o + 8 * j, _mm256_and_si256(v, low4));
-          const __m256 w1 = dequant8<OFF>(s + 8 * j, o + 8 * j, _mm256_srli_epi32(v, 4));
+          const __m256 w0 = dequant8<OFF, S>(s + 8 * j, o + 8 * j, _mm256_and_si256(v, low4));
+          const __m256 w1 = dequant8<OFF, S>(s + 8 * j, o + 8 * j, _mm256_srli_epi32(v, 4));
           for (int m = 0; m < R; ++m) {
             acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xg[m * ldx + 2 * i]), w0, acc[m][j]);
             acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xg[m * ldx + 2 * i + 1]), w1, acc[m][j]);
@@ -209,7 +233,7 @@ __attribute__((target("avx2,fma"))) void half_panel_rows_avx2(const float* x, in
         _mm_prefetch(reinterpret_cast<const char*>(row + kAhead), _MM_HINT_T0);
         for (int j = 0; j < 4; ++j) {
           const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * j)));
-          const __m256 w = dequant8<OFF>(s + 8 * j, o + 8 * j, v);
+          const __m256 w = dequant8<OFF, S>(s + 8 * j, o + 8 * j, v);
           for (int m = 0; m < R; ++m) acc[m][j] = _mm256_fmadd_ps(_mm256_set1_ps(xg[m * ldx + k]), w, acc[m][j]);
         }
       }
@@ -230,35 +254,43 @@ using PanelFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, i
                          int64_t, int);
 using HalfFn = PanelFn;
 
-template <int BITS, bool OFF, int J>
+template <int BITS, bool OFF, int J, typename S>
 PanelFn avx512_fn(int rows) {
   static constexpr PanelFn table[7] = {nullptr,
-                                       panel_rows_avx512<1, BITS, OFF, J>,
-                                       panel_rows_avx512<2, BITS, OFF, J>,
-                                       panel_rows_avx512<3, BITS, OFF, J>,
-                                       panel_rows_avx512<4, BITS, OFF, J>,
-                                       panel_rows_avx512<5, BITS, OFF, J>,
-                                       panel_rows_avx512<6, BITS, OFF, J>};
+                                       panel_rows_avx512<1, BITS, OFF, J, S>,
+                                       panel_rows_avx512<2, BITS, OFF, J, S>,
+                                       panel_rows_avx512<3, BITS, OFF, J, S>,
+                                       panel_rows_avx512<4, BITS, OFF, J, S>,
+                                       panel_rows_avx512<5, BITS, OFF, J, S>,
+                                       panel_rows_avx512<6, BITS, OFF, J, S>};
   return table[rows];
 }
 
-template <int BITS, bool OFF>
+template <int BITS, bool OFF, typename S>
 HalfFn avx2_fn(int rows) {
-  static constexpr HalfFn table[4] = {nullptr, half_panel_rows_avx2<1, BITS, OFF>, half_panel_rows_avx2<2, BITS, OFF>,
-                                      half_panel_rows_avx2<3, BITS, OFF>};
+  static constexpr HalfFn table[4] = {nullptr, half_panel_rows_avx2<1, BITS, OFF, S>, half_panel_rows_avx2<2, BITS, OFF, S>,
+                                      half_panel_rows_avx2<3, BITS, OFF, S>};
   return table[rows];
+}
+
+template <int J, typename S>
+PanelFn pick_avx512_of(const Layout& l, int rows) {
+  if (l.bits == 4) return l.offset ? avx512_fn<4, true, J, S>(rows) : avx512_fn<4, false, J, S>(rows);
+  return l.offset ? avx512_fn<8, true, J, S>(rows) : avx512_fn<8, false, J, S>(rows);
 }
 
 template <int J>
 PanelFn pick_avx512(const Layout& l, int rows) {
-  if (l.bits == 4) return l.offset ? avx512_fn<4, true, J>(rows) : avx512_fn<4, false, J>(rows);
-  return l.offset ? avx512_fn<8, true, J>(rows) : avx512_fn<8, false, J>(rows);
+  return l.half ? pick_avx512_of<J, uint16_t>(l, rows) : pick_avx512_of<J, float>(l, rows);
 }
 
-HalfFn pick_avx2(const Layout& l, int rows) {
-  if (l.bits == 4) return l.offset ? avx2_fn<4, true>(rows) : avx2_fn<4, false>(rows);
-  return l.offset ? avx2_fn<8, true>(rows) : avx2_fn<8, false>(rows);
+template <typename S>
+HalfFn pick_avx2_of(const Layout& l, int rows) {
+  if (l.bits == 4) return l.offset ? avx2_fn<4, true, S>(rows) : avx2_fn<4, false, S>(rows);
+  return l.offset ? avx2_fn<8, true, S>(rows) : avx2_fn<8, false, S>(rows);
 }
+
+HalfFn pick_avx2(const Layout& l, int rows) { return l.half ? pick_avx2_of<uint16_t>(l, rows) : pick_avx2_of<float>(l, rows); }
 #endif
 
 Isa resolve_isa(int64_t isa) {
@@ -285,12 +317,16 @@ void panel_tile(Isa isa, const float* x, int64_t ldx, int rows, const uint8_t* p
   }
 #endif
   const int c0 = half == 1 ? 32 : 0, c1 = half == 0 ? std::min(ncols, 32) : ncols;
-  panel_rows_portable(x, ldx, rows, panel, l, bias, y, ldy, c0, c1);
+  if (l.half)
+    panel_rows_portable<uint16_t>(x, ldx, rows, panel, l, bias, y, ldy, c0, c1);
+  else
+    panel_rows_portable<float>(x, ldx, rows, panel, l, bias, y, ldy, c0, c1);
 }
 
 // q int8 [N, K] (4 bits: values 0..15), s fp32 [N, K/G], o fp32 [N, K/G] or None -> uint8 [P, K/G, GB].
+// half_scales: store s and o as fp16 (each must be an fp16 value: checked), else fp32.
 at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, const std::optional<at::Tensor>& o,
-                                     int64_t bits) {
+                                     int64_t bits, bool half_scales) {
   TORCH_CHECK(bits == 4 || bits == 8, "pack_quantized_weight: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized_weight: q must be int8 [N, K], got ",
               q.scalar_type(), " ", q.sizes());
@@ -306,7 +342,7 @@ at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, c
   if (bits == 4)
     TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
                 "pack_quantized_weight: 4-bit q must hold values 0..15");
-  const int64_t header = kHeader * (o.has_value() ? 2 : 1), GB = header + G * kPanel * bits / 8;
+  const int64_t header = header_bytes(half_scales) * (o.has_value() ? 2 : 1), GB = header + G * kPanel * bits / 8;
   const int64_t P = (N + kPanel - 1) / kPanel;
   at::Tensor packed = at::zeros({P, NG, GB}, q.options().dtype(at::kByte));
   const at::Tensor qc = q.contiguous(), sc = s.contiguous();
@@ -314,18 +350,28 @@ at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, c
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   const float* op = oc.defined() ? oc.data_ptr<float>() : nullptr;
+  if (half_scales)
+    for (const float* v : {sp, op})
+      for (int64_t i = 0; v != nullptr && i < N * NG; ++i)
+        TORCH_CHECK(static_cast<float>(c10::Half(v[i])) == v[i], "pack_quantized_weight: half_scales needs every scale ",
+                    "and offset to be an fp16 value, got ", v[i]);
   uint8_t* out = packed.data_ptr<uint8_t>();
+  // a group's scales and offsets as stored: fp32, or the fp16 bits of each
+  const auto put = [half_scales](uint8_t* header_start, int64_t idx, float v) {
+    if (half_scales)
+      reinterpret_cast<uint16_t*>(header_start)[idx] = c10::Half(v).x;
+    else
+      reinterpret_cast<float*>(header_start)[idx] = v;
+  };
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       for (int64_t g = 0; g < NG; ++g) {
         uint8_t* grp = out + (p * NG + g) * GB;
-        float* gs = reinterpret_cast<float*>(grp);
-        float* go = gs + kPanel;
         uint8_t* qd = grp + header;
         for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
           const int64_t n = p * kPanel + c;
-          gs[c] = sp[n * NG + g];
-          if (op) go[c] = op[n * NG + g];
+          put(grp, c, sp[n * NG + g]);
+          if (op) put(grp, kPanel + c, op[n * NG + g]);
           for (int64_t k = 0; k < G; ++k) {
             const int8_t v = qp[n * K + g * G + k];
             if (bits == 8) {
@@ -355,8 +401,8 @@ void check_panel_count(const at::Tensor& packed, int64_t N) {
 }
 
 at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
-                                const std::optional<at::Tensor>& bias, int64_t isa_arg) {
-  const Layout l = layout_of(packed, bits, offset);
+                                const std::optional<at::Tensor>& bias, int64_t isa_arg, bool half_scales) {
+  const Layout l = layout_of(packed, bits, offset, half_scales);
   check_panel_count(packed, N);
   const int64_t K = l.K();
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == K,
@@ -378,8 +424,26 @@ at::Tensor quantized_linear_cpu(const at::Tensor& x, const at::Tensor& packed, i
 
 // Weight rows `ids` dequantized to fp32 [n, K]: the embedding lookup of a quantized table, and the whole
 // weight (ids = 0..N-1) where an fp32 copy is needed (state_dict, .to(), autograd).
-at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t N, int64_t bits, bool offset) {
-  const Layout l = layout_of(packed, bits, offset);
+template <typename S>
+void rows_into(const uint8_t* wp, const Layout& l, const int64_t* ip, int64_t n, float* op) {
+  const int64_t K = l.K();
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t p = ip[i] / kPanel, c = ip[i] % kPanel;
+      for (int64_t g = 0; g < l.NG; ++g) {
+        const uint8_t* grp = wp + (p * l.NG + g) * l.GB;
+        const S* s = reinterpret_cast<const S*>(grp);
+        for (int64_t k = 0; k < l.G; ++k)
+          op[i * K + g * l.G + k] = dequant(scale_at(s, c), static_cast<float>(q_at(grp + l.header, l.bits, k, c)), l.offset,
+                                            l.offset ? scale_at(s + kPanel, c) : 0.0f);
+      }
+    }
+  });
+}
+
+at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, int64_t N, int64_t bits, bool offset,
+                              bool half_scales) {
+  const Layout l = layout_of(packed, bits, offset, half_scales);
   TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel, "quantized_rows: N=", N,
               " does not match ", packed.size(0), " panels");
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "quantized_rows: ids must be int64 [n]");
@@ -391,18 +455,10 @@ at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, i
   at::Tensor out = at::empty({n, K}, packed.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t p = ip[i] / kPanel, c = ip[i] % kPanel;
-      for (int64_t g = 0; g < l.NG; ++g) {
-        const uint8_t* grp = wp + (p * l.NG + g) * l.GB;
-        const float* s = reinterpret_cast<const float*>(grp);
-        const float* o = l.offset ? s + kPanel : nullptr;
-        for (int64_t k = 0; k < l.G; ++k)
-          op[i * K + g * l.G + k] = dequant(s[c], static_cast<float>(q_at(grp + l.header, l.bits, k, c)), o, c);
-      }
-    }
-  });
+  if (l.half)
+    rows_into<uint16_t>(wp, l, ip, n, op);
+  else
+    rows_into<float>(wp, l, ip, n, op);
   return out;
 }
 
@@ -412,17 +468,17 @@ int64_t quantized_linear_isa() { return resolve_isa(kAuto); }
 }  // namespace
 
 void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
-                           const float* bias, float* y) {
-  const Layout l = layout_of(packed, bits, offset);
+                           bool half_scales, const float* bias, float* y) {
+  const Layout l = layout_of(packed, bits, offset, half_scales);
   check_panel_count(packed, N);
   if (M > 0) quantized_panels_into(x, M, packed.data_ptr<uint8_t>(), l, N, bias, y, resolve_isa(kAuto));
 }
 
 TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
-  m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? offsets, int bits) -> Tensor");
-  m.def("quantized_linear(Tensor x, Tensor packed, int N, int bits, bool offset, Tensor? bias=None, int isa=0) "
-        "-> Tensor");
-  m.def("quantized_rows(Tensor packed, Tensor ids, int N, int bits, bool offset) -> Tensor");
+  m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? offsets, int bits, bool half_scales=False) -> Tensor");
+  m.def("quantized_linear(Tensor x, Tensor packed, int N, int bits, bool offset, Tensor? bias=None, int isa=0, "
+        "bool half_scales=False) -> Tensor");
+  m.def("quantized_rows(Tensor packed, Tensor ids, int N, int bits, bool offset, bool half_scales=False) -> Tensor");
   m.def("quantized_linear_isa() -> int", &quantized_linear_isa);
 }
 

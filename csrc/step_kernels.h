@@ -15,10 +15,10 @@ namespace hydra_kernels {
 // panels (fp32 / bf16 [P, K, 64] from pack_linear_weight).
 void packed_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, const float* bias, float* y);
 
-// The same on the quantized_linear op's panels (pack_quantized_weight: bits 4 / 8, with or without offsets), with the
-// fastest ISA this machine runs.
+// The same on the quantized_linear op's panels (pack_quantized_weight: bits 4 / 8, with or without offsets, fp32 or
+// fp16 scales), with the fastest ISA this machine runs.
 void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
-                           const float* bias, float* y);
+                           bool half_scales, const float* bias, float* y);
 
 // What the tree_attention op's fp32 kernel needs beyond q, K and V, which every layer of a step shares: the committed
 // lengths, each (sequence, node)'s tree keys, the scratch. Built once a step (tree_attention_step), used by each

@@ -11,21 +11,21 @@ from hydra_kernels import Llama, LlamaConfig
 from hydra_kernels.ops import reference
 from hydra_kernels.model import decode_stack, layers
 from hydra_kernels.model.packed_linear import Linear, packed_linear_available
-from test_quantized_linear import random_blocks
+from test_quantized_linear import panels_of, random_blocks
 from helpers import random_tree, random_tree_batch
 
 pytestmark = pytest.mark.skipif(not packed_linear_available() or decode_stack.DECODE_STACK is None,
                                 reason="the packed CPU kernel (AVX-512) and the extension's decode_stack")
 
 
-# quantized layouts per projection (group, bits, offset): kinds 41 / 80 (the embedded GGUF's Q4_1 / Q8_0 shapes) and
+# quantized layouts per projection (group, bits, offset): kinds (+ 100 with fp16 scales) 41 / 80 (the embedded GGUF's Q4_1 / Q8_0 shapes) and
 # 40 / 81 (Q4_0-like, and 8 bits with an offset)
 LAYOUTS = {"a": {"wqkv": (32, 4, True), "w13": (32, 4, True), "wo": (16, 8, False), "w2": (16, 8, False)},
            "b": {"wqkv": (32, 4, False), "w13": (16, 8, True), "wo": (16, 8, True), "w2": (32, 4, False)}}
 
 
 def model_of(quantized, bias: bool, seed: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> Llama:
-    """quantized: False (fp32 panels), True or "a" / "b" (LAYOUTS)."""
+    """quantized: False (fp32 panels), True or "a" / "b" (LAYOUTS; scales stored fp16), "a32" ("a" with fp32 scales)."""
     cfg = LlamaConfig(vocab_size=97, hidden_size=hidden, intermediate_size=96, num_layers=3, num_heads=heads,
                       num_kv_heads=kv_heads, max_position_embeddings=128, attention_bias=bias)
     torch.manual_seed(seed)
@@ -39,8 +39,9 @@ def model_of(quantized, bias: bool, seed: int, hidden: int = 64, heads: int = 4,
         gen = torch.Generator().manual_seed(seed)
         for name, mod in m.named_modules():
             if isinstance(mod, Linear) and name != "output":
-                G, bits, off = LAYOUTS["a" if quantized is True else quantized][name.rsplit(".", 1)[-1]]
-                mod.use_quantized(random_blocks(mod.out_features, mod.in_features, G, bits, off, gen).panels())
+                G, bits, off = LAYOUTS["a" if quantized is True else quantized[:1]][name.rsplit(".", 1)[-1]]
+                bw = random_blocks(mod.out_features, mod.in_features, G, bits, off, gen)
+                mod.use_quantized(panels_of(bw, half=quantized != "a32"))
     return m
 
 
@@ -100,10 +101,13 @@ def trees_for(B: int, seed: int):
     return [(shared.mask, shared.depths), (ragged.mask, ragged.depths)]
 
 
-@pytest.mark.parametrize("quantized", [False, "a", "b"])
+@pytest.mark.parametrize("quantized", [False, "a", "b", "a32"])
 @pytest.mark.parametrize("B,bias", [(1, False), (3, True)])
 def test_decode_stack_is_the_python_layers_bit_for_bit(monkeypatch, quantized, B, bias):
     m = model_of(quantized, bias, seed=B + 2 * bool(quantized))
+    kinds = decode_stack.stack_weights(m, 1)[1]  # fp16 scales: kind + 100
+    assert kinds == [0] * 12 if not quantized else sorted(set(kinds)) == sorted(
+        {100 * (quantized != "a32") + 10 * bits + off for _, bits, off in LAYOUTS[quantized[:1]].values()})
     trees = trees_for(B, B)
     want, kv_want = run_steps(m, False, monkeypatch, B, trees)
     got, kv_got = run_steps(m, True, monkeypatch, B, trees)

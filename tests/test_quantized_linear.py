@@ -54,6 +54,12 @@ def poison_then(fn):
     return run
 
 
+def panels_of(bw: BlockWeight, half: bool) -> QuantizedPanels:
+    """bw's panels with fp16 (half) or fp32 scales and offsets (random_blocks' scales are fp16 values: either holds them)."""
+    o = None if bw.o is None else torch.from_numpy(bw.o)
+    return QuantizedPanels.pack(torch.from_numpy(bw.q), torch.from_numpy(bw.s), o, bw.bits, half=half)
+
+
 @pytest.mark.parametrize("N,K,G,bits,offset", [
     (130, 96, 32, 4, True),     # Q4_1 / Q4_K-like, N not a multiple of the 64-row panel
     (960, 576, 32, 4, True),    # SmolLM2's wqkv
@@ -64,10 +70,13 @@ def poison_then(fn):
     (70, 80, 16, 8, True),      # 8 bits with an offset (a fused weight of mixed parts)
 ])
 @pytest.mark.parametrize("M", [1, 2, 6, 7, 13, 64])
-def test_quantized_linear_is_the_fp32_kernel_on_the_dequantized_weight(N, K, G, bits, offset, M):
+@pytest.mark.parametrize("half", [False, True])  # scales and offsets stored fp32 / fp16
+def test_quantized_linear_is_the_fp32_kernel_on_the_dequantized_weight(N, K, G, bits, offset, M, half):
     gen = torch.Generator().manual_seed(N * K + M + bits)
     bw = random_blocks(N, K, G, bits, offset, gen)
-    panels = bw.panels()
+    panels = panels_of(bw, half)
+    assert panels.nbytes == (panels.packed.shape[0] * (K // G) * (64 * (2 if half else 4) * (2 if offset else 1)
+                                                                    + G * 64 * bits // 8))
     w = torch.from_numpy(bw.dequantize())
     assert torch.equal(panels.dequantize(), w)
     x = torch.randn(M, K, generator=gen)
@@ -85,12 +94,13 @@ def test_quantized_linear_is_the_fp32_kernel_on_the_dequantized_weight(N, K, G, 
 
 @pytest.mark.parametrize("N", [1, 150, 300, 9 * 64, 15 * 64])  # odd panel counts; last panels of <= 32 and > 32 columns
 @pytest.mark.parametrize("M", [1, 7])
-def test_quantized_linear_splits_half_panels_over_the_threads_without_changing_a_value(N, M):
+@pytest.mark.parametrize("half", [False, True])
+def test_quantized_linear_splits_half_panels_over_the_threads_without_changing_a_value(N, M, half):
     """The threads split half panels (csrc/panel_loop.h), so an odd panel count divides evenly: at 2, 3 and 4
     threads every ISA's output equals one thread's bit for bit (a lone half panel at a thread's ends runs the
     half-panel kernels: AVX-512 J = 2, AVX2 one half call, the portable column range)."""
     gen = torch.Generator().manual_seed(N + M)
-    panels = random_blocks(N, 96, 32, 4, True, gen).panels()
+    panels = panels_of(random_blocks(N, 96, 32, 4, True, gen), half)
     x, b = torch.randn(M, 96, generator=gen), torch.randn(N, generator=gen)
     threads = torch.get_num_threads()
     try:
@@ -116,15 +126,16 @@ def test_quantized_linear_takes_any_leading_shape_and_the_rows_op_gathers():
 
 
 @pytest.mark.parametrize("bits,offset", [(4, False), (4, True), (8, False), (8, True)])
-def test_selected_rows_are_panels_of_the_same_values(bits, offset):
+@pytest.mark.parametrize("half", [False, True])
+def test_selected_rows_are_panels_of_the_same_values(bits, offset, half):
     """QuantizedPanels.select_rows (a drafter's draft-vocabulary rows of a quantized LM head): the same exact
     values as the rows op, and its linear is the whole weight's columns bit for bit (rows across panel edges,
-    the last padded panel, repeats, any order); ids out of range are refused."""
+    the last padded panel, repeats, any order), scales stored as the source's; ids out of range are refused."""
     gen = torch.Generator().manual_seed(2)
-    panels = random_blocks(200, 96, 32, bits, offset, gen).panels()
+    panels = panels_of(random_blocks(200, 96, 32, bits, offset, gen), half)
     ids = torch.tensor([5, 199, 0, 64, 63, 128, 5, 77, 191])
     sub = panels.select_rows(ids)
-    assert (sub.n, sub.k, sub.bits, sub.offset) == (9, 96, bits, offset)
+    assert (sub.n, sub.k, sub.bits, sub.offset, sub.half) == (9, 96, bits, offset, half)
     assert torch.equal(sub.dequantize(), panels.rows(ids))
     x = torch.randn(3, 96, generator=gen)
     assert torch.equal(sub.linear(x), panels.linear(x)[:, ids])
@@ -134,7 +145,9 @@ def test_selected_rows_are_panels_of_the_same_values(bits, offset):
 
 def test_quantized_ops_check_their_inputs():
     gen = torch.Generator().manual_seed(2)
-    p = random_blocks(70, 64, 32, 4, True, gen).panels()
+    bw = random_blocks(70, 64, 32, 4, True, gen)
+    assert bw.panels().half  # fp16-valued scales are stored fp16 by default
+    p = panels_of(bw, False)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         p.linear(torch.randn(2, 63))
     with pytest.raises(RuntimeError, match="does not match"):
@@ -145,6 +158,10 @@ def test_quantized_ops_check_their_inputs():
         ops.quantized_linear(torch.randn(2, 64), p.packed[:, :, :1000].contiguous(), 70, 4, True, None, 0)
     with pytest.raises(RuntimeError, match="isa must be"):
         p.linear(torch.randn(2, 64), None, 7)
+    with pytest.raises(RuntimeError, match="does not fit bits=8, offset=1, half_scales=1"):  # fp32 headers read as fp16
+        ops.quantized_linear(torch.randn(2, 64), p.packed[:, :, :1000 + 256].contiguous(), 70, 8, True, None, 0, True)
+    with pytest.raises(RuntimeError, match="half_scales needs every scale and offset to be an fp16 value, got 0.1"):
+        ops.pack_quantized_weight(torch.zeros(4, 32, dtype=torch.int8), torch.full((4, 1), 0.1), None, 4, True)
     with pytest.raises(RuntimeError, match="4-bit q must hold values 0..15"):
         ops.pack_quantized_weight(torch.full((4, 32), 16, dtype=torch.int8), torch.ones(4, 1), None, 4)
     with pytest.raises(RuntimeError, match="G dividing K"):

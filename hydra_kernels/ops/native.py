@@ -63,12 +63,13 @@ def _register() -> bool:
         return weight.new_empty((N + 63) // 64, K, 64, dtype=dtype or torch.float32)  # 64: csrc kPanel
 
     @torch.library.register_fake("hydra_kernels::quantized_linear")
-    def _(x, packed, N, bits, offset, bias=None, isa=0):
+    def _(x, packed, N, bits, offset, bias=None, isa=0, half_scales=False):
         return x.new_empty(*x.shape[:-1], N)
 
     @torch.library.register_fake("hydra_kernels::quantized_rows")
-    def _(packed, ids, N, bits, offset):
-        G = (packed.shape[2] - 256 * (2 if offset else 1)) * 8 // (64 * bits)  # csrc: group bytes -> inputs
+    def _(packed, ids, N, bits, offset, half_scales=False):
+        header = 64 * (2 if half_scales else 4) * (2 if offset else 1)  # csrc: header_bytes
+        G = (packed.shape[2] - header) * 8 // (64 * bits)  # csrc: group bytes -> inputs
         return packed.new_empty(ids.shape[0], packed.shape[1] * G, dtype=torch.float32)
 
     @torch.library.register_fake("hydra_kernels::decode_stack")

@@ -1,8 +1,10 @@
 """The native small-M linear over quantized weights for the CPU (csrc/quantized_linear_cpu.cpp), the only
 way Python reaches it.
 
-A weight [N, K] is kept as integers q (4 or 8 bits) with an fp32 scale s, and optionally an fp32 offset o,
-per group of G consecutive inputs: w[n, k] = fma(s[n, k // G], q[n, k], o[n, k // G]) (or s * q). The
+A weight [N, K] is kept as integers q (4 or 8 bits) with a scale s, and optionally an offset o, per group of G
+consecutive inputs: w[n, k] = fma(s[n, k // G], q[n, k], o[n, k // G]) (or s * q). s and o are stored fp16 where
+every one of them is an fp16 value (GGUF's Q4_0, Q4_1, Q5_x and Q8_0 store fp16 d and m), else fp32: the same
+exact values, and a Q4_1 layer streams 5 bits a weight instead of 6. The
 kernel dequantizes in registers and accumulates like the fp32 packed kernel (ops/packed_linear.py): each
 output is the in-order FMA chain over K, so its result is bit-identical to `packed_linear` on the
 dequantized weight, whatever the number of rows or the ISA (AVX-512, AVX2 + FMA, or a portable loop).
@@ -44,27 +46,33 @@ def quantized_linear_available() -> bool:
 @dataclass(frozen=True)
 class QuantizedPanels:
     """A weight [n, k] packed for quantized_linear: `packed` uint8 [P, k / G, group bytes] (the layout is
-    csrc/quantized_linear_cpu.cpp's), `bits` 4 | 8, `offset` whether groups store an offset."""
+    csrc/quantized_linear_cpu.cpp's), `bits` 4 | 8, `offset` whether groups store an offset, `half` whether the
+    scales and offsets are stored fp16."""
 
     packed: torch.Tensor
     n: int
     k: int
     bits: int
     offset: bool
+    half: bool = False
 
     @classmethod
-    def pack(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int) -> "QuantizedPanels":
-        """q int8 [N, K] (4 bits: values 0..15), scales fp32 [N, K / G], offsets fp32 [N, K / G] or None."""
-        packed = torch.ops.hydra_kernels.pack_quantized_weight(q, scales, offsets, bits)
-        return cls(packed, int(q.shape[0]), int(q.shape[1]), bits, offsets is not None)
+    def pack(cls, q: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
+             half: bool | None = None) -> "QuantizedPanels":
+        """q int8 [N, K] (4 bits: values 0..15), scales fp32 [N, K / G], offsets fp32 [N, K / G] or None. half:
+        store the scales and offsets fp16 (each must be an fp16 value); None: where every one is."""
+        if half is None:
+            half = all(t is None or bool((t.half().float() == t).all()) for t in (scales, offsets))
+        packed = torch.ops.hydra_kernels.pack_quantized_weight(q, scales, offsets, bits, half)
+        return cls(packed, int(q.shape[0]), int(q.shape[1]), bits, offsets is not None, half)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, isa: int = ISA_AUTO) -> torch.Tensor:
         """x fp32 [..., k] -> x W^T + b [..., n]."""
-        return _LINEAR(x, self.packed, self.n, self.bits, self.offset, bias, isa)
+        return _LINEAR(x, self.packed, self.n, self.bits, self.offset, bias, isa, self.half)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weight rows ids int64 [m] -> their exact fp32 values [m, k]."""
-        return torch.ops.hydra_kernels.quantized_rows(self.packed, ids, self.n, self.bits, self.offset)
+        return torch.ops.hydra_kernels.quantized_rows(self.packed, ids, self.n, self.bits, self.offset, self.half)
 
     def select_rows(self, ids: torch.Tensor) -> "QuantizedPanels":
         """The weight's rows ids int64 [m] (any order, repeats allowed) as panels of their own: the same
@@ -75,9 +83,10 @@ class QuantizedPanels:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise ValueError(f"row ids must lie in [0, {self.n})")
         P, NG, GB = self.packed.shape
-        header = 64 * 4 * (2 if self.offset else 1)
+        header = 64 * (2 if self.half else 4) * (2 if self.offset else 1)
         p, c = ids // 64, ids % 64
-        fp = self.packed[:, :, :header].contiguous().view(torch.float32).view(P, NG, -1, 64)  # [P, NG, 1|2, 64]
+        stored = self.packed[:, :, :header].contiguous().view(torch.float16 if self.half else torch.float32)
+        fp = stored.float().view(P, NG, -1, 64)  # [P, NG, 1|2, 64]
         scales = fp[p, :, 0, c]  # [m, NG]
         offsets = fp[p, :, 1, c] if self.offset else None
         qb = self.packed[:, :, header:].view(P, NG, -1, 64)  # [P, NG, G or G / 2, 64] bytes
@@ -86,7 +95,7 @@ class QuantizedPanels:
             q = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)
         q = q.view(torch.int8) if self.bits == 8 else q.to(torch.int8)
         return QuantizedPanels.pack(q.reshape(ids.numel(), self.k).contiguous(), scales.contiguous(),
-                                    None if offsets is None else offsets.contiguous(), self.bits)
+                                    None if offsets is None else offsets.contiguous(), self.bits, self.half)
 
     def dequantize(self) -> torch.Tensor:
         """The whole weight as fp32 [n, k] (exact values)."""
@@ -98,8 +107,8 @@ class QuantizedPanels:
 
     @property
     def kind(self) -> int:
-        """The layout code of the CPU decode stack (csrc/decode_stack_cpu.cpp): 10 * bits + offset."""
-        return 10 * self.bits + int(self.offset)
+        """The layout code of the CPU decode stack (csrc/decode_stack_cpu.cpp): 100 * half + 10 * bits + offset."""
+        return 100 * int(self.half) + 10 * self.bits + int(self.offset)
 
     @property
     def nbytes(self) -> int:
