@@ -252,7 +252,6 @@ __attribute__((target("avx2,fma,f16c"))) void half_panel_rows_avx2(const float* 
 // (x, ldx, panel, layout, first column c0, bias, y, ldy, ncols): a panel's columns from c0 (all, or one half)
 using PanelFn = void (*)(const float*, int64_t, const uint8_t*, const Layout&, int64_t, const float*, float*,
                          int64_t, int);
-using HalfFn = PanelFn;
 
 template <int BITS, bool OFF, int J, typename S>
 PanelFn avx512_fn(int rows) {
@@ -267,8 +266,8 @@ PanelFn avx512_fn(int rows) {
 }
 
 template <int BITS, bool OFF, typename S>
-HalfFn avx2_fn(int rows) {
-  static constexpr HalfFn table[4] = {nullptr, half_panel_rows_avx2<1, BITS, OFF, S>, half_panel_rows_avx2<2, BITS, OFF, S>,
+PanelFn avx2_fn(int rows) {
+  static constexpr PanelFn table[4] = {nullptr, half_panel_rows_avx2<1, BITS, OFF, S>, half_panel_rows_avx2<2, BITS, OFF, S>,
                                       half_panel_rows_avx2<3, BITS, OFF, S>};
   return table[rows];
 }
@@ -285,12 +284,12 @@ PanelFn pick_avx512(const Layout& l, int rows) {
 }
 
 template <typename S>
-HalfFn pick_avx2_of(const Layout& l, int rows) {
+PanelFn pick_avx2_of(const Layout& l, int rows) {
   if (l.bits == 4) return l.offset ? avx2_fn<4, true, S>(rows) : avx2_fn<4, false, S>(rows);
   return l.offset ? avx2_fn<8, true, S>(rows) : avx2_fn<8, false, S>(rows);
 }
 
-HalfFn pick_avx2(const Layout& l, int rows) { return l.half ? pick_avx2_of<uint16_t>(l, rows) : pick_avx2_of<float>(l, rows); }
+PanelFn pick_avx2(const Layout& l, int rows) { return l.half ? pick_avx2_of<uint16_t>(l, rows) : pick_avx2_of<float>(l, rows); }
 #endif
 
 Isa resolve_isa(int64_t isa) {

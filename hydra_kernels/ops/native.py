@@ -68,8 +68,9 @@ def _register() -> bool:
 
     @torch.library.register_fake("hydra_kernels::quantized_rows")
     def _(packed, ids, N, bits, offset, half_scales=False):
-        header = 64 * (2 if half_scales else 4) * (2 if offset else 1)  # csrc: header_bytes
-        G = (packed.shape[2] - header) * 8 // (64 * bits)  # csrc: group bytes -> inputs
+        from .quantized_linear import header_bytes
+
+        G = (packed.shape[2] - header_bytes(offset, half_scales)) * 8 // (64 * bits)  # csrc: group bytes -> inputs
         return packed.new_empty(ids.shape[0], packed.shape[1] * G, dtype=torch.float32)
 
     @torch.library.register_fake("hydra_kernels::decode_stack")

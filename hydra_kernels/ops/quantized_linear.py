@@ -43,6 +43,12 @@ def quantized_linear_available() -> bool:
     return quantized_linear_isa() in (ISA_AVX2, ISA_AVX512)
 
 
+def header_bytes(offset: bool, half: bool) -> int:
+    """Bytes before a group's integers in the packed layout (csrc/quantized_linear_cpu.cpp's header_bytes): 64 scales,
+    and 64 offsets with `offset`, each fp16 (`half`) or fp32."""
+    return 64 * (2 if half else 4) * (2 if offset else 1)
+
+
 @dataclass(frozen=True)
 class QuantizedPanels:
     """A weight [n, k] packed for quantized_linear: `packed` uint8 [P, k / G, group bytes] (the layout is
@@ -83,7 +89,7 @@ class QuantizedPanels:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise ValueError(f"row ids must lie in [0, {self.n})")
         P, NG, GB = self.packed.shape
-        header = 64 * (2 if self.half else 4) * (2 if self.offset else 1)
+        header = header_bytes(self.offset, self.half)
         p, c = ids // 64, ids % 64
         stored = self.packed[:, :, :header].contiguous().view(torch.float16 if self.half else torch.float32)
         fp = stored.float().view(P, NG, -1, 64)  # [P, NG, 1|2, 64]
