@@ -9,6 +9,9 @@ Per decoder and prompt: end-to-end tokens/s (prefill included: what a user waits
 are compared with our fp32 plain decoding's (the median first divergence of those that differ is reported:
 llama.cpp rounds activations to 8 bits, so near-ties flip); ours are identical to it. --rss: peak resident memory of a fresh process that loads the model (and our
 default drafter) and decodes one prompt, per decoder. --prefill N: prefill tokens/s on N-token prompts.
+--long N: N more prompts of --long-context tokens (held-out ShareGPT conversations followed by MT-Bench's first
+question, as bench_scaling.py's long contexts), where the default drafter's CPU table drafts (batch 1: 4 nodes from
+2k tokens on); with --mtbench 0 --editing 0 they are the only prompts.
 
 llama.cpp is optional: `pip install ".[peers]"` builds llama-cpp-python from source (~20 minutes on 2 cores;
 CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU's instructions); without it its rows are skipped and the script
@@ -16,7 +19,7 @@ says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
 
     python benchmarks/bench_cpu_peers.py [--mtbench 8] [--editing 4] [--new-tokens 128] [--rounds 2]
         [--threads 2] [--decoders plain combined combined-adaptive llama.cpp llama.cpp-lookup transformers plain-fp32]
-        [--rss] [--prefill 2048] [--gguf another.gguf] [--out benchmarks/results]
+        [--rss] [--prefill 2048] [--long 4 --long-context 2048] [--gguf another.gguf] [--out benchmarks/results]
 
 --gguf: another GGUF of the embedded model (SmolLM2-135M-Instruct, e.g. requantized to Q4_K_M: the default drafter's
 heads fit it) instead of the embedded Q4_1 file; both sides read the same file.
@@ -38,6 +41,7 @@ from report import print_table, write_results
 import hydra_kernels as hk
 from hydra_kernels.generate import generate
 
+LLAMA_CPP_CONTEXT = 4096  # the llama.cpp peer's n_ctx
 ALL_DECODERS = ["plain", "combined", "combined-adaptive", "llama.cpp", "llama.cpp-lookup", "transformers", "plain-fp32"]
 
 
@@ -70,7 +74,7 @@ class LlamaCpp:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             draft = LlamaPromptLookupDecoding(num_pred_tokens=10)
-        self.llm = Llama(str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+        self.llm = Llama(str(gguf), n_ctx=LLAMA_CPP_CONTEXT, n_threads=threads, n_threads_batch=threads, n_batch=512,
                          verbose=False, draft_model=draft, logits_all=lookup)
 
     def run(self, ids: list[int], n: int) -> list[int]:
@@ -184,6 +188,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mtbench", type=int, default=8, help="MT-Bench first turns")
     ap.add_argument("--editing", type=int, default=4, help="ShareGPT editing prompts (bench_ngram.py's rule)")
+    ap.add_argument("--long", type=int, default=0, help="prompts of --long-context tokens (ShareGPT + a question)")
+    ap.add_argument("--long-context", type=int, default=2048, help="the --long prompts' length in tokens")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -195,9 +201,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None, help="write cpu_peers.csv (+ .png) there")
     ap.add_argument("--rss-probe", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.mtbench < 0 or args.editing < 0 or args.mtbench + args.editing == 0 or args.new_tokens < 2 \
-            or args.rounds < 1 or args.threads < 1:
-        ap.error("need --mtbench + --editing >= 1 prompts, --new-tokens >= 2, --rounds >= 1, --threads >= 1")
+    if min(args.mtbench, args.editing, args.long) < 0 or args.mtbench + args.editing + args.long == 0 \
+            or args.new_tokens < 2 or args.rounds < 1 or args.threads < 1 or args.long_context < 64:
+        ap.error("need --mtbench + --editing + --long >= 1 prompts, --long-context >= 64, --new-tokens >= 2, "
+                 "--rounds >= 1, --threads >= 1")
+    if args.long and args.long_context + args.new_tokens > LLAMA_CPP_CONTEXT:
+        ap.error(f"--long-context + --new-tokens must fit llama.cpp's {LLAMA_CPP_CONTEXT}-token context here, got "
+                 f"{args.long_context} + {args.new_tokens}")
     if args.gguf is not None and not args.gguf.is_file():
         ap.error(f"--gguf {args.gguf}: no such file")
     if args.rss_probe:
@@ -224,6 +234,10 @@ def main(argv=None) -> list[dict]:
     quantized, tok = hk.load_model(None if embedded else gguf)
     prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:args.mtbench]]
     prompts += editing_prompts(tok, args.editing)
+    if args.long:
+        from hydra_kernels.training.data import long_context_prompts
+
+        prompts += long_context_prompts(tok, args.long, args.long_context, mtbench_questions()[0]["turns"][0])
     runners = {name: build(name, gguf, args.threads, quantized, fp32, model_dir) for name in decoders}
     reference = Ours(fp32)
     want = [reference.run(p, args.new_tokens) for p in prompts]  # fp32 plain greedy: the reference tokens
@@ -266,7 +280,8 @@ def main(argv=None) -> list[dict]:
                 dec.run(long, 1)  # warm-up at this length
                 t = min(_time(dec.run, long, 1) for _ in range(2))
                 r[f"prefill_{len(long)}_tok_s"] = round(len(long) / t, 1)
-    print(f"\n{gguf.name}: {len(prompts)} prompts ({args.mtbench} MT-Bench, {args.editing} editing), {args.new_tokens} new tokens "
+    long_note = f", {args.long} of {args.long_context} tokens" if args.long else ""
+    print(f"\n{gguf.name}: {len(prompts)} prompts ({args.mtbench} MT-Bench, {args.editing} editing{long_note}), {args.new_tokens} new tokens "
           f"at most, {args.rounds} rounds interleaved, {args.threads} threads, greedy; vs_our_plain: end to end")
     print_table(rows, list(rows[0]))
     if args.out:

@@ -138,14 +138,21 @@ def test_bench_one_prompt_runs(tmp_path):
     assert len(_rows(tmp_path / "one_prompt.csv")) == 3
 
 
-def test_bench_cpu_peers_runs(tmp_path):
+def test_bench_cpu_peers_runs(tmp_path, capsys):
     """Our quantized plain and speculative decoding beside the fp32 path (llama.cpp and transformers are peers
-    the smoke run leaves out: an optional build, and slow), one MT-Bench prompt, one round; ours identical."""
-    rows = _run_returning("bench_cpu_peers", ["--mtbench", "1", "--editing", "0", "--new-tokens", "6", "--rounds", "1",
+    the smoke run leaves out: an optional build, and slow), one MT-Bench prompt and one --long prompt of
+    --long-context tokens, one round; ours identical. A long context that llama.cpp's window cannot hold is
+    refused before any work."""
+    rows = _run_returning("bench_cpu_peers", ["--mtbench", "1", "--editing", "0", "--long", "1", "--long-context", "96",
+                                              "--new-tokens", "6", "--rounds", "1",
                                               "--decoders", "plain", "combined", "plain-fp32", "--out", str(tmp_path)])
+    assert "(1 MT-Bench, 0 editing, 1 of 96 tokens)" in capsys.readouterr().out
     assert [r["decoder"] for r in rows] == ["plain", "combined", "plain-fp32"]
-    assert all(r["same_as_fp32"] == "1/1" and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert all(r["same_as_fp32"] == "2/2" and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
     assert len(_rows(tmp_path / "cpu_peers.csv")) == 3
+    with pytest.raises(SystemExit):
+        _run_returning("bench_cpu_peers", ["--long", "1", "--long-context", "4000", "--new-tokens", "128"])
+    assert "must fit llama.cpp's 4096-token context" in capsys.readouterr().err
 
 
 def test_bench_cpu_peers_reads_another_gguf_of_the_model(tmp_path, monkeypatch):
