@@ -205,9 +205,10 @@ def main(argv=None) -> list[dict]:
             or args.new_tokens < 2 or args.rounds < 1 or args.threads < 1 or args.long_context < 64:
         ap.error("need --mtbench + --editing + --long >= 1 prompts, --long-context >= 64, --new-tokens >= 2, "
                  "--rounds >= 1, --threads >= 1")
-    if args.long and args.long_context + args.new_tokens > LLAMA_CPP_CONTEXT:
+    if (args.long and any(d.startswith("llama.cpp") for d in args.decoders)
+            and args.long_context + args.new_tokens > LLAMA_CPP_CONTEXT):
         ap.error(f"--long-context + --new-tokens must fit llama.cpp's {LLAMA_CPP_CONTEXT}-token context here, got "
-                 f"{args.long_context} + {args.new_tokens}")
+                 f"{args.long_context} + {args.new_tokens} (or leave the llama.cpp decoders out)")
     if args.gguf is not None and not args.gguf.is_file():
         ap.error(f"--gguf {args.gguf}: no such file")
     if args.rss_probe:
