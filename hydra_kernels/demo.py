@@ -54,6 +54,10 @@ def main() -> None:
         print(f"plain greedy: {plain.tokens_per_second:.1f} tokens/s; speedup "
               f"{out.tokens_per_second / plain.tokens_per_second:.2f}x; outputs {same} "
               f"({model.dtype}, {model.device}, {torch.get_num_threads()} threads)")
+        if out.step_nodes and max(out.step_nodes) <= 1:  # the budget table chose plain steps for this point
+            print("(every step was a plain step: the drafter's budget table for this device, batch size and context "
+                  "says drafting does not pay here, so both runs decoded the same way and the speedup is timing "
+                  "noise; the table drafts where it measured a gain, e.g. at longer contexts)")
     else:
         out = generate(model, [ids], max_new_tokens=n, streamer=TextStreamer(tok))
         print(f"\n\nplain greedy decoding: {len(out.sequences[0])} tokens, {out.tokens_per_second:.1f} tokens/s")
