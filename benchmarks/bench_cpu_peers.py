@@ -226,19 +226,18 @@ def main(argv=None) -> list[dict]:
     from hydra_kernels.chat import chat_prompt_ids
     from hydra_kernels.model.gguf_convert import convert_gguf_cached
     from hydra_kernels.model.pretrained import EMBEDDED_SHA256, embedded_gguf_path
-    from hydra_kernels.training.data import mtbench_questions
+    from hydra_kernels.training.data import long_context_prompts, mtbench_questions
 
     embedded = args.gguf is None
     gguf = embedded_gguf_path() if embedded else args.gguf
     fp32, _ = hk.load_model(None if embedded else gguf, weights="fp32")  # the reference tokens
     model_dir = convert_gguf_cached(gguf, sha256=EMBEDDED_SHA256 if embedded else None)  # its fp32 entry (transformers)
     quantized, tok = hk.load_model(None if embedded else gguf)
-    prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:args.mtbench]]
+    questions = [q["turns"][0] for q in mtbench_questions()]
+    prompts = [chat_prompt_ids(tok, q) for q in questions[:args.mtbench]]
     prompts += editing_prompts(tok, args.editing)
     if args.long:
-        from hydra_kernels.training.data import long_context_prompts
-
-        prompts += long_context_prompts(tok, args.long, args.long_context, mtbench_questions()[0]["turns"][0])
+        prompts += long_context_prompts(tok, args.long, args.long_context, questions[0])
     runners = {name: build(name, gguf, args.threads, quantized, fp32, model_dir) for name in decoders}
     reference = Ours(fp32)
     want = [reference.run(p, args.new_tokens) for p in prompts]  # fp32 plain greedy: the reference tokens
@@ -272,8 +271,6 @@ def main(argv=None) -> list[dict]:
             r["peak_rss_mb"] = round(peak_rss(r["decoder"], args.threads, gguf, embedded)) \
                 if r["decoder"] != "transformers" else ""
     if args.prefill:
-        from hydra_kernels.training.data import long_context_prompts
-
         long = long_context_prompts(tok, 1, args.prefill, "Summarise the conversations above.")[0]
         for r in rows:
             if r["decoder"] in ("plain", "plain-fp32") or r["decoder"] == "llama.cpp":
