@@ -50,6 +50,8 @@ void rms_norm_row(const float* x, const float* w, float eps, int64_t H, float* y
   for (i = 0; i < H; ++i) y[i] = (x[i] * r) * w[i];
 }
 
+}  // namespace
+
 void rms_norm_rows_into(const float* x, const float* w, float eps, int64_t M, int64_t H, float* y) {
   // a row is ~3H flops: prefill chunks (hundreds of rows) split across threads, a step's few rows do not
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, H));
@@ -57,6 +59,8 @@ void rms_norm_rows_into(const float* x, const float* w, float eps, int64_t M, in
     for (int64_t r = r0; r < r1; ++r) rms_norm_row(x + r * H, w, eps, H, y + r * H);
   });
 }
+
+namespace {
 
 // x [..., H] fp32 -> rms_norm_row of each row (the CPU RMSNorm of model/layers.py).
 at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -71,14 +75,16 @@ at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& w, double ep
   return y;
 }
 
-// y [M, N] = x [M, K] W^T (+ bias): the packed (kind 0) or quantized (100 * fp16 scales + 10 * bits + offset) op's kernel,
-// called directly
-void linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y) {
+}  // namespace
+
+void step_linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y) {
   if (kind == 0)
     packed_linear_into(x, M, w, N, bias, y);
   else
     quantized_linear_into(x, M, w, N, kind % 100 / 10, kind % 2 == 1, kind >= 100, bias, y);
 }
+
+namespace {
 
 // Rotate-half RoPE of one head (reference.apply_rope): out[d] = x[d] * c[d] + rot[d] * s[d], rot = (-x[half:],
 // x[:half]); each product rounded, then the sum (ATen's mul, mul, add).
@@ -129,7 +135,7 @@ void layer(const float* x, float* y, const Shape& s, const float* attn_norm, con
            const float* cos, const float* sin, float* kvp, const int64_t* rows, TreeAttentionStep& attn, Workspace& ws) {
   const int64_t M = s.B * s.T, NH = s.Hq + 2 * s.Hkv, D = s.D;
   rms_norm_rows_into(x, attn_norm, eps, M, s.H, ws.xn);
-  linear(ws.xn, M, w[wbase], kinds[wbase], NH * D, bias[wbase], ws.qkv);  // [B, T, NH*D]
+  step_linear(ws.xn, M, w[wbase], kinds[wbase], NH * D, bias[wbase], ws.qkv);  // [B, T, NH*D]
   // RoPE on the q and k heads; k and v written to the cache rows; q kept for attention
   const int64_t plane = s.B * s.S * s.Hkv * D;  // the V buffer's offset from the K buffer's
   for (int64_t m = 0; m < M; ++m) {
@@ -144,26 +150,24 @@ void layer(const float* x, float* y, const Shape& s, const float* attn_norm, con
   }
   tree_attention_into(attn, ws.q, kvp, kvp + plane, s.S * s.Hkv * D, s.Hkv * D, D, ws.o);
   // h = x + wo(o)
-  linear(ws.o, M, w[wbase + 1], kinds[wbase + 1], s.H, bias[wbase + 1], ws.h);
+  step_linear(ws.o, M, w[wbase + 1], kinds[wbase + 1], s.H, bias[wbase + 1], ws.h);
   for (int64_t i = 0; i < M * s.H; ++i) ws.h[i] = x[i] + ws.h[i];
   // y = h + w2(silu(gate) * up), [gate, up] = w13(ffn_norm(h))
   rms_norm_rows_into(ws.h, ffn_norm, eps, M, s.H, ws.hn);
-  linear(ws.hn, M, w[wbase + 2], kinds[wbase + 2], 2 * s.I, bias[wbase + 2], ws.gu);  // [B, T, 2I]
+  step_linear(ws.hn, M, w[wbase + 2], kinds[wbase + 2], 2 * s.I, bias[wbase + 2], ws.gu);  // [B, T, 2I]
   at::silu_out(ws.act_view, ws.gate_view);  // ATen's SiLU: the module path's values
   {
     const float* up = ws.gu + s.I;
     for (int64_t m = 0; m < M; ++m)
       for (int64_t i = 0; i < s.I; ++i) ws.act[m * s.I + i] = ws.act[m * s.I + i] * up[m * 2 * s.I + i];
   }
-  linear(ws.act, M, w[wbase + 3], kinds[wbase + 3], s.H, bias[wbase + 3], y);
+  step_linear(ws.act, M, w[wbase + 3], kinds[wbase + 3], s.H, bias[wbase + 3], y);
   for (int64_t i = 0; i < M * s.H; ++i) y[i] = ws.h[i] + y[i];
 }
 
-// x [B, T, H] fp32 -> (the last layer's output [B, T, H], the inputs of the layers in `capture` concatenated
-// [B, T, len(capture) * H], or an empty tensor). Per layer l: weights[4l .. 4l + 3] = wqkv, wo, w13, w2 with
-// kinds and biases alike; norms[2l], norms[2l + 1] = attention_norm, ffn_norm (one eps). kv the whole cache
-// [L, 2, B, S, Hkv, D], written at rows [B, T]; attention over rows [0, kv_len) (tree_attention, which checks
-// seqlens and the mask). cos/sin [B, T, D].
+}  // namespace
+
+// The decode_stack op (its contract: step_kernels.h).
 std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
     const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
     at::TensorList norms, double eps, int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& cos_in,
@@ -250,8 +254,6 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
   }
   return {out, feats};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -473,6 +473,16 @@ void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, 
   if (M > 0) quantized_panels_into(x, M, packed.data_ptr<uint8_t>(), l, N, bias, y, resolve_isa(kAuto));
 }
 
+void quantized_rows_into(const at::Tensor& packed, int64_t N, int64_t bits, bool offset, bool half_scales,
+                         const int64_t* ids, int64_t n, float* out) {
+  const Layout l = layout_of(packed, bits, offset, half_scales);
+  check_panel_count(packed, N);
+  if (l.half)
+    rows_into<uint16_t>(packed.data_ptr<uint8_t>(), l, ids, n, out);
+  else
+    rows_into<float>(packed.data_ptr<uint8_t>(), l, ids, n, out);
+}
+
 TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def("pack_quantized_weight(Tensor q, Tensor scales, Tensor? offsets, int bits, bool half_scales=False) -> Tensor");
   m.def("quantized_linear(Tensor x, Tensor packed, int N, int bits, bool offset, Tensor? bias=None, int isa=0, "

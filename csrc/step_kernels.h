@@ -4,9 +4,12 @@
 // ~6 ms of kernels, while the other thread waited (2026-11-28, EPYC VM, perf of a plain SmolLM2 step). The ops
 // (packed_linear, quantized_linear, tree_attention) call the same functions, so both give the same values.
 #pragma once
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 namespace hydra_kernels {
@@ -19,6 +22,29 @@ void packed_linear_into(const float* x, int64_t M, const at::Tensor& packed, int
 // fp16 scales), with the fastest ISA this machine runs.
 void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
                            bool half_scales, const float* bias, float* y);
+
+// The weight rows ids[0 .. n) of the quantized_linear op's panels, dequantized to their exact fp32 values: out [n, K]
+// (the embedding lookup of a quantized table; the quantized_rows op). Ids are the caller's to check.
+void quantized_rows_into(const at::Tensor& packed, int64_t N, int64_t bits, bool offset, bool half_scales,
+                         const int64_t* ids, int64_t n, float* out);
+
+// y [M, N] = x [M, K] W^T (+ bias): the packed (kind 0) or quantized (100 * fp16 scales + 10 * bits + offset) op's
+// kernel, called directly (decode_stack_cpu.cpp).
+void step_linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y);
+
+// The CPU RMSNorm of model/layers.py (the rms_norm_rows op) over M rows of H: y = (x * r) * w in a fixed order.
+void rms_norm_rows_into(const float* x, const float* w, float eps, int64_t M, int64_t H, float* y);
+
+// The decode_stack op (decode_stack_cpu.cpp): x [B, T, H] fp32 -> (the last layer's output [B, T, H], the inputs of
+// the layers in `capture` concatenated [B, T, len(capture) * H], or an empty tensor). Per layer l: weights[4l .. 4l
+// + 3] = wqkv, wo, w13, w2 with kinds and biases alike; norms[2l], norms[2l + 1] = attention_norm, ffn_norm (one
+// eps). kv the whole cache [L, 2, B, S, Hkv, D], written at rows [B, T]; attention over rows [0, kv_len)
+// (tree_attention, which checks seqlens and the mask). cos/sin [B, T, D].
+std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
+    const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
+    at::TensorList norms, double eps, int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& cos_in,
+    const at::Tensor& sin_in, const at::Tensor& kv, const at::Tensor& rows_in, const at::Tensor& seqlens,
+    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture);
 
 // What the tree_attention op's fp32 kernel needs beyond q, K and V, which every layer of a step shares: the committed
 // lengths, each (sequence, node)'s tree keys, the scratch. Built once a step (tree_attention_step), used by each

@@ -19,6 +19,7 @@ from .. import runner as runners
 from ..drafters.protocol import Drafter
 from ..emit import Emitter
 from ..model.llama import Llama
+from ..model.plain_step import native_plain_step
 from ..ops.backend import plan_backends
 from ..sampling import next_tokens
 from ..speculative import speculative_loop
@@ -219,7 +220,8 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
                 _runner_plain_loop(runner, bufs, nxt, emitter, sampler, backends, max(lens), out,
                                    count_nodes=plain_run)
             elif drafter is None:
-                _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out, count_nodes=plain_run)
+                _plain_loop(model, cache, nxt, emitter, pick, backends, max(lens), out, count_nodes=plain_run,
+                            greedy=temperature == 0.0)
             elif not emitter.all_done:
                 speculative_loop(model, drafter, tree_obj, cache, feats, lengths, nxt, emitter,
                                  temperature=temperature, acceptance=acceptance,
@@ -239,14 +241,20 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
 
 
 def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int, out: GenerateOutput,
-                count_nodes: bool = False) -> None:
+                count_nodes: bool = False, greedy: bool = False) -> None:
     """One token per step: feed the last token, commit its row, pick the next. count_nodes: a speculative
-    request whose budget made every step plain records each step's budget (1) as the speculative loop does."""
+    request whose budget made every step plain records each step's budget (1) as the speculative loop does.
+    greedy (pick is the argmax): on the CPU the whole step runs as one native call where it applies
+    (model/plain_step.py: the same tokens)."""
+    native = native_plain_step(model, cache, backends) if greedy else None
     while not emitter.all_done:
         kv_len += 1  # host-side bound on every seqlens[b] + 1
-        hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backends=backends)  # [B, 1, H]
-        cache.advance(1)
-        nxt = pick(hidden[:, -1])
+        if native is not None:
+            nxt = native(nxt, kv_len)  # step, commit and argmax in one call
+        else:
+            hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backends=backends)  # [B, 1, H]
+            cache.advance(1)
+            nxt = pick(hidden[:, -1])
         out.num_steps += 1
         if count_nodes:
             out.step_nodes.append(1)

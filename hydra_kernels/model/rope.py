@@ -49,10 +49,14 @@ class RopeCache:
 
     def __call__(self, positions: torch.Tensor, n_positions: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [B, T, D] in `dtype` for integer positions [B, T], all < n_positions."""
+        cos, sin = self.table(n_positions, positions.device)
+        return cos[positions].to(dtype), sin[positions].to(dtype)
+
+    def table(self, n_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 tables cos, sin [n, D] on `device` with n >= n_positions rows (grown by doubling)."""
         table = self._table
-        if table is None or table[0].shape[0] < n_positions or table[0].device != positions.device:
-            inv_freq = rope_inv_freq(self.cfg).to(positions.device)
+        if table is None or table[0].shape[0] < n_positions or table[0].device != device:
+            inv_freq = rope_inv_freq(self.cfg).to(device)
             size = max(n_positions, 256 if table is None else 2 * table[0].shape[0])
             table = self._table = rope_table(inv_freq, size)
-        cos, sin = table
-        return cos[positions].to(dtype), sin[positions].to(dtype)
+        return table

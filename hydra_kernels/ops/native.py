@@ -79,6 +79,11 @@ def _register() -> bool:
         B, T, H = x.shape
         return torch.empty_like(x), x.new_empty((B, T, len(capture) * H) if capture else (0,))
 
+    @torch.library.register_fake("hydra_kernels::plain_greedy_step")
+    def _(tokens, embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
+          final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table, kv, seqlens, kv_len):
+        return torch.empty_like(tokens)  # the next tokens; kv and seqlens written in place
+
     @torch.library.register_fake("hydra_kernels::rms_norm_rows")
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)

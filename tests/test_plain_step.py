@@ -1,0 +1,175 @@
+"""The native plain greedy step (csrc/plain_step_cpu.cpp, model/plain_step.py): one call per step gives the module
+path's tokens (Llama.step + KVCache.advance + Llama.greedy_tokens), KV cache and seqlens bit for bit, on fp32 and
+quantized layers, an fp32 or quantized (tied) embedding and LM head, batch 1 and a ragged batch of 3, GQA shapes;
+torch.argmax's tie and NaN rules; bad input refused before anything is written; the cases it does not take keep
+the module path; generate() runs it for greedy plain decoding (same tokens on the embedded model), never for
+sampling."""
+import pytest
+import torch
+
+from hydra_kernels.generate import generate
+import hydra_kernels.generate as generate_module
+from hydra_kernels.model import plain_step
+from hydra_kernels.model.packed_linear import Linear, packed_linear_available
+from hydra_kernels.model.quantized_embedding import QuantizedEmbedding
+from hydra_kernels.chat import chat_prompt_ids
+from test_decode_stack import model_of
+from test_quantized_linear import panels_of, random_blocks
+
+pytestmark = pytest.mark.skipif(plain_step.PLAIN_GREEDY_STEP is None or not packed_linear_available(),
+                                reason="the extension's plain_greedy_step and the packed CPU kernel (AVX-512)")
+
+V = 97  # model_of's vocabulary
+
+
+def with_quantized_head(m, tied: bool, seed: int):
+    """m's LM head on Q8_0-like panels; tied: the embedding reads the same panels (the embedded GGUF's layout),
+    else an untied Q4_1-like table of its own."""
+    gen = torch.Generator().manual_seed(seed)
+    H = m.config.hidden_size
+    head = panels_of(random_blocks(V, H, 32, 8, False, gen), half=True)
+    m.output.use_quantized(head)
+    m.tok_embeddings = QuantizedEmbedding(head if tied else panels_of(random_blocks(V, H, 32, 4, True, gen), half=True))
+    return m
+
+
+def decode(m, B: int, steps: int, native: bool, forced=None):
+    """Prefill a ragged batch (NaN-poisoned cache), then `steps` plain greedy steps on the native step or the module
+    path. forced [steps, B]: the tokens fed after each step (both paths then see the same inputs even where their
+    outputs would differ). Returns (each step's tokens [steps, B], the cache's kv, seqlens)."""
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.tensor([9, 5, 7][:B], dtype=torch.int32)
+    cache = m.new_kv_cache(B, 40)
+    cache.kv.fill_(float("nan"))  # rows a step writes are read back; the others must never be read
+    h = m.prefill(torch.randint(0, V, (B, 9), generator=gen), lengths, cache)
+    nxt = m.greedy_tokens(h, "native")
+    step = plain_step.native_plain_step(m, cache, "native") if native else None
+    assert (step is not None) == native
+    kv_len, out = int(lengths.max()), []
+    for i in range(steps):
+        kv_len += 1
+        if native:
+            nxt = step(nxt, kv_len)
+        else:
+            hidden = m.step(nxt[:, None], cache, kv_len=kv_len, backends="native")
+            cache.advance(1)
+            nxt = m.greedy_tokens(hidden[:, -1], "native")
+        out.append(nxt.clone())
+        if forced is not None:
+            nxt = forced[i].clone()
+    return torch.stack(out), cache.kv.clone(), cache.seqlens.clone()
+
+
+def assert_same_decoding(m, B: int, steps: int = 6):
+    want = decode(m, B, steps, native=False)
+    got = decode(m, B, steps, native=True, forced=want[0])
+    assert torch.equal(got[0], want[0]), f"tokens {got[0].T.tolist()} != {want[0].T.tolist()}"
+    assert torch.equal(got[1].nan_to_num(7.0), want[1].nan_to_num(7.0))
+    assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("quantized", [False, "a", "b"])
+@pytest.mark.parametrize("B,bias", [(1, False), (3, True)])
+def test_native_step_is_the_module_path_bit_for_bit(quantized, B, bias):
+    assert_same_decoding(model_of(quantized, bias, seed=B), B)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("B", [1, 3])
+def test_quantized_head_and_embedding(tied, B):
+    assert_same_decoding(with_quantized_head(model_of("a", False, seed=5), tied, seed=5), B)
+
+
+@pytest.mark.parametrize("hidden,heads,kv_heads", [(40, 5, 1), (60, 6, 3)])
+def test_awkward_shapes(hidden, heads, kv_heads):
+    assert_same_decoding(model_of("b", False, seed=7, hidden=hidden, heads=heads, kv_heads=kv_heads), 3, steps=4)
+
+
+def test_ties_and_nans_follow_torch_argmax():
+    """A head whose rows tie (zeros, two equal rows) picks the first maximum; a NaN logit wins, as in torch.argmax."""
+    m = model_of(False, False, seed=9)
+    w = m.output.weight
+    w.zero_()
+    w[[3, 8]] = torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0))
+    assert_same_decoding(m, 3, steps=3)
+    tokens = decode(m, 3, 2, native=True)[0]
+    assert set(tokens.flatten().tolist()) <= {0, 3}  # every row is a tie: its first member
+    w[50, 5] = float("nan")
+    assert_same_decoding(m, 3, steps=3)
+    assert (decode(m, 3, 2, native=True)[0] == 50).all()
+
+
+def test_bad_input_is_refused_before_anything_is_written():
+    m = model_of("a", False, seed=1)
+    cache = m.new_kv_cache(2, 16)
+    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    step = plain_step.native_plain_step(m, cache, "native")
+    kv, lens = cache.kv.clone(), cache.seqlens.clone()
+
+    def unchanged():
+        assert torch.equal(cache.kv, kv) and torch.equal(cache.seqlens, lens)
+
+    with pytest.raises(RuntimeError, match=r"token 97 of sequence 1 outside the embedding's \[0, 97\)"):
+        step(torch.tensor([5, 97]), 4)
+    unchanged()
+    with pytest.raises(RuntimeError, match="must lie in"):  # kv_len below seqlens + 1
+        step(torch.tensor([5, 6]), 3)
+    unchanged()
+    with pytest.raises(RuntimeError, match="int64"):
+        step(torch.tensor([5, 6], dtype=torch.int32), 4)
+    unchanged()
+    assert step(torch.tensor([5, 6]), 4).shape == (2,)  # the good case runs and commits one row each
+    assert cache.seqlens.tolist() == [4, 3]
+
+
+def test_cases_it_does_not_take_keep_the_module_path():
+    m = model_of(False, False, seed=2)
+    cache = m.new_kv_cache(1, 16)
+    assert plain_step.native_plain_step(m, cache, "reference") is None  # another attention backend
+    with torch.enable_grad():
+        assert plain_step.native_plain_step(m, cache, "native") is None  # autograd
+    m.output.bias = torch.nn.Parameter(torch.zeros(V), requires_grad=False)
+    assert plain_step.native_plain_step(m, cache, "native") is None  # a head with a bias
+    m = model_of(False, False, seed=2)
+    for mod in m.modules():  # F.linear layers (packed_kernel_off): no panels to run
+        if isinstance(mod, Linear):
+            mod.restore_original()
+            mod.packed_on = False
+    assert plain_step.native_plain_step(m, m.new_kv_cache(1, 16), "native") is None
+
+
+def test_op_passes_torch_library_opcheck():
+    """Schema (kv and seqlens written in place, nothing else) and the fake kernel."""
+    m = with_quantized_head(model_of("a", True, seed=2), tied=True, seed=2)
+    cache = m.new_kv_cache(2, 16)
+    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    weights, kinds, biases, norms, eps = plain_step.stack_weights(m, 2)
+    a, f = m.layers[0].attention, m.layers[0].feed_forward
+    emb, head = plain_step._embedding_spec(m.tok_embeddings), m.output.step_weights(2)
+    cos, sin = m._rope.table(16, m.device)
+    args = (torch.tensor([5, 6]), *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
+            m.norm.weight, m.norm.eps, *head, V, cos, sin, cache.kv, cache.seqlens, 8)
+    torch.library.opcheck(torch.ops.hydra_kernels.plain_greedy_step.default, args)
+
+
+def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
+    """The embedded model: the same tokens as the module path for a ragged batch; one native call per step; sampling
+    never calls it."""
+    model, tok = smollm2
+    prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 7 times 8? Answer briefly.")]
+    calls = []
+    real = plain_step.PLAIN_GREEDY_STEP
+
+    def counting(*a):
+        calls.append(1)
+        return real(*a)
+
+    monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", counting)
+    got = generate(model, prompts, max_new_tokens=24)
+    assert len(calls) == got.num_steps > 0
+    monkeypatch.setattr(generate_module, "native_plain_step", lambda *a: None)
+    want = generate(model, prompts, max_new_tokens=24)
+    assert got.sequences == want.sequences
+    monkeypatch.undo()
+    monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", lambda *a: pytest.fail("a sampled run took the greedy step"))
+    generate(model, prompts[:1], max_new_tokens=4, temperature=0.8, seed=1)
