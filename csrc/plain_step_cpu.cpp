@@ -30,19 +30,21 @@ int64_t first_argmax(const float* v, int64_t n) {
   return best;
 }
 
-// tokens int64 [B]: each sequence's last token, written at cache row seqlens[b] (its position) -> the next tokens int64
-// [B]; seqlens int32 [B] advanced by one. embed: the token table, fp32 [V, H] (embed_kind -1) or quantized panels of
+// tokens int64 [B]: each sequence's last token, written at cache row seqlens[b] (its position) -> (the next tokens int64
+// [B], the final-normed hidden states fp32 [B, H] that picked them: a drafter's features); with commit, seqlens int32 [B]
+// advanced by one (KVCache.advance; without it the caller commits: a speculative run's plain step, which commits only its
+// active sequences after its drafter has seen the step). embed: the token table, fp32 [V, H] (embed_kind -1) or quantized panels of
 // embed_rows rows (embed_kind: the quantized kind, 100 * fp16 scales + 10 * bits + offset). The stack's arguments as
 // decode_stack's; final_norm fp32 [H] with final_eps; head: the LM head's panels of `vocab` rows (head_kind as a stack
 // weight's kind: 0 packed fp32 / bf16, else quantized), no bias; cos_table / sin_table fp32 [n, D], rows >= every
 // position; attention over cache rows [0, kv_len).
-at::Tensor plain_greedy_step_cpu(const at::Tensor& tokens, const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows,
+std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& tokens, const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows,
                                  at::TensorList weights, at::IntArrayRef kinds,
                                  const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, double eps,
                                  int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& final_norm,
                                  double final_eps, const at::Tensor& head, int64_t head_kind, int64_t vocab,
                                  const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& kv,
-                                 at::Tensor seqlens, int64_t kv_len) {
+                                 at::Tensor seqlens, int64_t kv_len, bool commit) {
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
               "plain_greedy_step: tokens must be contiguous int64 [B], got ", tokens.scalar_type(), " ", tokens.sizes());
   const int64_t B = tokens.size(0);
@@ -99,9 +101,11 @@ at::Tensor plain_greedy_step_cpu(const at::Tensor& tokens, const at::Tensor& emb
   step_linear(hn.data_ptr<float>(), B, head, head_kind, vocab, nullptr, logits.data_ptr<float>());
   at::Tensor next = at::empty({B}, tokens.options());
   for (int64_t b = 0; b < B; ++b) next.data_ptr<int64_t>()[b] = first_argmax(logits.data_ptr<float>() + b * vocab, vocab);
-  int32_t* spw = seqlens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < B; ++b) ++spw[b];  // the step's row committed (KVCache.advance)
-  return next;
+  if (commit) {
+    int32_t* spw = seqlens.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) ++spw[b];  // the step's row committed (KVCache.advance)
+  }
+  return {next, hn};
 }
 
 }  // namespace
@@ -111,7 +115,7 @@ TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
       "plain_greedy_step(Tensor tokens, Tensor embed, int embed_kind, int embed_rows, Tensor[] weights, int[] kinds, "
       "Tensor?[] biases, Tensor[] norms, float eps, int n_heads, int n_kv_heads, int intermediate, Tensor final_norm, "
       "float final_eps, Tensor head, int head_kind, int vocab, Tensor cos_table, Tensor sin_table, Tensor(a!) kv, "
-      "Tensor(b!) seqlens, int kv_len) -> Tensor");
+      "Tensor(b!) seqlens, int kv_len, bool commit=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) { m.impl("plain_greedy_step", &plain_greedy_step_cpu); }

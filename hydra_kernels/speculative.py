@@ -17,6 +17,7 @@ from . import ops
 from .budget import StepBudget
 from .drafters.protocol import Proposal
 from .emit import Emitter
+from .model.plain_step import native_plain_step
 from .sampling import filter_top_k_top_p
 from .tree import Tree, TreeBatch
 
@@ -71,6 +72,8 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     budget = budget or StepBudget(tree.num_nodes)
     drafting = tree.num_nodes  # the node budget the drafter's state drafts now (start: the full tree)
     root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
+    # greedy plain steps in one native call where it applies (no captured layers; model/plain_step.py)
+    native = native_plain_step(model, cache, backends) if greedy and capture is None and runner is None else None
     last_accept = [None]  # the last verified step's accept_indices [B, D+1] (the adaptive budget learns from them)
 
     def _verify_and_emit(prop: Proposal, nodes: int, context: int) -> torch.Tensor:
@@ -188,7 +191,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                                                      host_seqlens, emitter, stats)
                 elif greedy:  # a plain step as plain decoding runs it: no tree, no verify op, no commit copy
                     root = _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture,
-                                              context, host_seqlens, emitter, stats)
+                                              context, host_seqlens, emitter, stats, native)
                 else:  # sampling: the root verified as a root-only tree (the exact law)
                     root = _verify_and_emit(Proposal(root[:, None], root_only), 1, context)
                 if policy is not None:
@@ -274,15 +277,20 @@ def commit_step(cache, v, active, backends) -> torch.Tensor:
 
 
 def _plain_greedy_step(model, drafter, state, cache, root, active, backends, capture, context: int,
-                       host_seqlens: list[int], emitter: Emitter, stats) -> torch.Tensor:
+                       host_seqlens: list[int], emitter: Emitter, stats, native=None) -> torch.Tensor:
     """One greedy plain step inside a speculative run (budget 1): the root alone through the model as
     plain decoding feeds it (Llama.step without a tree; the same rows and the same argmax path, so the
     same tokens), committed in place for the active sequences; the drafter sees its one accepted token.
-    Returns the next root."""
+    native: the run's native plain step (model/plain_step.py, no capture), which gives the same tokens and
+    hidden states in one call. Returns the next root."""
     stats.step_nodes.append(1)
-    hidden = model.step(root[:, None], cache, kv_len=context + 1, backends=backends, capture=capture)
-    hidden, feats = hidden if capture is not None else (hidden, hidden)  # [B, 1, H]; the drafter's features
-    nxt = model.greedy_tokens(hidden[:, -1], backends)  # [B]
+    if native is not None:
+        nxt, hidden = native(root, context + 1, commit=False)  # [B], [B, H]
+        feats = hidden[:, None]  # [B, 1, H]: Llama.step's output
+    else:
+        hidden = model.step(root[:, None], cache, kv_len=context + 1, backends=backends, capture=capture)
+        hidden, feats = hidden if capture is not None else (hidden, hidden)  # [B, 1, H]; the drafter's features
+        nxt = model.greedy_tokens(hidden[:, -1], backends)  # [B]
     n = active.clone()  # accept lengths: 1 per active sequence (active changes below; drafters may keep n)
     drafter.after_step(state, feats, root[:, None], n)
     cache.advance(n.to(cache.seqlens.dtype))  # the row was written at seqlens: committing is advancing

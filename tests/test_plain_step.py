@@ -1,11 +1,14 @@
 """The native plain greedy step (csrc/plain_step_cpu.cpp, model/plain_step.py): one call per step gives the module
-path's tokens (Llama.step + KVCache.advance + Llama.greedy_tokens), KV cache and seqlens bit for bit, on fp32 and
+path's tokens and final hidden states (Llama.step + KVCache.advance + Llama.greedy_tokens), KV cache and seqlens bit
+for bit, on fp32 and
 quantized layers, an fp32 or quantized (tied) embedding and LM head, batch 1 and a ragged batch of 3, GQA shapes;
 torch.argmax's tie and NaN rules; bad input refused before anything is written; the cases it does not take keep
-the module path; generate() runs it for greedy plain decoding (same tokens on the embedded model), never for
-sampling."""
+the module path; generate() runs it for greedy plain decoding and the plain steps of a greedy speculative run (same
+tokens on the embedded model), never for sampling."""
 import pytest
 import torch
+
+import hydra_kernels as hk
 
 from hydra_kernels.generate import generate
 import hydra_kernels.generate as generate_module
@@ -33,10 +36,11 @@ def with_quantized_head(m, tied: bool, seed: int):
     return m
 
 
-def decode(m, B: int, steps: int, native: bool, forced=None):
+def decode(m, B: int, steps: int, native: bool, forced=None, commit: bool = True):
     """Prefill a ragged batch (NaN-poisoned cache), then `steps` plain greedy steps on the native step or the module
     path. forced [steps, B]: the tokens fed after each step (both paths then see the same inputs even where their
-    outputs would differ). Returns (each step's tokens [steps, B], the cache's kv, seqlens)."""
+    outputs would differ). Returns (each step's tokens [steps, B], final hidden states [steps, B, H], the cache's kv,
+    seqlens). commit=False steps (a speculative run's) advance seqlens after the step, as the caller does."""
     gen = torch.Generator().manual_seed(3)
     lengths = torch.tensor([9, 5, 7][:B], dtype=torch.int32)
     cache = m.new_kv_cache(B, 40)
@@ -45,33 +49,41 @@ def decode(m, B: int, steps: int, native: bool, forced=None):
     nxt = m.greedy_tokens(h, "native")
     step = plain_step.native_plain_step(m, cache, "native") if native else None
     assert (step is not None) == native
-    kv_len, out = int(lengths.max()), []
+    kv_len, out, hiddens = int(lengths.max()), [], []
     for i in range(steps):
         kv_len += 1
         if native:
-            nxt = step(nxt, kv_len)
+            nxt, hidden = step(nxt, kv_len, commit)
+            if not commit:
+                cache.advance(1)
         else:
-            hidden = m.step(nxt[:, None], cache, kv_len=kv_len, backends="native")
+            hidden = m.step(nxt[:, None], cache, kv_len=kv_len, backends="native")[:, -1]
             cache.advance(1)
-            nxt = m.greedy_tokens(hidden[:, -1], "native")
+            nxt = m.greedy_tokens(hidden, "native")
         out.append(nxt.clone())
+        hiddens.append(hidden.clone())
         if forced is not None:
             nxt = forced[i].clone()
-    return torch.stack(out), cache.kv.clone(), cache.seqlens.clone()
+    return torch.stack(out), torch.stack(hiddens), cache.kv.clone(), cache.seqlens.clone()
 
 
-def assert_same_decoding(m, B: int, steps: int = 6):
+def assert_same_decoding(m, B: int, steps: int = 6, commit: bool = True):
     want = decode(m, B, steps, native=False)
-    got = decode(m, B, steps, native=True, forced=want[0])
+    got = decode(m, B, steps, native=True, forced=want[0], commit=commit)
     assert torch.equal(got[0], want[0]), f"tokens {got[0].T.tolist()} != {want[0].T.tolist()}"
-    assert torch.equal(got[1].nan_to_num(7.0), want[1].nan_to_num(7.0))
-    assert torch.equal(got[2], want[2])
+    assert torch.isfinite(got[1]).all() and torch.equal(got[1], want[1])
+    assert torch.equal(got[2].nan_to_num(7.0), want[2].nan_to_num(7.0))
+    assert torch.equal(got[3], want[3])
 
 
 @pytest.mark.parametrize("quantized", [False, "a", "b"])
 @pytest.mark.parametrize("B,bias", [(1, False), (3, True)])
 def test_native_step_is_the_module_path_bit_for_bit(quantized, B, bias):
     assert_same_decoding(model_of(quantized, bias, seed=B), B)
+
+
+def test_without_commit_the_caller_commits():
+    assert_same_decoding(model_of("a", False, seed=4), 3, commit=False)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -118,7 +130,7 @@ def test_bad_input_is_refused_before_anything_is_written():
     with pytest.raises(RuntimeError, match="int64"):
         step(torch.tensor([5, 6], dtype=torch.int32), 4)
     unchanged()
-    assert step(torch.tensor([5, 6]), 4).shape == (2,)  # the good case runs and commits one row each
+    assert step(torch.tensor([5, 6]), 4)[0].shape == (2,)  # the good case runs and commits one row each
     assert cache.seqlens.tolist() == [4, 3]
 
 
@@ -170,6 +182,12 @@ def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
     monkeypatch.setattr(generate_module, "native_plain_step", lambda *a: None)
     want = generate(model, prompts, max_new_tokens=24)
     assert got.sequences == want.sequences
+    monkeypatch.undo()
+    monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", counting)
+    calls.clear()  # a greedy speculative run's plain steps (the adaptive budget runs some here)
+    spec = generate(model, prompts, drafter=hk.load_drafter(model=model), max_new_tokens=24, budget="adaptive")
+    assert spec.sequences == want.sequences
+    assert len(calls) == spec.step_nodes.count(1) > 0
     monkeypatch.undo()
     monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", lambda *a: pytest.fail("a sampled run took the greedy step"))
     generate(model, prompts[:1], max_new_tokens=4, temperature=0.8, seed=1)

@@ -250,7 +250,7 @@ def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int
     while not emitter.all_done:
         kv_len += 1  # host-side bound on every seqlens[b] + 1
         if native is not None:
-            nxt = native(nxt, kv_len)  # step, commit and argmax in one call
+            nxt, _ = native(nxt, kv_len)  # step, commit and argmax in one call
         else:
             hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backends=backends)  # [B, 1, H]
             cache.advance(1)

@@ -1,6 +1,7 @@
 """A CPU plain greedy decoding step in one native call (csrc/plain_step_cpu.cpp): each sequence's last token through
 the embedding, RoPE, the layer stack (model/decode_stack.py), the final norm, the LM head and the argmax, its cache
-row committed. Plain greedy decoding (generate/ _plain_loop) runs it wherever it applies.
+row committed. Plain greedy decoding (generate/ _plain_loop) and the plain steps of a greedy speculative run
+(speculative._plain_greedy_step) run it wherever it applies.
 
 Where it applies: where Llama.step would run the native layer stack (decode_stack.run_stack: fp32 CPU model and
 cache, native tree_attention, no autograd) and Llama.greedy_tokens the LM head's panels (a packed or quantized head
@@ -43,10 +44,12 @@ def _embedding_spec(emb: nn.Module) -> tuple[torch.Tensor, int, int] | None:
     return None
 
 
-def native_plain_step(model, cache, backends) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
-    """step(tokens, kv_len) for greedy plain decoding of `cache`'s batch: tokens int64 [B] (each sequence's last
-    token, written at its row seqlens[b]) -> the next tokens int64 [B], with seqlens advanced by one; kv_len a
-    host bound on every seqlens + 1. None where the native step does not apply (the module path then runs).
+def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """step(tokens, kv_len, commit=True) for greedy plain decoding of `cache`'s batch: tokens int64 [B] (each
+    sequence's last token, written at its row seqlens[b]) -> (the next tokens int64 [B], the final-normed hidden
+    states [B, H] that chose them: Llama.step's output, a drafter's features), with commit seqlens advanced by one
+    (without: the caller commits); kv_len a host bound on every seqlens + 1. None where the native step does not
+    apply (the module path then runs).
     Each step re-reads the model's weights (the stack's through the run's memo), so a weight changed between
     steps is used as the module path would."""
     plan = model.backend_plan(backends)
@@ -63,7 +66,7 @@ def native_plain_step(model, cache, backends) -> Callable[[torch.Tensor, int], t
     a, f = model.layers[0].attention, model.layers[0].feed_forward
     V = model.output.out_features
 
-    def step(tokens: torch.Tensor, kv_len: int) -> torch.Tensor:
+    def step(tokens: torch.Tensor, kv_len: int, commit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         spec = stack_weights(model, B, cache.stack_memo)
         emb = _embedding_spec(model.tok_embeddings)
         head = model.output.step_weights(B)
@@ -73,5 +76,5 @@ def native_plain_step(model, cache, backends) -> Callable[[torch.Tensor, int], t
         cos, sin = model._rope.table(cache.max_seq_len, model.device)
         return PLAIN_GREEDY_STEP(tokens, *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
                                  model.norm.weight, model.norm.eps, *head, V, cos, sin, cache.kv, cache.seqlens,
-                                 min(kv_len, cache.max_seq_len))
+                                 min(kv_len, cache.max_seq_len), commit)
     return step

@@ -81,8 +81,9 @@ def _register() -> bool:
 
     @torch.library.register_fake("hydra_kernels::plain_greedy_step")
     def _(tokens, embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
-          final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table, kv, seqlens, kv_len):
-        return torch.empty_like(tokens)  # the next tokens; kv and seqlens written in place
+          final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table, kv, seqlens, kv_len, commit=True):
+        # the next tokens, the final hidden states; kv (and, with commit, seqlens) written in place
+        return torch.empty_like(tokens), final_norm.new_empty(tokens.shape[0], final_norm.shape[0])
 
     @torch.library.register_fake("hydra_kernels::rms_norm_rows")
     def _(x, weight, eps):
