@@ -92,7 +92,9 @@ def _synthetic_run(model, drafter, tree, B: int, C: int, nodes: int | None, step
     with torch.inference_mode():
         if nodes is None:
             t = time.perf_counter()
-            _plain_loop(model, cache, root, emitter, lambda h: model.greedy_tokens(h, backends), backends, C, stats)
+            # greedy, as generate() runs it (on the CPU the native plain step: model/plain_step.py)
+            _plain_loop(model, cache, root, emitter, lambda h: model.greedy_tokens(h, backends), backends, C, stats,
+                        greedy=True)
             return time.perf_counter() - t, stats.num_steps
         F = H * len(drafter.feature_layers or [0])
         hidden = torch.randn(B, C, F, generator=g).to(dev, model.dtype)
