@@ -67,6 +67,18 @@ std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& token
     embed_rows = embed.size(0);
   }
   TORCH_CHECK(vocab > 0, "plain_greedy_step: vocab must be positive");
+  // the embedding's and the LM head's layouts against H and vocab, before the stack writes a cache row
+  if (embed_kind >= 0)
+    check_quantized_panels(embed, embed_rows, H, embed_kind % 100 / 10, embed_kind % 2 == 1, embed_kind >= 100);
+  if (head_kind == 0) {
+    TORCH_CHECK(head.dim() == 3 && head.size(1) == H && head.size(2) == 64 && head.is_contiguous() &&
+                    (head.scalar_type() == at::kFloat || head.scalar_type() == at::kBFloat16) &&
+                    vocab > (head.size(0) - 1) * 64 && vocab <= head.size(0) * 64,
+                "plain_greedy_step: the LM head must be packed panels [ceil(vocab / 64), H = ", H, ", 64] for vocab ", vocab,
+                ", got ", head.scalar_type(), " ", head.sizes());
+  } else {
+    check_quantized_panels(head, vocab, H, head_kind % 100 / 10, head_kind % 2 == 1, head_kind >= 100);
+  }
   const int64_t* tp = tokens.data_ptr<int64_t>();
   const int32_t* sp = seqlens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -81,7 +93,6 @@ std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& token
   if (embed_kind < 0) {
     for (int64_t b = 0; b < B; ++b) std::copy_n(embed.data_ptr<float>() + tp[b] * H, H, x.data_ptr<float>() + b * H);
   } else {
-    TORCH_CHECK(embed.dim() == 3, "plain_greedy_step: quantized embedding panels must be [P, K/G, bytes]");
     quantized_rows_into(embed, embed_rows, embed_kind % 100 / 10, embed_kind % 2 == 1, embed_kind >= 100, tp, B,
                         x.data_ptr<float>());
   }
@@ -92,7 +103,8 @@ std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& token
     rows.data_ptr<int64_t>()[b] = sp[b];
   }
   const at::Tensor tree = at::ones({1, 1}, tokens.options().dtype(at::kBool));
-  // the stack checks the weights, the cache, the rows and kv_len before it writes a row
+  // the stack checks the cache, the rows, the lengths, kv_len and the biases before its first layer writes a row (each
+  // projection's panels are the caller's: stack_weights takes them from the model's own layers)
   const at::Tensor h = std::get<0>(decode_stack_cpu(x, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
                                                     cos, sin, kv, rows, seqlens, tree, kv_len, {}));
   at::Tensor hn = at::empty({B, H}, f32), logits = at::empty({B, vocab}, f32);

@@ -473,6 +473,12 @@ void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, 
   if (M > 0) quantized_panels_into(x, M, packed.data_ptr<uint8_t>(), l, N, bias, y, resolve_isa(kAuto));
 }
 
+void check_quantized_panels(const at::Tensor& packed, int64_t N, int64_t K, int64_t bits, bool offset, bool half_scales) {
+  const Layout l = layout_of(packed, bits, offset, half_scales);
+  check_panel_count(packed, N);
+  TORCH_CHECK(l.K() == K, "quantized_linear: the panels hold ", l.K(), " inputs a row, expected ", K);
+}
+
 void quantized_rows_into(const at::Tensor& packed, int64_t N, int64_t bits, bool offset, bool half_scales,
                          const int64_t* ids, int64_t n, float* out) {
   const Layout l = layout_of(packed, bits, offset, half_scales);

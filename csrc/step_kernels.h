@@ -23,6 +23,9 @@ void packed_linear_into(const float* x, int64_t M, const at::Tensor& packed, int
 void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
                            bool half_scales, const float* bias, float* y);
 
+// Refuses (TORCH_CHECK) panels that are not the quantized_linear op's layout for an [N, K] weight.
+void check_quantized_panels(const at::Tensor& packed, int64_t N, int64_t K, int64_t bits, bool offset, bool half_scales);
+
 // The weight rows ids[0 .. n) of the quantized_linear op's panels, dequantized to their exact fp32 values: out [n, K]
 // (the embedding lookup of a quantized table; the quantized_rows op). Ids are the caller's to check.
 void quantized_rows_into(const at::Tensor& packed, int64_t N, int64_t bits, bool offset, bool half_scales,

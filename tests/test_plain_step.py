@@ -1,10 +1,10 @@
 """The native plain greedy step (csrc/plain_step_cpu.cpp, model/plain_step.py): one call per step gives the module
 path's tokens and final hidden states (Llama.step + KVCache.advance + Llama.greedy_tokens), KV cache and seqlens bit
-for bit, on fp32 and
-quantized layers, an fp32 or quantized (tied) embedding and LM head, batch 1 and a ragged batch of 3, GQA shapes;
-torch.argmax's tie and NaN rules; bad input refused before anything is written; the cases it does not take keep
-the module path; generate() runs it for greedy plain decoding and the plain steps of a greedy speculative run (same
-tokens on the embedded model), never for sampling."""
+for bit, on fp32 and quantized layers, an fp32 or quantized (tied) embedding and LM head, batch 1 and a ragged batch
+of 3, GQA shapes; torch.argmax's tie and NaN rules; bad input and weights that do not fit refused before anything is
+written; the cases it does not take (another backend, autograd, forward hooks, a renormalizing embedding, a norm with
+its own forward, a head bias) keep the module path; generate() runs it for greedy plain decoding and the plain steps
+of a greedy speculative run (same tokens on the embedded model), never for sampling."""
 import pytest
 import torch
 
@@ -13,6 +13,7 @@ import hydra_kernels as hk
 from hydra_kernels.generate import generate
 import hydra_kernels.generate as generate_module
 from hydra_kernels.model import plain_step
+from hydra_kernels.model.layers import RMSNorm
 from hydra_kernels.model.packed_linear import Linear, packed_linear_available
 from hydra_kernels.model.quantized_embedding import QuantizedEmbedding
 from hydra_kernels.chat import chat_prompt_ids
@@ -134,12 +135,57 @@ def test_bad_input_is_refused_before_anything_is_written():
     assert cache.seqlens.tolist() == [4, 3]
 
 
+def test_bad_weights_and_positions_are_refused_before_anything_is_written():
+    """A head or embedding whose panels do not fit vocab and H, and a position past the RoPE table, are refused by the
+    op before the stack writes a cache row."""
+    m = with_quantized_head(model_of("a", False, seed=6), tied=True, seed=6)
+    cache = m.new_kv_cache(2, 16)
+    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    kv, lens = cache.kv.clone(), cache.seqlens.clone()
+    weights, kinds, biases, norms, eps = plain_step.stack_weights(m, 2)
+    a, f = m.layers[0].attention, m.layers[0].feed_forward
+    emb, head = plain_step._embedding_spec(m.tok_embeddings), m.output.step_weights(2)
+    cos, sin = m._rope.table(16, m.device)
+    narrow = panels_of(random_blocks(V, 32, 32, 8, False, torch.Generator().manual_seed(1)), half=True)
+
+    def call(emb=emb, head=head, vocab=V, cos=cos, sin=sin):
+        return torch.ops.hydra_kernels.plain_greedy_step(
+            torch.tensor([5, 6]), *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
+            m.norm.weight, m.norm.eps, *head, vocab, cos, sin, cache.kv, cache.seqlens, 8)
+
+    for bad, match in [(dict(vocab=V + 64), "does not match"), (dict(head=(narrow.packed, narrow.kind)), "inputs a row"),
+                       (dict(emb=(narrow.packed, narrow.kind, V)), "inputs a row"),
+                       (dict(emb=(emb[0], emb[1], V + 64)), "does not match"),
+                       (dict(head=(torch.zeros(2, 48, 64), 0)), "LM head must be packed panels"),
+                       (dict(cos=cos[:3], sin=sin[:3]), "outside the RoPE table")]:
+        with pytest.raises(RuntimeError, match=match):
+            call(**bad)
+        assert torch.equal(cache.kv, kv) and torch.equal(cache.seqlens, lens)
+    assert call()[0].shape == (2,)
+
+
+class _OwnNorm(RMSNorm):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
 def test_cases_it_does_not_take_keep_the_module_path():
     m = model_of(False, False, seed=2)
     cache = m.new_kv_cache(1, 16)
+    assert plain_step.native_plain_step(m, cache, "native") is not None
     assert plain_step.native_plain_step(m, cache, "reference") is None  # another attention backend
     with torch.enable_grad():
         assert plain_step.native_plain_step(m, cache, "native") is None  # autograd
+    hook = m.output.register_forward_hook(lambda mod, args, out: out)
+    assert plain_step.native_plain_step(m, cache, "native") is None  # a hook on the LM head's forward
+    hook.remove()
+    m.tok_embeddings.max_norm = 1.0  # an embedding that renormalizes its rows
+    assert plain_step.native_plain_step(m, cache, "native") is None
+    m.tok_embeddings.max_norm = None
+    own = _OwnNorm(m.config.hidden_size, m.norm.eps)
+    own.weight = m.norm.weight
+    m.norm = own  # a norm with its own forward
+    assert plain_step.native_plain_step(m, cache, "native") is None
     m.output.bias = torch.nn.Parameter(torch.zeros(V), requires_grad=False)
     assert plain_step.native_plain_step(m, cache, "native") is None  # a head with a bias
     m = model_of(False, False, seed=2)
@@ -168,7 +214,7 @@ def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
     """The embedded model: the same tokens as the module path for a ragged batch; one native call per step; sampling
     never calls it."""
     model, tok = smollm2
-    prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 7 times 8? Answer briefly.")]
+    prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.")]
     calls = []
     real = plain_step.PLAIN_GREEDY_STEP
 
@@ -182,6 +228,7 @@ def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
     monkeypatch.setattr(generate_module, "native_plain_step", lambda *a: None)
     want = generate(model, prompts, max_new_tokens=24)
     assert got.sequences == want.sequences
+    assert min(map(len, want.sequences)) < 24  # one answer ends early: later steps carry a finished row
     monkeypatch.undo()
     monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", counting)
     calls.clear()  # a greedy speculative run's plain steps (the adaptive budget runs some here)

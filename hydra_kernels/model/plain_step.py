@@ -5,8 +5,9 @@ row committed. Plain greedy decoding (generate/ _plain_loop) and the plain steps
 
 Where it applies: where Llama.step would run the native layer stack (decode_stack.run_stack: fp32 CPU model and
 cache, native tree_attention, no autograd) and Llama.greedy_tokens the LM head's panels (a packed or quantized head
-without a bias), with an fp32 or quantized token embedding. Elsewhere native_plain_step returns None and the loop
-keeps Llama.step + KVCache.advance + Llama.greedy_tokens.
+without a bias), with an fp32 or quantized token embedding, and where no forward hook waits on the embedding, the final
+norm or the LM head (the step runs none of their forwards). Elsewhere native_plain_step returns None and the loop keeps
+Llama.step + KVCache.advance + Llama.greedy_tokens.
 
 Why: with the stack in one call, the work around it was still ~0.55 ms of a ~5.9 ms SmolLM2 step (2026-11-28, EPYC
 VM): the embedding lookup and its id checks, the RoPE rows, the step's rows and mask, the final norm, the argmax,
@@ -31,10 +32,19 @@ from .quantized_embedding import QuantizedEmbedding
 PLAIN_GREEDY_STEP = extension_op("plain_greedy_step")
 
 
+def _without_hooks(*mods: nn.Module) -> bool:
+    """None of mods has a forward hook, nor does nn.Module globally: the native step runs no module's forward."""
+    from torch.nn.modules import module as m
+
+    if m._global_forward_hooks or m._global_forward_pre_hooks:
+        return False
+    return not any(mod._forward_hooks or mod._forward_pre_hooks for mod in mods)
+
+
 def _embedding_spec(emb: nn.Module) -> tuple[torch.Tensor, int, int] | None:
     """(table, kind, rows) of the token embedding for the native step: quantized panels (their kind), an fp32 CPU
-    table (kind -1), or None (another embedding: the module path)."""
-    if isinstance(emb, QuantizedEmbedding) and emb.panels is not None:
+    table (kind -1), or None (another embedding, or a subclass with its own forward: the module path)."""
+    if type(emb) is QuantizedEmbedding and emb.panels is not None:
         p = emb.panels
         return p.packed, p.kind, p.n
     if type(emb) in (nn.Embedding, QuantizedEmbedding) and emb.max_norm is None:
@@ -57,7 +67,8 @@ def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tenso
             or cache.kv.dtype is not torch.float32 or cache.seqlens.dtype is not torch.int32
             or resolved_name("tree_attention", plan["tree_attention"], model.device) != "native"
             or not (plan.packed_linear and model.has_packed_weights) or model.output.bias is not None
-            or not isinstance(model.norm, RMSNorm) or model.norm.weight.dtype is not torch.float32):
+            or type(model.norm) is not RMSNorm or model.norm.weight.dtype is not torch.float32
+            or not _without_hooks(model.tok_embeddings, model.norm, model.output)):
         return None
     B = cache.batch_size
     if (torch.is_grad_enabled() or _embedding_spec(model.tok_embeddings) is None
