@@ -4,7 +4,8 @@ for bit, on fp32 and quantized layers, an fp32 or quantized (tied) embedding and
 of 3, GQA shapes; torch.argmax's tie and NaN rules; bad input and weights that do not fit refused before anything is
 written; the cases it does not take (another backend, autograd, forward hooks, a renormalizing embedding, a norm with
 its own forward, a head bias) keep the module path; generate() runs it for greedy plain decoding and the plain steps
-of a greedy speculative run (same tokens on the embedded model), never for sampling."""
+of a greedy speculative run (same tokens on the embedded model), never for sampling nor for a run that captures
+layers (EAGLE-3)."""
 import pytest
 import torch
 
@@ -238,3 +239,23 @@ def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", lambda *a: pytest.fail("a sampled run took the greedy step"))
     generate(model, prompts[:1], max_new_tokens=4, temperature=0.8, seed=1)
+
+
+def test_a_run_that_captures_layers_keeps_the_module_path(monkeypatch):
+    """An EAGLE-3 drafter reads the inputs of intermediate layers, which the native step does not capture: its greedy
+    speculative run never asks for the native step (and stays lossless); a drafter of final hidden states does."""
+    from hydra_kernels import speculative
+
+    m = model_of("a", False, seed=8)
+    prompts = [[5, 9, 14, 3, 7], [2, 8, 1]]
+    want = generate(m, prompts, max_new_tokens=10)
+    asked = []
+    real = speculative.native_plain_step
+    monkeypatch.setattr(speculative, "native_plain_step", lambda *a: asked.append(1) or real(*a))
+    eagle3 = hk.new_drafter(m, kind="eagle", feature_layers="eagle3")
+    assert eagle3.feature_layers is not None
+    assert generate(m, prompts, drafter=eagle3, max_new_tokens=10, budget="adaptive").sequences == want.sequences
+    assert not asked
+    assert generate(m, prompts, drafter=hk.new_drafter(m, kind="eagle"), max_new_tokens=10,
+                    budget="adaptive").sequences == want.sequences
+    assert asked
