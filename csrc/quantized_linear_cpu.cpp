@@ -452,12 +452,7 @@ at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, i
   for (int64_t i = 0; i < n; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < N, "quantized_rows: id ", ip[i], " outside [0, ", N, ")");
   at::Tensor out = at::empty({n, K}, packed.options().dtype(at::kFloat));
-  float* op = out.data_ptr<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  if (l.half)
-    rows_into<uint16_t>(wp, l, ip, n, op);
-  else
-    rows_into<float>(wp, l, ip, n, op);
+  quantized_rows_into(packed, N, bits, offset, half_scales, ip, n, out.data_ptr<float>());
   return out;
 }
 
