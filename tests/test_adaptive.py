@@ -278,6 +278,9 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     g = torch.Generator().manual_seed(seed)
     p.calib.seq_tested.copy_(torch.rand(p.calib.seq_tested.shape, generator=g) * 20)
     p.calib.seq_accepted.copy_(p.calib.seq_tested * torch.rand(p.calib.seq_tested.shape, generator=g))
+    p.calib.tested.copy_(torch.rand(p.calib.tested.shape, generator=g) * 40)  # the run's counts (the pooled prior)
+    p.calib.accepted.copy_(p.calib.tested * torch.rand(p.calib.tested.shape, generator=g))
+    p.calib.prior.copy_(torch.rand(p.calib.prior.shape, generator=g))
     p.costs.coef, p.margin = [10.0, 0.0], 1.0  # rows free, no margin: the pre-check passes, the proposal is judged
     for _ in range(seed):  # decay not applied yet: the host read applies it as the tensors' _settle does
         p.calib.decay()
@@ -356,6 +359,19 @@ def test_learning_and_the_gate():
         waits.append(n)
         gate.judge(False)
     assert waits == [2, 4, 8]
+    # a trial that pays once (a lucky token) opens the part for a step; the next step's loss puts the wait back
+    # where it was (16), not at the start of the ramp
+    gate.judge(True)
+    assert gate.open and gate.due()
+    gate.judge(False)
+    assert gate.wait == 16
+    # a burst that pays for several steps brings the wait down to 1: the part is tried again 2 steps after it
+    for _ in range(5):
+        gate.judge(True)
+    gate.judge(False)
+    assert gate.wait == 2 and not gate.due() and gate.due()
+    gate.judge(False, max_wait=3)
+    assert gate.wait == 3  # the cap
 
 
 def test_budget_argument():
@@ -405,3 +421,23 @@ def test_step_costs_follow_the_fastest_first_plain_step_and_keep_row_costs_only_
     assert c2.coef[1] == pytest.approx(2.0, rel=0.1)
     c2.remember()
     assert mem["k"][1] == pytest.approx(c2.coef[1])
+
+
+def test_a_deeper_node_starts_from_its_part_and_signals_rate_at_the_other_depths():
+    """A key never verified takes the rate its (part, signal) earned at the other depths (toward its own prior by
+    POOL_PRIOR_WEIGHT), not PRIOR_RATE: a chain that is accepted at depth 1 is worth verifying one deeper. Keys of
+    another signal or part keep the prior; a sequence's own counts pool the same way over the run's rates."""
+    c = adaptive.Calibration(2, 2, {}, torch.device("cpu"))
+    depth1 = c.keys(torch.tensor([[0]]), torch.tensor([[1]]), torch.tensor([[3]]))
+    c.update(depth1.expand(2, 1).contiguous(), torch.tensor([[20.0], [0.0]]), torch.tensor([[19.0], [0.0]]))
+    deeper = c.keys(torch.tensor([[0, 0, 0, 1]]), torch.tensor([[2, 5, 2, 2]]), torch.tensor([[3, 3, 4, 3]]))
+    r = c.rates(deeper.expand(2, 4).contiguous())
+    w_pool, w_run, w_seq = adaptive.POOL_PRIOR_WEIGHT, adaptive.RUN_PRIOR_WEIGHT, adaptive.SEQ_PRIOR_WEIGHT
+    run = (19 + w_pool * adaptive.PRIOR_RATE) / (20 + w_pool)  # no counts of its own: its pooled rate
+    seq0 = (19 + w_pool * run) / (20 + w_pool)  # sequence 0 earned the 19 in 20 itself
+    assert r[0, :2].tolist() == pytest.approx([seq0] * 2) and r[1, :2].tolist() == pytest.approx([run] * 2)
+    assert run > 0.8 and r[:, 2:].flatten().tolist() == pytest.approx([adaptive.PRIOR_RATE] * 4)
+    assert c.host_rates({0: deeper[0].tolist(), 1: deeper[0].tolist()}) == \
+        {b: pytest.approx(r[b].tolist()) for b in range(2)}
+    c.remember()  # the next run's prior: this run's rates
+    assert c.memory["rates"][deeper[0, 0]] == pytest.approx(run)
