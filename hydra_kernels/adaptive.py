@@ -147,16 +147,19 @@ class Calibration:
 
         def shrunk(acc, tst, acc_sum, tst_sum, k, q, w):  # _shrink's rate of key k (q: its prior); f: the decay
             ps = (k // (D * S)) * S + k % S  # k's (part, signal)
+            if tst_sum[ps] == 0.0:  # no counts at any depth (most keys of most sequences): the prior itself
+                return q
             pooled = (((acc_sum[ps] - acc[k]) * f + POOL_PRIOR_WEIGHT * q)
                       / ((tst_sum[ps] - tst[k]) * f + POOL_PRIOR_WEIGHT))
             return (acc[k] * f + w * pooled) / (tst[k] * f + w)
 
-        out = {}
-        for b, ks in keys.items():
-            args = seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b]
-            out[b] = [shrunk(*args, k, shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT),
-                             SEQ_PRIOR_WEIGHT) for k in ks]
-        return out
+        run = {}  # key -> the run's rate (the sequences share most keys)
+        for ks in keys.values():
+            for k in ks:
+                if k not in run:
+                    run[k] = shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT)
+        return {b: [shrunk(seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b], k, run[k], SEQ_PRIOR_WEIGHT)
+                    for k in ks] for b, ks in keys.items()}
 
     def decay(self) -> None:
         """Every step, verified or not: counts fade, so a key that stops being verified drifts back to its
