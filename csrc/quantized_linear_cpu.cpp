@@ -296,8 +296,10 @@ Isa resolve_isa(int64_t isa) {
   TORCH_CHECK(isa >= kAuto && isa <= kAvx512, "quantized_linear: isa must be 0 (auto), 1 (portable), 2 (AVX2) or ",
               "3 (AVX-512), got ", isa);
   if (isa == kAuto) return cpu_has_avx512() ? kAvx512 : (cpu_has_avx2_fma() ? kAvx2 : kPortable);
-  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "quantized_linear: this CPU has no AVX-512");
-  TORCH_CHECK(isa != kAvx2 || cpu_has_avx2_fma(), "quantized_linear: this CPU has no AVX2 + FMA");
+  TORCH_CHECK(isa != kAvx512 || cpu_has_avx512(), "quantized_linear: this CPU has no AVX-512 (or HK_CPU_ISA ",
+              "limits the kernels below it)");
+  TORCH_CHECK(isa != kAvx2 || cpu_has_avx2_fma(), "quantized_linear: this CPU has no AVX2 + FMA (or HK_CPU_ISA ",
+              "limits the kernels below it)");
   return static_cast<Isa>(isa);
 }
 

@@ -258,7 +258,8 @@ class StepCosts:
 
 class PartGate:
     """Whether a drafter part runs next step: while its recent gain pays for its cost, else after a wait
-    that doubles each time a trial does not pay (2, 4, 8, ... steps, at most the judge's max_wait)."""
+    that doubles each time a trial does not pay and halves each time a step pays (2, 4, 8, ... steps, at most
+    the judge's max_wait; see judge)."""
 
     def __init__(self):
         self.gain = None  # tokens per step its nodes earned (decayed mean over the steps it ran)

@@ -5,11 +5,7 @@ of 3, GQA shapes; torch.argmax's tie and NaN rules; bad input and weights that d
 written; the cases it does not take (another backend, autograd, forward hooks, a renormalizing embedding, a norm with
 its own forward, a head bias) keep the module path; generate() runs it for greedy plain decoding and the plain steps
 of a greedy speculative run (same tokens on the embedded model), never for sampling nor for a run that captures
-layers (EAGLE-3); the embedded model's steps on the AVX2 kernels (HK_CPU_ISA=avx2) as well."""
-import os
-import subprocess
-import sys
-
+layers (EAGLE-3). Its run on the AVX2 kernels: tests/test_cpu_isa_limit.py."""
 import pytest
 import torch
 
@@ -23,7 +19,7 @@ from hydra_kernels.model.packed_linear import Linear, packed_linear_available
 from hydra_kernels.model.quantized_embedding import QuantizedEmbedding
 from hydra_kernels.chat import chat_prompt_ids
 from test_decode_stack import model_of
-from test_quantized_linear import FLAGS, panels_of, random_blocks
+from test_quantized_linear import panels_of, random_blocks
 
 pytestmark = pytest.mark.skipif(plain_step.PLAIN_GREEDY_STEP is None or not packed_linear_available(),
                                 reason="the extension's plain_greedy_step and the packed CPU kernel (AVX-512)")
@@ -264,41 +260,3 @@ def test_a_run_that_captures_layers_keeps_the_module_path(monkeypatch):
                     budget="adaptive").sequences == want.sequences
     assert asked
 
-
-# the embedded model under HK_CPU_ISA=avx2 (csrc/cpu_features.h: every kernel as on a CPU without AVX-512):
-# generate()'s greedy plain decoding runs the native step on the AVX2 quantized kernels, one call per step,
-# with the module path's tokens (the module path on the same kernels)
-AVX2_RUN = r"""
-import torch
-import hydra_kernels as hk
-import hydra_kernels._C  # noqa: F401
-import hydra_kernels.generate as generate_module
-from hydra_kernels.chat import chat_prompt_ids
-from hydra_kernels.model import plain_step
-from hydra_kernels.ops.packed_linear import packed_linear_available
-from hydra_kernels.ops.quantized_linear import ISA_AVX2
-assert torch.ops.hydra_kernels.quantized_linear_isa() == ISA_AVX2 and not packed_linear_available()
-model, tok = hk.load_model(device="cpu")
-prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.")]
-calls, real = [], plain_step.PLAIN_GREEDY_STEP
-plain_step.PLAIN_GREEDY_STEP = lambda *a: calls.append(1) or real(*a)
-got = generate_module.generate(model, prompts, max_new_tokens=16)
-assert len(calls) == got.num_steps > 0, (len(calls), got.num_steps)
-generate_module.native_plain_step = lambda *a: None
-want = generate_module.generate(model, prompts, max_new_tokens=16)
-assert got.sequences == want.sequences, (got.sequences, want.sequences)
-"""
-
-
-@pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="a CPU with AVX2 and FMA")
-def test_the_whole_step_on_the_avx2_kernels():
-    env = {**os.environ, "HK_CPU_ISA": "avx2"}
-    run = subprocess.run([sys.executable, "-c", AVX2_RUN], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-
-
-def test_a_bad_isa_limit_is_refused_at_import():
-    env = {**os.environ, "HK_CPU_ISA": "avx-2"}
-    run = subprocess.run([sys.executable, "-c", "import hydra_kernels"], env=env, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode != 0 and "HK_CPU_ISA must be avx512, avx2 or portable" in run.stderr
