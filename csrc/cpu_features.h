@@ -4,8 +4,8 @@
 //
 // The environment variable HK_CPU_ISA=avx2 (or =portable), read once per process, makes every kernel run
 // as on a CPU without AVX-512 (or without AVX2 too): the only way to test those paths whole on an AVX-512
-// machine (tests/test_plain_step.py runs the embedded model so). =avx512 is the default; the package refuses any
-// other value when it is imported (hydra_kernels/__init__.py), so the kernels never throw for it here.
+// machine (tests/test_cpu_isa_limit.py runs the embedded model so). =avx512 is the default; the package refuses
+// any other value when it is imported (hydra_kernels/__init__.py), so the kernels never throw for it here.
 #pragma once
 
 #include <cstdlib>

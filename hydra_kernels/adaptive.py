@@ -6,9 +6,10 @@ Per step, two decisions:
    "heads", one "draft" part elsewhere). A part runs while what it earned (its accepted tokens per step,
    an average over the recent steps it ran) beats what it costs (its measured drafting time and the rows
    its nodes took) at the current throughput; a part held back is tried again after a wait doubled by
-   each step that does not pay and halved by each that does (2, 4, 8 ... steps), at most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time. No part running
-   is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work grows with its
-   nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time (EXPLORE_EVERY).
+   each step that does not pay and halved by each that does (2, 4, 8 ... steps), at most MAX_WAIT, and no
+   more rarely than lets its trials cost PROBE_SHARE of the time. No part running is a plain step
+   (Drafter.skip_step), with no drafting cost. A running part whose work grows with its nodes
+   (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time (EXPLORE_EVERY).
 2. After proposing, how many nodes each sequence verifies: every node j gets P(j) = the probability
    that the whole path root..j is accepted, the product of its ancestors' conditional acceptance rates;
    each sequence keeps its T best nodes (P never grows down a path and ties keep the lower index, so the
