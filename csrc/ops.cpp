@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "hydra_kernels.h"
+#include "step_kernels.h"
 #include "tree_buffer.h"
 
 namespace hydra_kernels {
@@ -67,6 +68,8 @@ std::vector<int64_t> as_i64(const at::Tensor& t) {
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
+}  // namespace
+
 void commit_kv_cpu(at::Tensor kv, const at::Tensor& seqlens, const at::Tensor& idx, const at::Tensor& lens) {
   check_commit_kv(kv, seqlens, idx, lens);
   const int64_t planes = kv.size(0) * 2, B = kv.size(2), S = kv.size(3), k1 = idx.size(1);
@@ -120,6 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_verify_cpu(con
   }
   return {accept_len, accept_idx, next_root, last};
 }
+
+namespace {
 
 std::tuple<at::Tensor, at::Tensor> tree_inputs_cpu(const at::Tensor& root, const at::Tensor& cand,
                                                    const at::Tensor& source, const at::Tensor& depths,

@@ -15,6 +15,8 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "step_kernels.h"
 
@@ -29,6 +31,94 @@ int64_t first_argmax(const float* v, int64_t n) {
     if (std::isnan(v[i]) || v[i] > bv) best = i, bv = v[i];
   return best;
 }
+
+}  // namespace
+
+// The greedy forward both native steps share (step_kernels.h): tokens int64 [B, T] at RoPE positions [B, T] (host
+// values), node i of sequence b written at cache row seqlens[b] + i and attending per tree_mask -> (each node's argmax
+// token int64 [B, T], the final-normed hidden states [B, T, H]). Everything is checked before the stack writes a row.
+std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::Tensor& tokens, const int64_t* positions,
+                                                      const at::Tensor& tree_mask, const GreedyModel& m,
+                                                      const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len) {
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(), op,
+              ": tokens must be contiguous int64, got ", tokens.scalar_type(), " ", tokens.sizes());
+  const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T;
+  TORCH_CHECK(B > 0 && T > 0 && seqlens.dim() == 1 && seqlens.size(0) == B && seqlens.scalar_type() == at::kInt &&
+                  seqlens.is_contiguous(),
+              op, ": seqlens must be contiguous int32 [B = ", B, "], got ", seqlens.scalar_type(), " ", seqlens.sizes());
+  TORCH_CHECK(m.final_norm.dim() == 1 && m.final_norm.scalar_type() == at::kFloat && m.final_norm.is_contiguous(), op,
+              ": final_norm must be contiguous fp32 [H]");
+  const int64_t H = m.final_norm.size(0);
+  TORCH_CHECK(kv.dim() == 6, op, ": kv must be [L, 2, B, S, Hkv, D], got ", kv.sizes());
+  const int64_t D = kv.size(5);
+  TORCH_CHECK(m.cos_table.dim() == 2 && m.cos_table.sizes() == m.sin_table.sizes() && m.cos_table.size(1) == D &&
+                  m.cos_table.scalar_type() == at::kFloat && m.sin_table.scalar_type() == at::kFloat &&
+                  m.cos_table.is_contiguous() && m.sin_table.is_contiguous(),
+              op, ": cos/sin tables must be contiguous fp32 [n, D = ", D, "], got ", m.cos_table.sizes());
+  int64_t embed_rows = m.embed_rows;
+  if (m.embed_kind < 0) {
+    TORCH_CHECK(m.embed.dim() == 2 && m.embed.size(1) == H && m.embed.scalar_type() == at::kFloat &&
+                    m.embed.is_contiguous(),
+                op, ": an fp32 embedding must be contiguous [V, H = ", H, "], got ", m.embed.sizes());
+    embed_rows = m.embed.size(0);
+  }
+  TORCH_CHECK(m.vocab > 0, op, ": vocab must be positive");
+  // the embedding's and the LM head's layouts against H and vocab, before the stack writes a cache row
+  if (m.embed_kind >= 0)
+    check_quantized_panels(m.embed, embed_rows, H, m.embed_kind % 100 / 10, m.embed_kind % 2 == 1, m.embed_kind >= 100);
+  if (m.head_kind == 0) {
+    TORCH_CHECK(m.head.dim() == 3 && m.head.size(1) == H && m.head.size(2) == 64 && m.head.is_contiguous() &&
+                    (m.head.scalar_type() == at::kFloat || m.head.scalar_type() == at::kBFloat16) &&
+                    m.vocab > (m.head.size(0) - 1) * 64 && m.vocab <= m.head.size(0) * 64,
+                op, ": the LM head must be packed panels [ceil(vocab / 64), H = ", H, ", 64] for vocab ", m.vocab,
+                ", got ", m.head.scalar_type(), " ", m.head.sizes());
+  } else {
+    check_quantized_panels(m.head, m.vocab, H, m.head_kind % 100 / 10, m.head_kind % 2 == 1, m.head_kind >= 100);
+  }
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  const int32_t* sp = seqlens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t t = tp[b * T + i], pos = positions[b * T + i];
+      TORCH_CHECK(0 <= t && t < embed_rows, op, ": token ", t, " of sequence ", b,
+                  T > 1 ? " (node " + std::to_string(i) + ")" : std::string(), " outside the embedding's [0, ",
+                  embed_rows, ")");
+      TORCH_CHECK(0 <= pos && pos < m.cos_table.size(0), op, ": position ", pos, " of sequence ", b,
+                  " outside the RoPE table's [0, ", m.cos_table.size(0), ")");
+    }
+  const auto f32 = tokens.options().dtype(at::kFloat);
+  // the step's inputs: the embedded tokens [B, T, H], their RoPE rows [B, T, D], the cache rows [B, T]
+  at::Tensor x = at::empty({B, T, H}, f32), cos = at::empty({B, T, D}, f32), sin = at::empty({B, T, D}, f32);
+  if (m.embed_kind < 0) {
+    for (int64_t r = 0; r < N; ++r) std::copy_n(m.embed.data_ptr<float>() + tp[r] * H, H, x.data_ptr<float>() + r * H);
+  } else {
+    quantized_rows_into(m.embed, embed_rows, m.embed_kind % 100 / 10, m.embed_kind % 2 == 1, m.embed_kind >= 100, tp, N,
+                        x.data_ptr<float>());
+  }
+  at::Tensor rows = at::empty({B, T}, tokens.options());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < T; ++i) {
+      const int64_t r = b * T + i;
+      std::copy_n(m.cos_table.data_ptr<float>() + positions[r] * D, D, cos.data_ptr<float>() + r * D);
+      std::copy_n(m.sin_table.data_ptr<float>() + positions[r] * D, D, sin.data_ptr<float>() + r * D);
+      rows.data_ptr<int64_t>()[r] = sp[b] + i;
+    }
+  // the stack checks the cache, the rows, the lengths, kv_len, the mask and the biases before its first layer writes
+  // a row (each projection's panels are the caller's: stack_weights takes them from the model's own layers)
+  const at::Tensor h = std::get<0>(decode_stack_cpu(x, m.weights, m.kinds, m.biases, m.norms, m.eps, m.n_heads,
+                                                    m.n_kv_heads, m.intermediate, cos, sin, kv, rows, seqlens, tree_mask,
+                                                    kv_len, {}));
+  at::Tensor hn = at::empty({B, T, H}, f32), logits = at::empty({N, m.vocab}, f32);
+  rms_norm_rows_into(h.data_ptr<float>(), m.final_norm.data_ptr<float>(), static_cast<float>(m.final_eps), N, H,
+                     hn.data_ptr<float>());
+  step_linear(hn.data_ptr<float>(), N, m.head, m.head_kind, m.vocab, nullptr, logits.data_ptr<float>());
+  at::Tensor next = at::empty({B, T}, tokens.options());
+  for (int64_t r = 0; r < N; ++r)
+    next.data_ptr<int64_t>()[r] = first_argmax(logits.data_ptr<float>() + r * m.vocab, m.vocab);
+  return {next, hn};
+}
+
+namespace {
 
 // tokens int64 [B]: each sequence's last token, written at cache row seqlens[b] (its position) -> (the next tokens int64
 // [B], the final-normed hidden states fp32 [B, H] that picked them: a drafter's features); with commit, seqlens int32 [B]
@@ -48,76 +138,20 @@ std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& token
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
               "plain_greedy_step: tokens must be contiguous int64 [B], got ", tokens.scalar_type(), " ", tokens.sizes());
   const int64_t B = tokens.size(0);
-  TORCH_CHECK(B > 0 && seqlens.dim() == 1 && seqlens.size(0) == B && seqlens.scalar_type() == at::kInt &&
-                  seqlens.is_contiguous(),
+  TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) == B && seqlens.scalar_type() == at::kInt && seqlens.is_contiguous(),
               "plain_greedy_step: seqlens must be contiguous int32 [B = ", B, "], got ", seqlens.scalar_type(), " ",
               seqlens.sizes());
-  TORCH_CHECK(final_norm.dim() == 1 && final_norm.scalar_type() == at::kFloat && final_norm.is_contiguous(),
-              "plain_greedy_step: final_norm must be contiguous fp32 [H]");
-  const int64_t H = final_norm.size(0);
-  TORCH_CHECK(kv.dim() == 6, "plain_greedy_step: kv must be [L, 2, B, S, Hkv, D], got ", kv.sizes());
-  const int64_t D = kv.size(5);
-  TORCH_CHECK(cos_table.dim() == 2 && cos_table.sizes() == sin_table.sizes() && cos_table.size(1) == D &&
-                  cos_table.scalar_type() == at::kFloat && sin_table.scalar_type() == at::kFloat &&
-                  cos_table.is_contiguous() && sin_table.is_contiguous(),
-              "plain_greedy_step: cos/sin tables must be contiguous fp32 [n, D = ", D, "], got ", cos_table.sizes());
-  if (embed_kind < 0) {
-    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
-                "plain_greedy_step: an fp32 embedding must be contiguous [V, H = ", H, "], got ", embed.sizes());
-    embed_rows = embed.size(0);
-  }
-  TORCH_CHECK(vocab > 0, "plain_greedy_step: vocab must be positive");
-  // the embedding's and the LM head's layouts against H and vocab, before the stack writes a cache row
-  if (embed_kind >= 0)
-    check_quantized_panels(embed, embed_rows, H, embed_kind % 100 / 10, embed_kind % 2 == 1, embed_kind >= 100);
-  if (head_kind == 0) {
-    TORCH_CHECK(head.dim() == 3 && head.size(1) == H && head.size(2) == 64 && head.is_contiguous() &&
-                    (head.scalar_type() == at::kFloat || head.scalar_type() == at::kBFloat16) &&
-                    vocab > (head.size(0) - 1) * 64 && vocab <= head.size(0) * 64,
-                "plain_greedy_step: the LM head must be packed panels [ceil(vocab / 64), H = ", H, ", 64] for vocab ", vocab,
-                ", got ", head.scalar_type(), " ", head.sizes());
-  } else {
-    check_quantized_panels(head, vocab, H, head_kind % 100 / 10, head_kind % 2 == 1, head_kind >= 100);
-  }
-  const int64_t* tp = tokens.data_ptr<int64_t>();
-  const int32_t* sp = seqlens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(0 <= tp[b] && tp[b] < embed_rows, "plain_greedy_step: token ", tp[b], " of sequence ", b,
-                " outside the embedding's [0, ", embed_rows, ")");
-    TORCH_CHECK(0 <= sp[b] && sp[b] < cos_table.size(0), "plain_greedy_step: position ", sp[b], " of sequence ", b,
-                " outside the RoPE table's [0, ", cos_table.size(0), ")");
-  }
-  const auto f32 = tokens.options().dtype(at::kFloat);
-  // the step's inputs: the embedded tokens [B, 1, H], their RoPE rows [B, 1, D], cache rows and a one-node tree
-  at::Tensor x = at::empty({B, 1, H}, f32), cos = at::empty({B, 1, D}, f32), sin = at::empty({B, 1, D}, f32);
-  if (embed_kind < 0) {
-    for (int64_t b = 0; b < B; ++b) std::copy_n(embed.data_ptr<float>() + tp[b] * H, H, x.data_ptr<float>() + b * H);
-  } else {
-    quantized_rows_into(embed, embed_rows, embed_kind % 100 / 10, embed_kind % 2 == 1, embed_kind >= 100, tp, B,
-                        x.data_ptr<float>());
-  }
-  at::Tensor rows = at::empty({B, 1}, tokens.options());
-  for (int64_t b = 0; b < B; ++b) {
-    std::copy_n(cos_table.data_ptr<float>() + sp[b] * D, D, cos.data_ptr<float>() + b * D);
-    std::copy_n(sin_table.data_ptr<float>() + sp[b] * D, D, sin.data_ptr<float>() + b * D);
-    rows.data_ptr<int64_t>()[b] = sp[b];
-  }
-  const at::Tensor tree = at::ones({1, 1}, tokens.options().dtype(at::kBool));
-  // the stack checks the cache, the rows, the lengths, kv_len and the biases before its first layer writes a row (each
-  // projection's panels are the caller's: stack_weights takes them from the model's own layers)
-  const at::Tensor h = std::get<0>(decode_stack_cpu(x, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
-                                                    cos, sin, kv, rows, seqlens, tree, kv_len, {}));
-  at::Tensor hn = at::empty({B, H}, f32), logits = at::empty({B, vocab}, f32);
-  rms_norm_rows_into(h.data_ptr<float>(), final_norm.data_ptr<float>(), static_cast<float>(final_eps), B, H,
-                     hn.data_ptr<float>());
-  step_linear(hn.data_ptr<float>(), B, head, head_kind, vocab, nullptr, logits.data_ptr<float>());
-  at::Tensor next = at::empty({B}, tokens.options());
-  for (int64_t b = 0; b < B; ++b) next.data_ptr<int64_t>()[b] = first_argmax(logits.data_ptr<float>() + b * vocab, vocab);
+  std::vector<int64_t> positions(seqlens.data_ptr<int32_t>(), seqlens.data_ptr<int32_t>() + B);  // a plain row's position
+  const GreedyModel m{embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads,
+                      intermediate, final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table};
+  const at::Tensor one_node = at::ones({1, 1}, tokens.options().dtype(at::kBool));
+  auto [next, hn] = greedy_forward_cpu("plain_greedy_step", tokens.view({B, 1}), positions.data(), one_node, m, kv,
+                                       seqlens, kv_len);
   if (commit) {
     int32_t* spw = seqlens.data_ptr<int32_t>();
     for (int64_t b = 0; b < B; ++b) ++spw[b];  // the step's row committed (KVCache.advance)
   }
-  return {next, hn};
+  return {next.view({B}), hn.view({B, hn.size(2)})};
 }
 
 }  // namespace

@@ -49,6 +49,41 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
     const at::Tensor& sin_in, const at::Tensor& kv, const at::Tensor& rows_in, const at::Tensor& seqlens,
     const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture);
 
+// The model a native greedy step runs (plain_step_cpu.cpp, tree_step_cpu.cpp): the token embedding (fp32 [V, H] with
+// embed_kind -1, or quantized panels of embed_rows rows), the stack's arguments as decode_stack's, the final norm fp32
+// [H], the LM head's panels of `vocab` rows (head_kind as a stack weight's kind; no bias), the RoPE tables fp32 [n, D].
+struct GreedyModel {
+  const at::Tensor& embed;
+  int64_t embed_kind, embed_rows;
+  at::TensorList weights;
+  at::IntArrayRef kinds;
+  const c10::List<std::optional<at::Tensor>>& biases;
+  at::TensorList norms;
+  double eps;
+  int64_t n_heads, n_kv_heads, intermediate;
+  const at::Tensor& final_norm;
+  double final_eps;
+  const at::Tensor& head;
+  int64_t head_kind, vocab;
+  const at::Tensor& cos_table;
+  const at::Tensor& sin_table;
+};
+
+// tokens int64 [B, T] at RoPE positions[b * T + i], node i of sequence b written at cache row seqlens[b] + i and
+// attending per tree_mask (bool [T, T] or [B, T, T]) over rows [0, kv_len) -> (each node's argmax token int64 [B, T]:
+// torch.argmax's first maximum, a NaN the maximum; the final-normed hidden states fp32 [B, T, H]). `op` names the
+// caller in error messages; everything is checked before a cache row is written.
+std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::Tensor& tokens, const int64_t* positions,
+                                                      const at::Tensor& tree_mask, const GreedyModel& m,
+                                                      const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len);
+
+// The greedy_verify and commit_kv ops' input checks and CPU kernels (ops.cpp).
+void check_greedy_verify(const at::Tensor& target, const at::Tensor& tokens, const at::Tensor& paths);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> greedy_verify_cpu(const at::Tensor& target,
+                                                                             const at::Tensor& tokens,
+                                                                             const at::Tensor& paths);
+void commit_kv_cpu(at::Tensor kv, const at::Tensor& seqlens, const at::Tensor& idx, const at::Tensor& lens);
+
 // What the tree_attention op's fp32 kernel needs beyond q, K and V, which every layer of a step shares: the committed
 // lengths, each (sequence, node)'s tree keys, the scratch. Built once a step (tree_attention_step), used by each
 // layer (tree_attention_into).

@@ -18,6 +18,7 @@ from .budget import StepBudget
 from .drafters.protocol import Proposal
 from .emit import Emitter
 from .model.plain_step import native_plain_step
+from .model.tree_step import native_tree_step
 from .sampling import filter_top_k_top_p
 from .tree import Tree, TreeBatch
 
@@ -74,6 +75,8 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     root_only = Tree([]).to(dev)  # a plain step: the root alone, verified like any tree
     # greedy plain steps in one native call where it applies (no captured layers; model/plain_step.py)
     native = native_plain_step(model, cache, backends) if greedy and capture is None and runner is None else None
+    # and greedy verify steps (model/tree_step.py), where the same holds
+    native_tree = native_tree_step(model, cache, backends) if native is not None else None
     last_accept = [None]  # the last verified step's accept_indices [B, D+1] (the adaptive budget learns from them)
 
     def _verify_and_emit(prop: Proposal, nodes: int, context: int) -> torch.Tensor:
@@ -101,7 +104,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             _emit_step(drafter, state, report, so.target if greedy else None, host_seqlens, emitter, active)
             last_accept[0] = None  # the runner's report holds no node ids
             return root
-        if greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)
+        if greedy and native_tree is not None:  # the same step in one native call
+            feats, target, v, n = native_tree(tokens, tr, active, prop.positions, kv_len)
+        elif greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)
             feats, target, v, n = greedy_verify_step(model, cache, tokens, tr, active, positions=prop.positions,
                                                      kv_len=kv_len, backends=backends, capture=capture)
         else:

@@ -1,7 +1,8 @@
 """HK_CPU_ISA (csrc/cpu_features.h): the embedded model's greedy decoding with every kernel limited to AVX2 runs the
-native plain step on the AVX2 quantized kernels with the module path's tokens (the only whole-step test of that
-path on an AVX-512 machine; on an AVX2-only one, the path it always takes); a bad value is refused at import.
-Kept apart from test_plain_step.py, whose tests need the AVX-512 packed kernel: these need neither."""
+native plain step, and a drafted run the native verify step, on the AVX2 quantized kernels with the module path's
+tokens (the only whole-step test of those paths on an AVX-512 machine; on an AVX2-only one, the path it always
+takes); a bad value is refused at import. Kept apart from test_plain_step.py, whose tests need the AVX-512 packed
+kernel: these need neither."""
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from test_quantized_linear import FLAGS
 
 # the embedded model under HK_CPU_ISA=avx2 (csrc/cpu_features.h: every kernel as on a CPU without AVX-512):
 # generate()'s greedy plain decoding runs the native step on the AVX2 quantized kernels, one call per step,
-# with the module path's tokens (the module path on the same kernels)
+# with the module path's tokens (the module path on the same kernels); a drafted greedy run (a pinned budget) runs
+# the native verify step (model/tree_step.py) every step, with the same tokens
 AVX2_RUN = r"""
 import torch
 import hydra_kernels as hk
@@ -33,6 +35,11 @@ assert len(calls) == got.num_steps > 0, (len(calls), got.num_steps)
 generate_module.native_plain_step = lambda *a: None
 want = generate_module.generate(model, prompts, max_new_tokens=16)
 assert got.sequences == want.sequences, (got.sequences, want.sequences)
+from hydra_kernels.model import tree_step
+tree_calls, real_tree = [], tree_step.TREE_GREEDY_STEP
+tree_step.TREE_GREEDY_STEP = lambda *a: tree_calls.append(1) or real_tree(*a)
+spec = generate_module.generate(model, prompts, drafter=hk.load_drafter(model=model), max_new_tokens=16, budget=6)
+assert len(tree_calls) == spec.num_steps > 0 and spec.sequences == want.sequences, (len(tree_calls), spec.num_steps)
 """
 
 

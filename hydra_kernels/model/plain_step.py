@@ -54,14 +54,11 @@ def _embedding_spec(emb: nn.Module) -> tuple[torch.Tensor, int, int] | None:
     return None
 
 
-def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """step(tokens, kv_len, commit=True) for greedy plain decoding of `cache`'s batch: tokens int64 [B] (each
-    sequence's last token, written at its row seqlens[b]) -> (the next tokens int64 [B], the final-normed hidden
-    states [B, H] that chose them: Llama.step's output, a drafter's features), with commit seqlens advanced by one
-    (without: the caller commits); kv_len a host bound on every seqlens + 1. None where the native step does not
-    apply (the module path then runs).
-    Each step re-reads the model's weights (the stack's through the run's memo), so a weight changed between
-    steps is used as the module path would."""
+def native_step_model(model, cache, backends) -> Callable[[], tuple] | None:
+    """The model's arguments of a native greedy step (plain_greedy_step, tree_greedy_step: the embedding, the stack's
+    weights, the final norm, the LM head, the RoPE tables) for `cache`'s batch, as a function read at each step (the
+    stack's through the run's memo, so a weight changed between steps is used as the module path would); None where a
+    native step does not apply (the module path then runs: see the module docstring)."""
     plan = model.backend_plan(backends)
     if (PLAIN_GREEDY_STEP is None or model.device.type != "cpu" or model.dtype is not torch.float32
             or cache.kv.dtype is not torch.float32 or cache.seqlens.dtype is not torch.int32
@@ -77,15 +74,29 @@ def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tenso
     a, f = model.layers[0].attention, model.layers[0].feed_forward
     V = model.output.out_features
 
-    def step(tokens: torch.Tensor, kv_len: int, commit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def args() -> tuple:
         spec = stack_weights(model, B, cache.stack_memo)
         emb = _embedding_spec(model.tok_embeddings)
         head = model.output.step_weights(B)
         if spec is None or emb is None or head is None:
-            raise RuntimeError("the model changed during generation: the native plain step no longer applies")
+            raise RuntimeError("the model changed during generation: the native step no longer applies")
         weights, kinds, biases, norms, eps = spec
         cos, sin = model._rope.table(cache.max_seq_len, model.device)
-        return PLAIN_GREEDY_STEP(tokens, *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
-                                 model.norm.weight, model.norm.eps, *head, V, cos, sin, cache.kv, cache.seqlens,
-                                 min(kv_len, cache.max_seq_len), commit)
+        return (*emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter, model.norm.weight,
+                model.norm.eps, *head, V, cos, sin)
+    return args
+
+
+def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """step(tokens, kv_len, commit=True) for greedy plain decoding of `cache`'s batch: tokens int64 [B] (each
+    sequence's last token, written at its row seqlens[b]) -> (the next tokens int64 [B], the final-normed hidden
+    states [B, H] that chose them: Llama.step's output, a drafter's features), with commit seqlens advanced by one
+    (without: the caller commits); kv_len a host bound on every seqlens + 1. None where the native step does not
+    apply (the module path then runs)."""
+    model_args = native_step_model(model, cache, backends)
+    if model_args is None:
+        return None
+
+    def step(tokens: torch.Tensor, kv_len: int, commit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return PLAIN_GREEDY_STEP(tokens, *model_args(), cache.kv, cache.seqlens, min(kv_len, cache.max_seq_len), commit)
     return step

@@ -85,6 +85,15 @@ def _register() -> bool:
         # the next tokens, the final hidden states; kv (and, with commit, seqlens) written in place
         return torch.empty_like(tokens), final_norm.new_empty(tokens.shape[0], final_norm.shape[0])
 
+    @torch.library.register_fake("hydra_kernels::tree_greedy_step")
+    def _(tokens, tree_mask, depths, positions, paths, active, embed, embed_kind, embed_rows, weights, kinds, biases,
+          norms, eps, n_heads, n_kv_heads, intermediate, final_norm, final_eps, head, head_kind, vocab, cos_table,
+          sin_table, kv, seqlens, kv_len):
+        B, T = tokens.shape
+        D1 = paths.shape[-1]
+        return (final_norm.new_empty(B, T, final_norm.shape[0]), tokens.new_empty(B, T), tokens.new_empty(B),
+                tokens.new_empty(B, D1), tokens.new_empty(B), tokens.new_empty(B), tokens.new_empty(B))
+
     @torch.library.register_fake("hydra_kernels::rms_norm_rows")
     def _(x, weight, eps):
         return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -1,0 +1,42 @@
+"""A CPU greedy verify step in one native call (csrc/tree_step_cpu.cpp): a drafted tree through the model
+(plain_step's greedy forward, every node's argmax), greedy acceptance along its leaf paths and the commit of the
+accepted rows. The greedy steps of a speculative run (speculative.greedy_verify_step's callers) run it wherever it
+applies: where the native plain step does (model/plain_step.native_step_model) and no layer's inputs are captured.
+
+Why: around the native stack, the module path's verify step (Llama.step, Llama.greedy_tokens, ops.greedy_verify,
+commit_step) spent ~1.3 ms beyond the native plain step at SmolLM2-135M, batch 1 (2026-11-28, EPYC VM: 7.1 against
+5.8 ms at one node), so every drafted step paid it before its rows: a 2-node step cost ~1.4x a plain step, its
+rows ~1.15x.
+
+Exactness: the functions the module path runs, so the same tokens, acceptance, KV cache and seqlens bit for bit
+(tests/test_tree_step.py compares them step by step).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..ops import Verification
+from ..ops.native import extension_op
+from .plain_step import native_step_model
+
+TREE_GREEDY_STEP = extension_op("tree_greedy_step")
+
+
+def native_tree_step(model, cache, backends) -> Callable | None:
+    """step(tokens, tree, active, positions, kv_len) for the greedy verify steps of `cache`'s batch: tokens int64
+    [B, T] over `tree` (a Tree or TreeBatch), active int64 [B] (0: commits nothing), positions [B, T] or None
+    (seqlens + the tree's depths), kv_len a host bound on seqlens + T -> (the final hidden states [B, T, H], the
+    argmax after every node [B, T], the Verification, the committed lengths n [B]), as greedy_verify_step returns
+    them; seqlens advanced by n. None where it does not apply (the module path then runs)."""
+    model_args = native_step_model(model, cache, backends) if TREE_GREEDY_STEP is not None else None
+    if model_args is None:
+        return None
+
+    def step(tokens: torch.Tensor, tree, active: torch.Tensor, positions: torch.Tensor | None, kv_len: int):
+        hidden, target, *v, n = TREE_GREEDY_STEP(tokens, tree.mask, tree.depths, positions, tree.paths, active,
+                                                 *model_args(), cache.kv, cache.seqlens,
+                                                 min(kv_len, cache.max_seq_len))
+        return hidden, target, Verification(*v), n
+    return step
