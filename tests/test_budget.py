@@ -116,11 +116,18 @@ def test_a_varying_budget_is_lossless(model, name):
         assert 1 in default.step_nodes
 
 
-@pytest.mark.parametrize("name", ["hydra++", "eagle-dynamic", "eagle-static", "amphista"])
-def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name):
+@pytest.mark.parametrize("name", ["hydra++", "eagle-dynamic", "eagle-static", "amphista", "eagle-static-flush",
+                                  "amphista-flush"])
+def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name, monkeypatch):
     """Drive the protocol by hand over the same committed tokens twice: once proposing every step, once
     with plain steps (skip_step) in between. The drafter's state depends only on the committed tokens, so
-    the final proposals must be the same."""
+    the final proposals must be the same. EAGLE's and Amphista's plain steps wait in a backlog run with the
+    next draft (two plain steps in a row here), or ("-flush") run at once when the backlog's bound is reached."""
+    if name.endswith("-flush"):
+        from hydra_kernels.drafters import backlog
+
+        monkeypatch.setattr(backlog, "BACKLOG_ROWS", 2)
+        name = name[: -len("-flush")]
     d, tree = make(model, name)
     plan = model.backend_plan("reference")
     bound = d.resolve_tree(tree, "cpu")
@@ -132,7 +139,7 @@ def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name)
     # per step: accept lengths (1 on a plain step), the accepted hidden states and tokens, the next root
     script = []
     roots = torch.randint(0, 100, (B,), generator=g)
-    for n in ([2, 3], [1, 1], [1, 1], [3, 1], [1, 1], [2, 2]):
+    for n in ([1, 1], [2, 3], [1, 1], [1, 1], [3, 1], [1, 1], [2, 2]):  # a plain first step: the prompts' chunk waits
         n = torch.tensor(n)
         tok = torch.randint(0, 100, (B, 4), generator=g)
         tok[:, 0] = roots

@@ -25,7 +25,10 @@ Per step, as EAGLE's pending chunk (drafters/eagle.py): the positions the base m
 last draft (after the prefill: the prompt) wait with their base hidden states until propose(), where the
 last one's next token (the root) is known; the chunk then runs through both adaptation layers into their
 KV buffers (attention through the run's tree_attention op, causal over the chunk; the prompts' chunk in
-prefill chunks, as the base model's prefill), and its last position's outputs feed the heads. The prompts' next tokens come from the first observe_tokens call (host copies).
+prefill chunks, as the base model's prefill), and its last position's outputs feed the heads. The prompts'
+next tokens come from the first observe_tokens call (host copies). A plain step's chunk waits in a backlog
+and runs with the next draft's (or once backlog.BACKLOG_ROWS positions wait): one causal chunk over the
+same positions, so the same buffers, at one call's cost (skip_step, drafters/backlog.py).
 
 Our checkpoint format only (no public implementation exists): config.json + model.safetensors +
 tree_<device>.json (trees searched per device class for these heads).
@@ -48,6 +51,8 @@ from ..model.llama import chunked_prefill
 from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..model.rope import RopeCache
 from ..tree import Tree, as_tree, default_tree, run_subtree
+from . import backlog
+from .backlog import Backlog, rooted
 from .checkpoint import save_ours
 from .draft_heads import ResBlock
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
@@ -108,6 +113,7 @@ class AmphistaState:
         self.pend_n: torch.Tensor | None = None  # [B] valid pending positions
         self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
         self.first_pass = True  # the pending chunk is the prompts (the buffers are empty)
+        self.backlog = Backlog()  # plain steps' chunks not run yet (skip_step)
 
     def use_tree(self, tree: Tree) -> None:
         self.tree = tree
@@ -252,15 +258,19 @@ class AmphistaDrafter(Drafter):
         return outs
 
     def _adapt_chunk(self, state: AmphistaState, root: torch.Tensor) -> list[torch.Tensor]:
-        """Run the pending positions through the adaptation layers into their buffers (the last valid
-        one's next token: the root) -> each stage's output at each sequence's last position [B, H]; the
-        positions are committed (the buffers' seqlens move by pend_n)."""
+        """Run the plain steps' backlog and the pending positions (the last valid one's next token: the root)
+        through the adaptation layers into their buffers, as one causal chunk -> each stage's output at each
+        sequence's last position [B, H]; the positions are committed (the buffers' seqlens move by their count)."""
+        for chunk in state.backlog.take(rooted(state.pend_h, state.pend_tok, state.pend_n, root)):
+            out = self._run_chunk(state, *chunk)  # the prompts' chunk first where it waits, then the rest
+        return out
+
+    def _run_chunk(self, state: AmphistaState, h: torch.Tensor, tok: torch.Tensor, n: torch.Tensor) -> list[torch.Tensor]:
+        """h [B, P, H], tok [B, P], n [B] valid positions each (see _adapt_chunk)."""
         cache = state.cache
-        B, P = state.pend_tok.shape
-        dev = root.device
-        n = state.pend_n
+        B, P = tok.shape
+        dev = tok.device
         i = torch.arange(P, device=dev)
-        tok = torch.where(i[None, :] == (n - 1)[:, None], root[:, None], state.pend_tok)  # [B, P]
         emb = state.model.tok_embeddings(tok)
 
         def run(x: torch.Tensor, emb: torch.Tensor, cos, sin, site) -> list[torch.Tensor]:
@@ -274,18 +284,18 @@ class AmphistaDrafter(Drafter):
             state.first_pass = False
 
             def run_chunk(s: int, e: int, site) -> list[torch.Tensor]:
-                cos, sin = self._rope(torch.arange(s, e, device=dev).expand(B, e - s), e, state.pend_h.dtype)
-                return run(state.pend_h[:, s:e], emb[:, s:e], cos, sin, site)
+                cos, sin = self._rope(torch.arange(s, e, device=dev).expand(B, e - s), e, h.dtype)
+                return run(h[:, s:e], emb[:, s:e], cos, sin, site)
 
             outs = chunked_prefill(run_chunk, n, P)
-        else:  # a step's accepted positions (at most depth + 1), causal among themselves after the prefix
+        else:  # the steps' committed positions, causal among themselves after the prefix
             rows = cache.seqlens.long()[:, None] + i  # [B, P] buffer rows = positions
-            cos, sin = self._rope(rows, cache.max_seq_len, state.pend_h.dtype)
+            cos, sin = self._rope(rows, cache.max_seq_len, h.dtype)
             causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()
             site = AttentionSite(rows, cache.seqlens, causal, cache.max_seq_len,
                                  backend=state.backends["tree_attention"])
             last, bidx = (n - 1).clamp(min=0), torch.arange(B, device=dev)
-            outs = [x[bidx, last] for x in run(state.pend_h, emb, cos, sin, site)]
+            outs = [x[bidx, last] for x in run(h, emb, cos, sin, site)]
         cache.advance(n.to(cache.seqlens.dtype))
         return outs
 
@@ -351,7 +361,9 @@ class AmphistaDrafter(Drafter):
             self._tied.prepare(model, self.draft_vocab, self.packed)
         # rows: the committed prefix plus a pending chunk's padding (at most the accept width, depth + 1)
         cfg = dataclasses.replace(self.block_config, num_layers=self.config.num_stages)
-        cache = KVCache(cfg, batch_size, max_seq_len + tree.depth + 2, dtype=model.dtype, device=model.device)
+        # + the backlog's padding (skip_step): a chunk's padded rows run past its sequence's own
+        cache = KVCache(cfg, batch_size, max_seq_len + tree.depth + 2 + backlog.BACKLOG_ROWS, dtype=model.dtype,
+                        device=model.device)
         return AmphistaState(model, backends, cache, tree)
 
     def after_prefill(self, state: AmphistaState, hidden, lengths) -> None:
@@ -378,7 +390,11 @@ class AmphistaDrafter(Drafter):
         state.use_tree(run_subtree(state.full_tree, nodes, state.subtrees, state.full_tree.parents.device))
 
     def skip_step(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
-        self._adapt_chunk(state, root)  # the pending positions still enter the adaptation layers' buffers
+        """A plain step: the pending positions wait in the backlog (drafters/backlog.py), run with the next
+        draft's chunk or once BACKLOG_ROWS wait (the prompts' chunk too: it then runs first)."""
+        if state.backlog.add(rooted(state.pend_h, state.pend_tok, state.pend_n, root), state.first_pass):
+            for chunk in state.backlog.take():
+                self._run_chunk(state, *chunk)
 
     def static_tree(self, state: AmphistaState) -> Tree:
         return state.tree

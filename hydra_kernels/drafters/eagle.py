@@ -13,7 +13,8 @@ Per step (all on the device, no host read):
    log-probabilities are <= 0 and ties keep the shallower, earlier node first, so the chosen set is
    closed under parents). Every sequence gets its own tree, all of size total_tokens.
    static: the nodes of a fixed Tree, depth by depth, each parent's top-k children by rank.
-The accepted path's base features replace the drafted ones next step (step 1 again), as EAGLE does.
+The accepted path's base features replace the drafted ones next step (step 1 again), as EAGLE does. A plain
+step's chunk waits in a backlog and runs with the next draft's (drafters/backlog.py: one call for many plain steps).
 
 EAGLE-3 (config feature_layers set; loaded from its original checkpoint, drafters/eagle_original.py)
 drafts the same way with eagle_layer.Eagle3Layer: its base features are the residual streams entering
@@ -37,6 +38,8 @@ from ..model.packed_linear import MAX_PACKED_ROWS
 from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, TreeBatch, as_tree, run_subtree
 from ..weight_cache import DerivedCache
+from . import backlog
+from .backlog import Backlog, rooted
 from .eagle_layer import Eagle3Layer, EagleLayer
 from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal
@@ -130,6 +133,7 @@ class EagleState:
         self.host_len = [0] * batch_size  # committed base tokens per sequence, from observe_tokens
         self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
         self.first_pass = True  # the pending chunk is the prompts (the buffer is empty)
+        self.backlog = Backlog()  # plain steps' chunks not run yet (skip_step)
 
 
 class EagleDrafter(Drafter):
@@ -285,7 +289,7 @@ class EagleDrafter(Drafter):
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> EagleState:
         self.use_packed_cpu_weights(backends.packed_linear)
         # rows: the prefix, the tree's rows, and a pending chunk's padding (at most the accept width)
-        rows = max_seq_len + self.rows_per_step(tree) + tree.depth + 2
+        rows = max_seq_len + self.rows_per_step(tree) + tree.depth + 2 + backlog.BACKLOG_ROWS  # + a backlog's padding
         cache = KVCache(self.layer.config, batch_size, rows, dtype=model.dtype, device=model.device)
         return EagleState(model, backends, cache, tree, batch_size)
 
@@ -329,7 +333,11 @@ class EagleDrafter(Drafter):
             state.dynamic = d if nodes == d.total_tokens else DynamicTree(nodes, min(d.depth, nodes - 1), d.top_k)
 
     def skip_step(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
-        self._chunk(state, root)  # the committed positions still enter the layer's buffer
+        """A plain step: the pending positions wait in the backlog (drafters/backlog.py), run with the next
+        draft's chunk or once BACKLOG_ROWS wait (the prompts' chunk too: it then runs first)."""
+        if state.backlog.add(rooted(state.pend_h, state.pend_tok, state.pend_n, root), state.first_pass):
+            for chunk in state.backlog.take():
+                self._run_chunk(state, *chunk)
 
     def static_tree(self, state: EagleState) -> Tree | None:
         return state.tree if state.dynamic is None else None  # a dynamic tree is chosen by its drafting
@@ -343,20 +351,25 @@ class EagleDrafter(Drafter):
 
     # ---- drafting ---------------------------------------------------------------------------------
     def _chunk(self, state: EagleState, root: torch.Tensor) -> torch.Tensor:
-        """Run the pending positions (committed by the base model since the last draft) into the layer's
-        buffer; returns the last one's output [B, H] per sequence and commits the positions."""
-        B, P = state.pend_tok.shape
-        dev = root.device
-        n = state.pend_n
+        """Run the plain steps' backlog and the pending positions (committed by the base model since the last
+        draft; the last one's next token: the root) into the layer's buffer; returns the last one's output [B, H]
+        per sequence and commits the positions."""
+        for chunk in state.backlog.take(rooted(state.pend_h, state.pend_tok, state.pend_n, root)):
+            out = self._run_chunk(state, *chunk)  # the prompts' chunk first where it waits, then the rest
+        return out
+
+    def _run_chunk(self, state: EagleState, h: torch.Tensor, tok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """h [B, P, H], tok [B, P], n [B] valid positions each (see _chunk)."""
+        B, P = tok.shape
+        dev = tok.device
         i = torch.arange(P, device=dev)
-        tok = torch.where(i[None, :] == (n - 1)[:, None], root[:, None], state.pend_tok)  # [B, P]
         cache = state.cache
-        x = self.layer.fuse(state.model.tok_embeddings(tok), state.pend_h)
+        x = self.layer.fuse(state.model.tok_embeddings(tok), h)
         if state.first_pass:  # the prompts: in prefill chunks (flash attention), not one dense [P, P] mask
             state.first_pass = False
             y = chunked_prefill(lambda s, e, site: [self.layer.forward_full(x[:, s:e], s, site, cache.layers[0])],
                                 n, P)[0]
-        else:  # a step's accepted positions (at most depth + 1)
+        else:  # the steps' committed positions
             rows = cache.seqlens.long()[:, None] + i  # [B, P] = the positions
             kv_len = min(max(state.host_len) + P, cache.max_seq_len)
             causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril_()  # the chunk over itself, after the prefix
