@@ -362,8 +362,8 @@ class AmphistaDrafter(Drafter):
         # rows: the committed prefix plus a pending chunk's padding (at most the accept width, depth + 1)
         cfg = dataclasses.replace(self.block_config, num_layers=self.config.num_stages)
         # + the backlog's padding (skip_step): a chunk's padded rows run past its sequence's own
-        cache = KVCache(cfg, batch_size, max_seq_len + tree.depth + 2 + backlog.BACKLOG_ROWS, dtype=model.dtype,
-                        device=model.device)
+        rows = max_seq_len + tree.depth + 2 + backlog.reserved_rows(tree.depth)
+        cache = KVCache(cfg, batch_size, rows, dtype=model.dtype, device=model.device)
         return AmphistaState(model, backends, cache, tree)
 
     def after_prefill(self, state: AmphistaState, hidden, lengths) -> None:

@@ -20,6 +20,14 @@ import torch
 # rows beyond the text, for a joined chunk's padding)
 BACKLOG_ROWS = 64
 
+
+def reserved_rows(depth: int) -> int:
+    """Rows a drafter's buffer keeps beyond the text for a joined chunk's padding (a sequence with fewer positions
+    than the longest writes padding rows past its own): the backlog holds at most BACKLOG_ROWS - 1 + (depth + 1)
+    positions before it is run, and a draft's chunk adds its own, at most depth + 1."""
+    return BACKLOG_ROWS + 2 * (depth + 1)
+
+
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # h [B, P, H], tokens [B, P], n [B]: the first n[b] valid
 
 

@@ -288,8 +288,8 @@ class EagleDrafter(Drafter):
 
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> EagleState:
         self.use_packed_cpu_weights(backends.packed_linear)
-        # rows: the prefix, the tree's rows, and a pending chunk's padding (at most the accept width)
-        rows = max_seq_len + self.rows_per_step(tree) + tree.depth + 2 + backlog.BACKLOG_ROWS  # + a backlog's padding
+        # rows: the prefix, the tree's rows, a pending chunk's padding (at most the accept width) and a backlog's
+        rows = max_seq_len + self.rows_per_step(tree) + tree.depth + 2 + backlog.reserved_rows(tree.depth)
         cache = KVCache(self.layer.config, batch_size, rows, dtype=model.dtype, device=model.device)
         return EagleState(model, backends, cache, tree, batch_size)
 
