@@ -3,10 +3,10 @@
 // argmax, greedy acceptance along the tree's leaf paths (the greedy_verify op's kernel) and the commit of the accepted
 // rows (commit_kv's kernel, seqlens advanced).
 //
-// Why: the module path's verify step (Llama.step, Llama.greedy_tokens, ops.greedy_verify, commit_step) spent ~1.3 ms
-// beyond the native plain step at T = 1 at SmolLM2-135M, batch 1 (2026-11-28, EPYC VM: 7.1 against 5.8 ms; the LM
-// head's op call with its argmax ~1.4 ms, greedy_verify ~0.2, commit ~0.3-0.4, the step's masks and rows): a drafted
-// node paid that before its own row (~1 ms), so a 2-node step cost ~1.4x a plain step where its rows cost ~1.15x.
+// Why: the module path's verify step (Llama.step, Llama.greedy_tokens, ops.greedy_verify, commit_step) spends
+// ~0.5-0.7 ms of Python and ATen calls beyond the kernels at SmolLM2-135M (2026-11-28, EPYC VM,
+// benchmarks/bench_verify_step.py: batch 1, 2 nodes, 7.05 ms against 6.49 here, a plain step 5.40), paid by every
+// drafted step on top of its rows.
 //
 // Exactness: the same functions the module path runs (the greedy forward is the plain step's, row for row; then the
 // greedy_verify and commit_kv kernels), so the tokens, the acceptance, the KV cache and seqlens equal

@@ -64,6 +64,19 @@ def test_bench_cpu_step_runs():
     assert [r["T"] for r in rows] == [1, 6, 16] and all(r["packed_ms"] > 0 and r["mkl_ms"] > 0 for r in rows)
 
 
+def test_bench_verify_step_runs(tmp_path):
+    from hydra_kernels.model.tree_step import TREE_GREEDY_STEP
+    from hydra_kernels.model.packed_linear import packed_linear_available
+
+    if TREE_GREEDY_STEP is None or not packed_linear_available():
+        pytest.skip("no native verify step here (extension not built or no AVX-512)")
+    rows = _run_returning("bench_verify_step", ["--batches", "1", "2", "--sizes", "1", "3", "--context", "20",
+                                                "--rounds", "1", "--calls", "2", "--out", str(tmp_path)])
+    assert [(r["batch"], r["T"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(r["native_ms"] > 0 and r["module_ms"] > 0 and r["plain_ms"] > 0 for r in rows)
+    assert len(_rows(tmp_path / "verify_step.csv")) == 4
+
+
 def test_bench_checkouts_runs():
     """Two checkouts (here the same one twice) in fresh processes: equal tokens, speeds for both modes."""
     res = _run_returning("bench_checkouts", ["--a", str(ROOT), "--b", str(ROOT), "--rounds", "1", "--prompts", "1",

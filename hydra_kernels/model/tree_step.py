@@ -4,9 +4,9 @@ accepted rows. The greedy steps of a speculative run (speculative.greedy_verify_
 applies: where the native plain step does (model/plain_step.native_step_model) and no layer's inputs are captured.
 
 Why: around the native stack, the module path's verify step (Llama.step, Llama.greedy_tokens, ops.greedy_verify,
-commit_step) spent ~1.3 ms beyond the native plain step at SmolLM2-135M, batch 1 (2026-11-28, EPYC VM: 7.1 against
-5.8 ms at one node), so every drafted step paid it before its rows: a 2-node step cost ~1.4x a plain step, its
-rows ~1.15x.
+commit_step) spends ~0.5-0.7 ms of Python and ATen beyond the kernels, which every drafted step paid on top of its
+rows (2026-11-28, EPYC VM, SmolLM2-135M, `benchmarks/bench_verify_step.py`: at batch 1 a 2-node step 7.05 ms on the
+module path, 6.49 native, beside a 5.40 ms plain step; 0.52-0.68 ms saved at batch 1 and 4, T = 1-6).
 
 Exactness: the functions the module path runs, so the same tokens, acceptance, KV cache and seqlens bit for bit
 (tests/test_tree_step.py compares them step by step).
