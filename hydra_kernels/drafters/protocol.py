@@ -158,8 +158,9 @@ class Drafter(nn.Module):
 
     def skip_step(self, state, root: torch.Tensor, seqlens: torch.Tensor) -> None:
         """This step is a plain step: the base model runs the root alone (no propose() call). A drafter that
-        catches up on committed positions inside propose() (EAGLE, Amphista) does it here; after_step and
-        observe_tokens follow as after any step (one accepted token per active sequence)."""
+        catches up on committed positions inside propose() (EAGLE, Amphista) keeps them for its next draft here
+        (drafters/backlog.py: a call of its layers costs about as much for one position as for many); after_step
+        and observe_tokens follow as after any step (one accepted token per active sequence)."""
 
     def after_step(self, state, accepted_hidden: torch.Tensor, accepted_tokens: torch.Tensor,
                    accept_lengths: torch.Tensor) -> None:
