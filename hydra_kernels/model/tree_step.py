@@ -35,8 +35,9 @@ def native_tree_step(model, cache, backends) -> Callable | None:
         return None
 
     def step(tokens: torch.Tensor, tree, active: torch.Tensor, positions: torch.Tensor | None, kv_len: int):
-        hidden, target, *v, n = TREE_GREEDY_STEP(tokens, tree.mask, tree.depths, positions, tree.paths, active,
-                                                 *model_args(), cache.kv, cache.seqlens,
+        # a drafter's tokens may be a view (MLPSpeculator's candidates): the op reads contiguous int64
+        hidden, target, *v, n = TREE_GREEDY_STEP(tokens.contiguous(), tree.mask, tree.depths, positions, tree.paths,
+                                                 active, *model_args(), cache.kv, cache.seqlens,
                                                  min(kv_len, cache.max_seq_len))
         return hidden, target, Verification(*v), n
     return step
