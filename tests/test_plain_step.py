@@ -38,6 +38,13 @@ def with_quantized_head(m, tied: bool, seed: int):
     return m
 
 
+def two_prefilled(m):
+    """A cache of 16 rows with two prompts of 3 and 2 tokens prefilled (the bad-input and opcheck tests' state)."""
+    cache = m.new_kv_cache(2, 16)
+    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    return cache
+
+
 def decode(m, B: int, steps: int, native: bool, forced=None, commit: bool = True):
     """Prefill a ragged batch (NaN-poisoned cache), then `steps` plain greedy steps on the native step or the module
     path. forced [steps, B]: the tokens fed after each step (both paths then see the same inputs even where their
@@ -115,8 +122,7 @@ def test_ties_and_nans_follow_torch_argmax():
 
 def test_bad_input_is_refused_before_anything_is_written():
     m = model_of("a", False, seed=1)
-    cache = m.new_kv_cache(2, 16)
-    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    cache = two_prefilled(m)
     step = plain_step.native_plain_step(m, cache, "native")
     kv, lens = cache.kv.clone(), cache.seqlens.clone()
 
@@ -140,8 +146,7 @@ def test_bad_weights_and_positions_are_refused_before_anything_is_written():
     """A head or embedding whose panels do not fit vocab and H, and a position past the RoPE table, are refused by the
     op before the stack writes a cache row."""
     m = with_quantized_head(model_of("a", False, seed=6), tied=True, seed=6)
-    cache = m.new_kv_cache(2, 16)
-    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    cache = two_prefilled(m)
     kv, lens = cache.kv.clone(), cache.seqlens.clone()
     weights, kinds, biases, norms, eps = plain_step.stack_weights(m, 2)
     a, f = m.layers[0].attention, m.layers[0].feed_forward
@@ -200,8 +205,7 @@ def test_cases_it_does_not_take_keep_the_module_path():
 def test_op_passes_torch_library_opcheck():
     """Schema (kv and seqlens written in place, nothing else) and the fake kernel."""
     m = with_quantized_head(model_of("a", True, seed=2), tied=True, seed=2)
-    cache = m.new_kv_cache(2, 16)
-    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    cache = two_prefilled(m)
     weights, kinds, biases, norms, eps = plain_step.stack_weights(m, 2)
     a, f = m.layers[0].attention, m.layers[0].feed_forward
     emb, head = plain_step._embedding_spec(m.tok_embeddings), m.output.step_weights(2)

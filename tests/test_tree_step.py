@@ -17,7 +17,7 @@ from hydra_kernels.model.packed_linear import packed_linear_available
 from hydra_kernels.tree import Tree, TreeBatch
 from helpers import random_tree
 from test_decode_stack import model_of
-from test_plain_step import with_quantized_head
+from test_plain_step import two_prefilled, with_quantized_head
 
 pytestmark = pytest.mark.skipif(tree_step.TREE_GREEDY_STEP is None or not packed_linear_available(),
                                 reason="the extension's tree_greedy_step and the packed CPU kernel (AVX-512)")
@@ -133,8 +133,7 @@ def test_awkward_shapes(hidden, heads, kv_heads):
 
 def test_bad_input_is_refused_before_anything_is_written():
     m = model_of("a", False, seed=1)
-    cache = m.new_kv_cache(2, 16)
-    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    cache = two_prefilled(m)
     step = tree_step.native_tree_step(m, cache, "native")
     kv, lens = cache.kv.clone(), cache.seqlens.clone()
     tree = Tree([(0,), (1,), (0, 0)])
@@ -162,8 +161,7 @@ def test_bad_input_is_refused_before_anything_is_written():
 def test_op_passes_torch_library_opcheck():
     """Schema (kv and seqlens written in place, nothing else) and the fake kernel."""
     m = with_quantized_head(model_of("a", True, seed=2), tied=True, seed=2)
-    cache = m.new_kv_cache(2, 16)
-    m.prefill(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.tensor([3, 2], dtype=torch.int32), cache)
+    cache = two_prefilled(m)
     tb = TreeBatch.from_parent_lists([[-1, 0, 0], [-1, 0]])
     args = (torch.tensor([[5, 6, 7], [1, 2, 3]]), tb.mask, tb.depths, None, tb.paths, torch.tensor([1, 0]),
             *plain_step.native_step_model(m, cache, "native")(), cache.kv, cache.seqlens, 8)

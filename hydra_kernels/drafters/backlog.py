@@ -38,23 +38,22 @@ def rooted(pend_h: torch.Tensor, pend_tok: torch.Tensor, pend_n: torch.Tensor, r
 
 
 def joined(chunks: list[Chunk]) -> Chunk:
-    """Chunks -> one chunk of each sequence's valid positions in order, zero-padded to the longest (padding rows are
-    written by the layers, never committed). One chunk is returned as it is."""
+    """Chunks -> one chunk of each sequence's valid positions in order, padded to the longest (padding rows repeat
+    position 0: the layers write them, nothing commits or reads them). One chunk is returned as it is."""
     if len(chunks) == 1:
         return chunks[0]
-    counts = [c[2].tolist() for c in chunks]
-    B = len(counts[0])
-    total = [sum(c[b] for c in counts) for b in range(B)]
-    h0, t0, _ = chunks[0]
-    h = h0.new_zeros(B, max(max(total), 1), h0.shape[-1])
-    tok = t0.new_zeros(B, h.shape[1])
-    for b in range(B):
-        at = 0
-        for (hj, tj, _), c in zip(chunks, counts):
-            k = c[b]
-            h[b, at:at + k], tok[b, at:at + k] = hj[b, :k], tj[b, :k]
-            at += k
-    return h, tok, torch.tensor(total, dtype=torch.long, device=t0.device)
+    h_all, t_all = torch.cat([c[0] for c in chunks], 1), torch.cat([c[1] for c in chunks], 1)  # [B, sum P_j, ...]
+    counts = torch.stack([c[2] for c in chunks]).tolist()  # [chunk][b], one host read
+    starts = [0]
+    for c in chunks[:-1]:
+        starts.append(starts[-1] + c[1].shape[1])
+    # sequence b's valid positions: the first counts[j][b] of chunk j, chunk after chunk
+    idx = [[s + i for s, c in zip(starts, counts) for i in range(c[b])] for b in range(len(counts[0]))]
+    total = [len(x) for x in idx]
+    P = max(max(total), 1)
+    index = torch.tensor([x + [0] * (P - len(x)) for x in idx], device=t_all.device)  # [B, P]
+    rows = torch.arange(len(idx), device=t_all.device)[:, None]
+    return h_all[rows, index], t_all[rows, index], torch.tensor(total, dtype=torch.long, device=t_all.device)
 
 
 class Backlog:
