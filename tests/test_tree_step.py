@@ -13,6 +13,7 @@ from hydra_kernels import speculative
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.generate import generate, plan_backends
 from hydra_kernels.model import plain_step, tree_step
+from hydra_kernels.ops import reference
 from hydra_kernels.model.packed_linear import packed_linear_available
 from hydra_kernels.tree import Tree, TreeBatch
 from helpers import random_tree
@@ -107,6 +108,10 @@ def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool =
         for name, g, w in zip(want[2]._fields, got[2], want[2]):
             assert torch.equal(g, w), f"step {i}: {name} {g.tolist()} != {w.tolist()}"
         assert torch.equal(got[3], want[3])
+        ref = reference.greedy_verify(got[1], tokens, tree.paths)  # the acceptance's definition (ops/reference.py)
+        for name, g, r in zip(got[2]._fields, got[2], ref):
+            assert torch.equal(g, r), f"step {i}: {name} against the reference"
+        assert torch.equal(got[3], got[2].accept_lengths * active)
         assert torch.equal(got_cache.kv.nan_to_num(7.0), want_cache.kv.nan_to_num(7.0)), f"step {i}: KV cache"
         assert torch.equal(got_cache.seqlens, want_cache.seqlens)
         lengths.update(want[2].accept_lengths[active > 0].tolist())
