@@ -129,9 +129,11 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
         # for medusa, 2 for hydra) gave 1.35 / 1.44 on MT-Bench's 80 first turns; medusa 1.30 on these prompts;
         # the shipped mlp_speculator (8 candidates) 1.59 on MT-Bench
         # the default budget (the shipped budget_cpu.json) may run plain steps at this batch size: the
-        # acceptance check pins the full CPU tree
-        full = generate(model, prompts, drafter=d, max_new_tokens=N_NEW, budget=whole_tree_budget(d, None, "cpu"))
-        assert full.sequences == plain
+        # acceptance check pins the full CPU tree, on every other prompt (a batch of 5: the same steps as all 10,
+        # half the rows; the MLPSpeculator's 25-node tree at batch 10 took 43 s of CI's time alone, 2026-11-29)
+        full = generate(model, prompts[::2], drafter=d, max_new_tokens=N_NEW,
+                        budget=whole_tree_budget(d, None, "cpu"))
+        assert full.sequences == plain[::2]
         assert full.mean_accepted_tokens > 1.2, f"shipped {kind} heads accept {full.mean_accepted_tokens:.2f} tokens/step"
 
 
