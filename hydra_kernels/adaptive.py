@@ -480,6 +480,10 @@ class AdaptiveBudget:
             self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
         self.first = False
         self.calib.decay()
+        if not any(parts):  # a plain step no part ran in: nothing to learn or judge (most steps of most runs)
+            self.last_t = self.clock()
+            self.host_s += self.last_t - t0
+            return
         earned, rows = [0.0] * len(parts), [0.0] * len(parts)
         if vp is not None and accept_indices is not None:
             keys, depths, valid, parents, groups = vp

@@ -166,6 +166,54 @@ def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name,
     assert torch.equal(a.tokens, b.tokens)
 
 
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "lookahead"])  # lookahead: both hooks do nothing (its
+def test_after_plain_step_leaves_the_state_after_step_leaves(model, name):  # state is the text and each step's argmax)
+    """Drafter.after_plain_step(state, hidden [B, H], root [B]) is after_step of a one-token step with every sequence
+    active, for every family (the heads and the MLPSpeculator keep `hidden` itself; n-gram and lookahead nothing; the
+    rest the default): the same committed script driven through both, plain steps (skip_step) in between, drafts the
+    same proposals step by step."""
+    d, tree = make(model, name)
+    plan = model.backend_plan("reference")
+    bound = d.resolve_tree(tree, "cpu")
+    g = torch.Generator().manual_seed(11)
+    B, H, L = 3, model.config.hidden_size, 7
+    lens = torch.tensor([7, 4, 5])
+    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in lens]
+    prefill_h = torch.randn(B, L, H, generator=g)
+    script, roots = [], torch.randint(0, 100, (B,), generator=g)
+    for n in ([1, 1, 1], [2, 3, 1], [1, 1, 1], [1, 1, 1], [3, 1, 2], [1, 1, 1]):
+        n = torch.tensor(n)
+        tok = torch.randint(0, 100, (B, 4), generator=g)
+        tok[:, 0] = roots
+        nxt = torch.randint(0, 100, (B,), generator=g)
+        script.append((n, torch.randn(B, 4, H, generator=g), tok, roots, nxt))
+        roots = nxt
+
+    def run(hook: bool):
+        state = d.start(model, B, 64, bound, plan)
+        d.after_prefill(state, prefill_h, lens)
+        d.observe_tokens(state, [p + [int(r)] for p, r in zip(prompts, script[0][3])])
+        seqlens, drafts = lens.clone().to(torch.int32), []
+        for n, hid, tok, root, nxt in script:
+            plain = int(n.max()) == 1
+            if plain:
+                d.skip_step(state, root, seqlens)
+            else:
+                drafts.append(d.propose(state, root, seqlens).tokens)
+            if plain and hook:
+                d.after_plain_step(state, hid[:, 0].clone(), root.clone())
+            else:
+                d.after_step(state, hid, tok, n)
+            d.observe_tokens(state, [tok[b, 1:int(n[b])].tolist() + [int(nxt[b])] for b in range(B)])
+            seqlens += n.to(torch.int32)
+        return drafts + [d.propose(state, roots, seqlens).tokens]
+
+    a, b = run(False), run(True)
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
 def test_budget_levels_and_set_budget_draft_the_subtree(model):
     d, tree = make(model, "hydra")
     assert d.budget_levels(tree) == tuple(range(1, 11))

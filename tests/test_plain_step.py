@@ -245,6 +245,36 @@ def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
     generate(model, prompts[:1], max_new_tokens=4, temperature=0.8, seed=1)
 
 
+def test_a_speculative_runs_plain_steps_keep_every_record_of_the_module_path(smollm2, monkeypatch):
+    """The speculative loop's plain steps on the native step, with every sequence active (speculative.
+    _native_plain_greedy_step: the step commits, the drafter's after_plain_step) and after one sequence finished (the
+    general path), against the same run on the module path: the same tokens, steps, per-sequence records and
+    acceptance by depth. The shipped default drafter under a table that cycles plain / full / a subtree by context, a
+    ragged batch of 3 whose shortest answer ends early."""
+    from hydra_kernels import speculative
+    from hydra_kernels.budget import BudgetTable, tree_key
+
+    model, tok = smollm2
+    prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.",
+                                                 "Say hi.")]
+    d = hk.load_drafter(model=model)
+    bound = d.resolve_tree(None, "cpu")
+    levels = d.budget_levels(bound)
+    contexts = list(range(min(map(len, prompts)), max(map(len, prompts)) + 40))
+    cycle = (1, levels[-1], levels[len(levels) // 2])
+    d.budget_tables["cpu"] = BudgetTable(device="cpu", tree=tree_key(bound), full=bound.num_nodes, batch_sizes=[3],
+                                         contexts=contexts, nodes=[[cycle[i % 3] for i in range(len(contexts))]])
+    lean, real = [], speculative._native_plain_greedy_step
+    monkeypatch.setattr(speculative, "_native_plain_greedy_step", lambda *a: lean.append(1) or real(*a))
+    got = generate(model, prompts, drafter=d, budget="auto", max_new_tokens=30)
+    monkeypatch.setattr(speculative, "native_plain_step", lambda *a: None)  # the module path, plain and verify steps
+    want = generate(model, prompts, drafter=d, budget="auto", max_new_tokens=30)
+    assert lean and got.step_nodes.count(1) > len(lean)  # both paths ran: a finished row came before the end
+    assert min(map(len, want.sequences)) < 30 and max(map(len, want.sequences)) == 30
+    for field in ("sequences", "num_steps", "step_nodes", "seq_step_nodes", "depth_drafted", "depth_accepted"):
+        assert getattr(got, field) == getattr(want, field), field
+
+
 def test_a_run_that_captures_layers_keeps_the_module_path(monkeypatch):
     """An EAGLE-3 drafter reads the inputs of intermediate layers, which the native step does not capture: its greedy
     speculative run never asks for the native step (and stays lossless); a drafter of final hidden states does."""

@@ -144,6 +144,10 @@ class CombinedDrafter(Drafter):
         self.ngram.after_step(state.ngram, accepted_hidden, accepted_tokens, accept_lengths)
         self.heads.after_step(state.heads, accepted_hidden, accepted_tokens, accept_lengths)
 
+    def after_plain_step(self, state: CombinedState, hidden, root) -> None:
+        self.ngram.after_plain_step(state.ngram, hidden, root)
+        self.heads.after_plain_step(state.heads, hidden, root)
+
     def observe_tokens(self, state: CombinedState, new_tokens, step_argmax=None) -> None:
         self.ngram.observe_tokens(state.ngram, new_tokens, step_argmax)
         self.heads.observe_tokens(state.heads, new_tokens, step_argmax)

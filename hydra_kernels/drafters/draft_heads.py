@@ -240,6 +240,11 @@ class HeadDrafter(Drafter):
         # the last accepted row (row 0 for a finished sequence); a plain step's one row needs no gather
         state.h = out[:, 0] if out.shape[1] == 1 else _at(out, (accept_lengths.long() - 1).clamp(min=0))
 
+    def after_plain_step(self, state: HeadState, hidden, root) -> None:
+        if self.prefix is not None:  # Hydra++'s prefix layer runs over the row
+            return super().after_plain_step(state, hidden, root)
+        state.h = hidden  # after_step's out[:, 0] of hidden[:, None]: the same values
+
     def draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends=None) -> torch.Tensor:
         """The tokens of `tree` [B, T] (node 0 = root [B]) drafted from h [B, H], outside a run (tests,
         evaluation); backends: a BackendPlan, a backend name or None ("auto")."""

@@ -121,6 +121,9 @@ class LookaheadDrafter(Drafter):
     def after_step(self, state: LookaheadState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         pass
 
+    def after_plain_step(self, state: LookaheadState, hidden, root) -> None:
+        pass
+
     def observe_tokens(self, state: LookaheadState, new_tokens: list[list[int]], step_argmax=None) -> None:
         c = self.config
         R, Wn = c.ngram - 1, c.window

@@ -336,6 +336,9 @@ class MLPSpeculatorDrafter(Drafter):
         last = accepted_hidden[torch.arange(n.shape[0], device=n.device), (n - 1).clamp(min=0)]
         state.h = torch.where((n > 0)[:, None], last, state.h)  # a finished sequence keeps its state
 
+    def after_plain_step(self, state: SpeculatorState, hidden, root) -> None:
+        state.h = hidden  # after_step's last row of one accepted token, every sequence active
+
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         """A plain step, then the bounds of c candidates (c * n_predict + 1 nodes) for c = 1, 2, 4, ... and
         n_candidates: the best c suffixes of the same scoring (the stages' cost does not change with c)."""

@@ -198,6 +198,9 @@ class NgramDrafter(Drafter):
     def after_step(self, state: NgramState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         pass
 
+    def after_plain_step(self, state: NgramState, hidden, root) -> None:
+        pass
+
     def observe_tokens(self, state: NgramState, new_tokens: list[list[int]], step_argmax=None) -> None:
         for b, toks in enumerate(new_tokens):
             if toks:
