@@ -116,6 +116,24 @@ def test_a_varying_budget_is_lossless(model, name):
         assert 1 in default.step_nodes
 
 
+def committed_script(model, lens: list[int], accepts: list[list[int]], seed: int):
+    """Committed tokens to drive a drafter's protocol by hand: prompts of lengths `lens`, their prefill hidden
+    states [B, max(lens), H], and per step (accept lengths n [B], 1 on a plain step; the accepted hidden states
+    [B, 4, H] and tokens [B, 4], root first; the root; the next root). -> (prompts, prefill_h, script, last root)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H = len(lens), model.config.hidden_size
+    prompts = [torch.randint(0, 100, (n,), generator=g).tolist() for n in lens]
+    prefill_h = torch.randn(B, max(lens), H, generator=g)
+    script, roots = [], torch.randint(0, 100, (B,), generator=g)
+    for n in accepts:
+        tok = torch.randint(0, 100, (B, 4), generator=g)
+        tok[:, 0] = roots
+        nxt = torch.randint(0, 100, (B,), generator=g)
+        script.append((torch.tensor(n), torch.randn(B, 4, H, generator=g), tok, roots, nxt))
+        roots = nxt
+    return prompts, prefill_h, script, roots
+
+
 @pytest.mark.parametrize("name", ["hydra++", "eagle-dynamic", "eagle-static", "amphista", "eagle-static-flush",
                                   "amphista-flush"])
 def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name, monkeypatch):
@@ -131,21 +149,10 @@ def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name,
     d, tree = make(model, name)
     plan = model.backend_plan("reference")
     bound = d.resolve_tree(tree, "cpu")
-    g = torch.Generator().manual_seed(3)
-    B, H, L = 2, model.config.hidden_size, 6
-    lens = torch.tensor([6, 4])
-    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in lens]
-    prefill_h = torch.randn(B, L, H, generator=g)
-    # per step: accept lengths (1 on a plain step), the accepted hidden states and tokens, the next root
-    script = []
-    roots = torch.randint(0, 100, (B,), generator=g)
-    for n in ([1, 1], [2, 3], [1, 1], [1, 1], [3, 1], [1, 1], [2, 2]):  # a plain first step: the prompts' chunk waits
-        n = torch.tensor(n)
-        tok = torch.randint(0, 100, (B, 4), generator=g)
-        tok[:, 0] = roots
-        nxt = torch.randint(0, 100, (B,), generator=g)
-        script.append((n, torch.randn(B, 4, H, generator=g), tok, roots, nxt))
-        roots = nxt
+    B, lens = 2, torch.tensor([6, 4])
+    # a plain first step: the prompts' chunk waits
+    prompts, prefill_h, script, roots = committed_script(
+        model, lens.tolist(), [[1, 1], [2, 3], [1, 1], [1, 1], [3, 1], [1, 1], [2, 2]], seed=3)
 
     def run(skip_plain: bool):
         state = d.start(model, B, 64, bound, plan)
@@ -175,19 +182,9 @@ def test_after_plain_step_leaves_the_state_after_step_leaves(model, name):  # st
     d, tree = make(model, name)
     plan = model.backend_plan("reference")
     bound = d.resolve_tree(tree, "cpu")
-    g = torch.Generator().manual_seed(11)
-    B, H, L = 3, model.config.hidden_size, 7
-    lens = torch.tensor([7, 4, 5])
-    prompts = [torch.randint(0, 100, (int(n),), generator=g).tolist() for n in lens]
-    prefill_h = torch.randn(B, L, H, generator=g)
-    script, roots = [], torch.randint(0, 100, (B,), generator=g)
-    for n in ([1, 1, 1], [2, 3, 1], [1, 1, 1], [1, 1, 1], [3, 1, 2], [1, 1, 1]):
-        n = torch.tensor(n)
-        tok = torch.randint(0, 100, (B, 4), generator=g)
-        tok[:, 0] = roots
-        nxt = torch.randint(0, 100, (B,), generator=g)
-        script.append((n, torch.randn(B, 4, H, generator=g), tok, roots, nxt))
-        roots = nxt
+    B, lens = 3, torch.tensor([7, 4, 5])
+    prompts, prefill_h, script, roots = committed_script(
+        model, lens.tolist(), [[1, 1, 1], [2, 3, 1], [1, 1, 1], [1, 1, 1], [3, 1, 2], [1, 1, 1]], seed=11)
 
     def run(hook: bool):
         state = d.start(model, B, 64, bound, plan)
