@@ -15,7 +15,8 @@ from test_quantized_linear import FLAGS
 # the embedded model under HK_CPU_ISA=avx2 (csrc/cpu_features.h: every kernel as on a CPU without AVX-512):
 # generate()'s greedy plain decoding runs the native step on the AVX2 quantized kernels, one call per step,
 # with the module path's tokens (the module path on the same kernels); a drafted greedy run (a pinned budget) runs
-# the native verify step (model/tree_step.py) every step, with the same tokens
+# the native verify step (model/tree_step.py) every step, with the same tokens; an adaptive run's plain steps (its
+# first, at least: no costs timed yet) run the native plain step through the speculative loop's lean path
 AVX2_RUN = r"""
 import torch
 import hydra_kernels as hk
@@ -40,6 +41,14 @@ tree_calls, real_tree = [], tree_step.TREE_GREEDY_STEP
 tree_step.TREE_GREEDY_STEP = lambda *a: tree_calls.append(1) or real_tree(*a)
 spec = generate_module.generate(model, prompts, drafter=hk.load_drafter(model=model), max_new_tokens=16, budget=6)
 assert len(tree_calls) == spec.num_steps > 0 and spec.sequences == want.sequences, (len(tree_calls), spec.num_steps)
+from hydra_kernels import speculative
+calls.clear()
+lean, real_lean = [], speculative._native_plain_greedy_step
+speculative._native_plain_greedy_step = lambda *a: lean.append(1) or real_lean(*a)
+adaptive = generate_module.generate(model, prompts, drafter=hk.load_drafter(model=model), max_new_tokens=16,
+                                    budget="adaptive")
+assert adaptive.sequences == want.sequences, (adaptive.sequences, want.sequences)
+assert len(calls) == adaptive.step_nodes.count(1) >= len(lean) > 0, (len(calls), len(lean), adaptive.step_nodes)
 """
 
 
