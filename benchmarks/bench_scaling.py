@@ -169,6 +169,8 @@ def main(argv=None) -> list[dict]:
           f"{sorted(tables) or 'no device'}; weights read per step {W / 2**20:.0f} MiB, K/V {kvt} B per token")
     for d in (drafter, *others.values()):  # warm-up: first calls, CPU weight packing of each drafter
         generate(model, [chat_prompt_ids(tok, questions[0])], drafter=d, max_new_tokens=8)
+    if args.adaptive:  # and of the adaptive budget's own tensor ops (its first run in a process otherwise pays them)
+        generate(model, [chat_prompt_ids(tok, questions[0])], drafter=drafter, budget="adaptive", max_new_tokens=8)
     short = None  # MT-Bench's questions (prompts_for)
     if args.prompt_set == "editing":
         from bench_ngram import editing_prompts

@@ -180,6 +180,33 @@ def test_drafters_read_the_quantized_heads_rows_of_their_draft_vocabulary(smollm
         assert fp._tied._panels._value.dtype is torch.bfloat16
 
 
+def test_loading_a_drafter_with_its_model_builds_its_lm_head_rows(smollm2_pair, monkeypatch):
+    """load_drafter(model=...) builds the tied rows (Drafter.prepare) under grad mode as a user script has it,
+    so no run builds them again, and changes nothing a method computes: its Linear layers stay on F.linear until
+    a run's start() (the evaluation path, Drafter.logits, is the fp32 one). The combined drafter prepares its
+    heads. Without a model nothing is built."""
+    from hydra_kernels.drafters import fit
+    from hydra_kernels.model.packed_linear import Linear
+
+    q, _, _ = smollm2_pair
+    for kind in ("hydra", "amphista", "mlp_speculator", "combined"):
+        with torch.enable_grad():  # as in a user's script
+            d = hk.load_drafter(kind=kind, model=q)
+        owner = d.heads if kind == "combined" else d
+        tied = owner.base_head if kind == "mlp_speculator" else owner._tied
+        if kind == "mlp_speculator" and not owner.config.tie_base:
+            continue
+        assert isinstance(tied._panels._value, QuantizedPanels), kind
+        assert not any(m.packed_on for m in d.modules() if isinstance(m, Linear)), kind
+        monkeypatch.setattr(fit, "pack_lm_head_rows", lambda *a: pytest.fail("rows built again"))
+        monkeypatch.setattr(QuantizedPanels, "select_rows", lambda *a: pytest.fail("rows built again"))
+        with torch.no_grad():
+            d.start(q, 1, 64, d.resolve_tree(None, "cpu"), q.backend_plan())
+        monkeypatch.undo()
+    bare = hk.load_drafter(kind="hydra")
+    assert bare._tied._panels._value is None
+
+
 def test_drafters_build_their_lm_head_rows_when_a_run_starts(smollm2_pair, monkeypatch):
     """The tied rows a drafter ranks with (heads, Amphista, a base-tied MLPSpeculator) are built in start(), not
     in the first drafting step: the adaptive budget times a step's drafting as its part's cost, and a ~25 ms

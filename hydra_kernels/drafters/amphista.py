@@ -355,10 +355,13 @@ class AmphistaDrafter(Drafter):
         pack_draft_linears(self, on)
 
     # ---- the run ----------------------------------------------------------------------------------
+    def prepare(self, model, backends) -> None:
+        if self.lm_down is None:  # its heads rank with the base head's rows
+            self._tied.prepare(model, self.draft_vocab, backends.packed_linear)
+
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> AmphistaState:
         self.use_packed_cpu_weights(backends.packed_linear)
-        if self.lm_down is None:  # its heads rank with the base head's rows: built now, not in the first draft
-            self._tied.prepare(model, self.draft_vocab, self.packed)
+        self.prepare(model, backends)
         # rows: the committed prefix plus a pending chunk's padding (at most the accept width, depth + 1)
         cfg = dataclasses.replace(self.block_config, num_layers=self.config.num_stages)
         # + the backlog's padding (skip_step): a chunk's padded rows run past its sequence's own

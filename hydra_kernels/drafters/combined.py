@@ -95,6 +95,10 @@ class CombinedDrafter(Drafter):
         bound.heads_tree = heads_tree
         return bound
 
+    def prepare(self, model, backends) -> None:
+        self.ngram.prepare(model, backends)
+        self.heads.prepare(model, backends)
+
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> CombinedState:
         ht = tree.heads_tree
         budget = self.node_budget or tree.num_nodes

@@ -197,10 +197,13 @@ class HeadDrafter(Drafter):
         return t
 
     # ---- the run ----------------------------------------------------------------------------------
-    def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> HeadState:
-        self.use_packed_cpu_weights(backends.packed_linear)
+    def prepare(self, model, backends) -> None:
         if self.shared_lm_head is None and any(h.lm_head is None for h in self.heads):  # a head reads the tied rows
             self._tied.prepare(model, self.draft_vocab, backends.packed_linear)
+
+    def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> HeadState:
+        self.use_packed_cpu_weights(backends.packed_linear)
+        self.prepare(model, backends)
         cache = self.prefix.new_cache(batch_size, max_seq_len, model) if self.prefix is not None else None
         tree = tree.to(model.device)
         return HeadState(model, backends, tree, cache, full_tree=tree, draft_temperature=self.draft_temperature)

@@ -316,10 +316,13 @@ class MLPSpeculatorDrafter(Drafter):
         c = self.config
         return Tree([[r] + [0] * (d - 1) for r in range(c.n_candidates) for d in range(1, c.n_predict + 1)])
 
+    def prepare(self, model, backends) -> None:
+        if self.config.tie_base:  # its stages rank with the base head's rows
+            self.base_head.prepare(model, self.draft_vocab, backends is not None and backends.packed_linear)
+
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> SpeculatorState:
         self.use_packed_cpu_weights(backends is not None and backends.packed_linear)  # None: fp32 F.linear (tests)
-        if self.config.tie_base:  # its stages rank with the base head's rows: built now, not in the first draft
-            self.base_head.prepare(model, self.draft_vocab, self.packed)
+        self.prepare(model, backends)
         return SpeculatorState(model.device, model=model)
 
     def use_packed_cpu_weights(self, on: bool) -> None:

@@ -85,6 +85,13 @@ class Drafter(nn.Module):
         returned tree bounds every proposal (at most its node count and depth)."""
         raise NotImplementedError
 
+    def prepare(self, model, backends) -> None:
+        """Build the caches every run on `model` with `backends` (a BackendPlan) reads and keeps across runs (the
+        base head's rows a draft ranks with, packed), changing nothing any method computes. load_drafter(model=...)
+        calls it with the model's default plan, so a process's first drafted step does not pay it (EPYC VM,
+        2026-11-29: ~30 ms for the shipped heads, ~9% of a 64-token answer at batch 1, landing in whichever run
+        drafted first); start() calls it too (a no-op once built). Default: nothing to build."""
+
     def start(self, model, batch_size: int, max_seq_len: int, tree: Tree, backends) -> Any:
         """Allocate what the drafter keeps across the run's steps (its KV buffer, n-gram tables, the
         hidden state its next draft starts from); `backends` is the run's BackendPlan."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from .amphista import AmphistaDrafter
 from .checkpoint import (FORMAT, OUR_KEYS, VERSION, config_from, init_fields, load_ours, read_config,
                          read_json)
@@ -20,6 +22,7 @@ from .medusa import MedusaDrafter
 from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramConfig, NgramDrafter
 from ..budget import load_tables
+from ..ops.backend import plan_backends
 from ..tree import Tree, as_tree
 from .protocol import Drafter
 
@@ -212,6 +215,8 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
             drafter.check_model(model)  # a drafter for another model: refused here, before any work
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
+        with torch.no_grad():  # the caches every run reads (Drafter.prepare), built now, not in the first drafted step
+            drafter.prepare(model, plan_backends("auto", model.device, packed_weights=model.has_packed_weights))
     return drafter
 
 
