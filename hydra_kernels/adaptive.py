@@ -337,7 +337,7 @@ class AdaptiveBudget:
 
     def plain_step(self) -> None:
         """No part drafted this step."""
-        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None, None)
+        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None, None, None)
 
     # ---- proposing ---------------------------------------------------------------------------------
     def propose(self, drafter, state, root: torch.Tensor, seqlens: torch.Tensor, active: torch.Tensor,
@@ -345,6 +345,7 @@ class AdaptiveBudget:
         """The drafter's proposal with `parts`, cut to the width that maximises expected tokens per ms (a
         TreeBatch; the proposal itself when nothing is cut), or None: verify the root alone (a plain step).
         active [B] (0: finished)."""
+        t0 = self.clock()  # from here, what the parts cost: their setup, the outline, the check, the drafting
         drafter.set_parts(state, parts)
         for p, run in enumerate(parts):
             if run:
@@ -352,7 +353,6 @@ class AdaptiveBudget:
                 whole = self.keep[p] is None or self.runs[p] % EXPLORE_EVERY == 0
                 drafter.size_part(state, p, None if whole else max(self.keep[p], 1) + 1)  # + the root
         ran = max(sum(parts), 1)
-        t0 = self.clock()
         # the draft's shape where the drafter knows it before drafting (Drafter.outline): a draft this step
         # would cut to the root alone is not drafted at all (the lookups and the heads' work saved)
         shape = drafter.outline(state, self.batch) if self.prunable else None
@@ -360,15 +360,16 @@ class AdaptiveBudget:
         outline_ms, check_ms = (t_shape - t0) * 1e3 / ran, 0.0
         if shape is not None:
             drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
-            if self._best_width(*self._host_expected(shape, active), drafting) == 1:
+            act_host = active.tolist()  # the check reads host values only: it runs every few steps (a trial)
+            if self._best_width(*self._host_expected(shape, act_host), drafting) == 1:
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
                 # the gates judge it as the trial it replaces, at their parts' drafting cost: the trial schedule
                 # (waits from that cost, PROBE_SHARE) stays the one the margins were measured with; only the
                 # drafting is saved (EPYC VM, 2026-11-28: charged at the check's ~0.2 ms, the parts were tried
                 # every 2 steps and drafted more, at batch 2 on the editing set 0.91x plain against 1.04-1.09x)
                 gate_ms = [g.cost if r and g.gain is not None else 0.0 for g, r in zip(self.gates, parts)]
-                self._charge(parts, [outline_ms if r else 0.0 for r in parts], 1, None, active.to(torch.float32),
-                             t_shape, gate_ms)  # the check is the policy's own work (charged from t_shape)
+                self._charge(parts, [outline_ms if r else 0.0 for r in parts], 1, None, None, t_shape, gate_ms,
+                             n_seq=float(sum(a != 0 for a in act_host)))  # the check: the policy's own work (from t_shape)
                 drafter.skip_step(state, root, seqlens)  # as on a plain step (EAGLE / Amphista catch up)
                 return None
             check_ms = (self.clock() - t_shape) * 1e3
@@ -434,13 +435,13 @@ class AdaptiveBudget:
             best = 1
         return best
 
-    def _host_expected(self, shape, active: torch.Tensor) -> tuple[list[float], int]:
+    def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int]:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys, rates and P (a product down the
-        path), each sequence's P sorted. -> (expected [T0], T0)."""
+        path), each sequence's P sorted; active: the host's [B] (0: finished). -> (expected [T0], T0)."""
         T0 = max(len(parents) for parents, _, _ in shape)
         keys = {}  # active sequences only: a finished one's nodes count for nothing
-        for b, ((parents, groups, signal), a) in enumerate(zip(shape, active.tolist())):
+        for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
             if not a:
                 continue
             depth = [0] * len(parents)
@@ -460,14 +461,16 @@ class AdaptiveBudget:
                 expected[w] += total
         return expected, T0
 
-    def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None) -> None:
+    def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None,
+                n_seq: float | None = None) -> None:
         """Set the step in flight. The policy's own work on the proposal since t1 is part of what drafting cost
         (a trial that drafts nothing still pays it): charged to the parts that ran, so their gates weigh a
-        trial's whole price (gate_ms: what the gates record instead, where it differs; see propose)."""
+        trial's whole price (gate_ms: what the gates record instead, where it differs; see propose). act: the
+        active sequences [B] float, or None where n_seq (their count, a host float) is given."""
         own_ms = (self.clock() - t1) * 1e3
         ran = max(sum(parts), 1)
         part_ms = [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)]
-        self.step = (parts, part_ms, width, vp, act, gate_ms or part_ms)
+        self.step = (parts, part_ms, width, vp, act, gate_ms, n_seq)
         self.host_s += own_ms / 1e3
 
     # ---- after the step ---------------------------------------------------------------------------
@@ -475,7 +478,7 @@ class AdaptiveBudget:
         """accept_indices [B, D+1]: the verified tree's node ids along the accepted path (-1 past it; None
         for a plain step), after the step's host read. Times the step, learns the rates, judges the parts."""
         t0 = self.clock()
-        parts, part_ms, width, vp, act, gate_ms = self.step
+        parts, part_ms, width, vp, act, gate_ms, n_seq = self.step
         if self.last_t is not None:
             self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
         self.first = False
@@ -485,6 +488,8 @@ class AdaptiveBudget:
             self.host_s += self.last_t - t0
             return
         earned, rows = [0.0] * len(parts), [0.0] * len(parts)
+        if n_seq is None:
+            n_seq = float(act.sum()) if act is not None else float(self.batch)
         if vp is not None and accept_indices is not None:
             keys, depths, valid, parents, groups = vp
             B, T = keys.shape
@@ -495,17 +500,22 @@ class AdaptiveBudget:
             tested = on_path.gather(1, parents.clamp(min=0)) * drafted
             accepted = on_path * drafted
             self.calib.update(keys, tested, accepted)
-            n_active = max(float(act.sum()), 1.0)
+            n_active = max(n_seq, 1.0)
             for p, ran in enumerate(parts):  # what each part earned: accepted nodes, and rows per sequence
                 if ran:
                     mine = (groups == p) & drafted
                     earned[p], rows[p] = float((accepted * mine).sum()), float(mine.sum()) / n_active
         # a part pays while (tokens without it + its gain) / (time without it + its cost) beats the rate
         # without it, i.e. gain * time_without > its_time * tokens_without
-        n_seq = float(act.sum()) if act is not None else float(self.batch)
+        # a part's measured cost includes the policy's learning from its step so far (observe is not in the
+        # step's wall time): the probe cap (PROBE_SHARE) then bounds what trials really cost (EPYC VM, 2026-11-29,
+        # batch 4, MT-Bench: a refused n-gram trial took ~0.33 ms of host work, ~0.2 of it charged, so it was tried
+        # every 2 steps, ~1.5% of the decoding time). A cost propose fixed (gate_ms) is recorded as it is
+        own = (self.clock() - t0) * 1e3 / max(sum(parts), 1)
         for p, ran in enumerate(parts):
             if ran:
-                self.gates[p].record(earned[p], rows[p], gate_ms[p] or part_ms[p], self.costs.predict(1))
+                cost = gate_ms[p] if gate_ms is not None and gate_ms[p] else part_ms[p] + own
+                self.gates[p].record(earned[p], rows[p], cost, self.costs.predict(1))
         for p, ran in enumerate(parts):
             if not ran:
                 continue
