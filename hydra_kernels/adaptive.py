@@ -71,9 +71,10 @@ SEQ_PRIOR_WEIGHT = 4.0  # pseudo-observations of the run's rate behind a sequenc
 POOL_PRIOR_WEIGHT = 2.0
 DECAY = 0.97  # per step: counts and costs remember ~30 steps (the text and the context drift)
 MAX_WAIT = 64  # most steps a held-back part waits before it is tried again
-# a held-back part's wait is capped where its trials would cost this share of the decoding time, (its
-# drafting time) / (PROBE_SHARE * a plain step) steps: a cheap part (the n-gram lookup) is tried every few
-# steps, at about that cost, and catches the text's copy bursts; a dear one (the heads) waits up to MAX_WAIT
+# a held-back part's wait is capped where its trials would cost this share of the decoding time, (what its
+# trials took) / (PROBE_SHARE * a plain step) steps: a cheap part (the n-gram lookup, most trials a check refused
+# before drafting) is tried every few steps and catches the text's copy bursts; a dear one (the heads) waits up to
+# MAX_WAIT
 PROBE_SHARE = 0.01
 # a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
 # factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
@@ -266,6 +267,7 @@ class PartGate:
         self.gain = None  # tokens per step its nodes earned (decayed mean over the steps it ran)
         self.nodes = 0.0  # rows per sequence its kept nodes took (decayed mean)
         self.cost = 0.0  # ms its drafting took (decayed mean)
+        self.trial = None  # ms a trial took (decayed mean over the steps it ran while held back, its rows included)
         self.open, self.wait, self.left = True, 1, 0
 
     def due(self) -> bool:
@@ -281,6 +283,9 @@ class PartGate:
         # a one-time cost (the first call's warm-up) counts at most twice the mean plus 1 ms (the first
         # record: at most `cap`, a plain step's time)
         self.cost = min(cost, cap) if first else 0.7 * self.cost + 0.3 * min(cost, 2.0 * self.cost + 1.0)
+
+    def record_trial(self, ms: float) -> None:
+        self.trial = ms if self.trial is None else 0.7 * self.trial + 0.3 * min(ms, 2.0 * self.trial + 1.0)
 
     def judge(self, pays: bool, max_wait: int = MAX_WAIT) -> None:
         """`wait` is the part's backoff: doubled by each step that does not pay, halved by each that does.
@@ -363,10 +368,9 @@ class AdaptiveBudget:
             act_host = active.tolist()  # the check reads host values only: it runs every few steps (a trial)
             if self._best_width(*self._host_expected(shape, act_host), drafting) == 1:
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
-                # the gates judge it as the trial it replaces, at their parts' drafting cost: the trial schedule
-                # (waits from that cost, PROBE_SHARE) stays the one the margins were measured with; only the
-                # drafting is saved (EPYC VM, 2026-11-28: charged at the check's ~0.2 ms, the parts were tried
-                # every 2 steps and drafted more, at batch 2 on the editing set 0.91x plain against 1.04-1.09x)
+                # the gates judge it as the trial it replaces, at their parts' drafting cost (EPYC VM, 2026-11-28:
+                # charged at the check's ~0.2 ms, the parts looked cheap and drafted more, at batch 2 on the editing
+                # set 0.91x plain against 1.04-1.09x); the check's own cost sets the trials' cadence (PartGate.trial)
                 gate_ms = [g.cost if r and g.gain is not None else 0.0 for g, r in zip(self.gates, parts)]
                 self._charge(parts, [outline_ms if r else 0.0 for r in parts], 1, None, None, t_shape, gate_ms,
                              n_seq=float(sum(a != 0 for a in act_host)))  # the check: the policy's own work (from t_shape)
@@ -514,8 +518,11 @@ class AdaptiveBudget:
         own = (self.clock() - t0) * 1e3 / max(sum(parts), 1)
         for p, ran in enumerate(parts):
             if ran:
+                g = self.gates[p]
+                if not g.open:  # a trial: what it took, its rows included (a refused check: the check alone)
+                    g.record_trial(part_ms[p] + own + max(self.costs.coef[1], 0.0) * rows[p])
                 cost = gate_ms[p] if gate_ms is not None and gate_ms[p] else part_ms[p] + own
-                self.gates[p].record(earned[p], rows[p], cost, self.costs.predict(1))
+                g.record(earned[p], rows[p], cost, self.costs.predict(1))
         for p, ran in enumerate(parts):
             if not ran:
                 continue
@@ -524,8 +531,10 @@ class AdaptiveBudget:
             tokens_without = n_seq + sum(self.gates[q].gain for q in others)
             time_without = self.costs.predict(1) + sum(self.gates[q].cost for q in others)
             its_time = g.cost + max(self.costs.coef[1], 0.0) * g.nodes
-            # a trial's price is its drafting (its rows are verified only where they are worth their cost)
-            max_wait = min(MAX_WAIT, max(2, math.ceil(g.cost / (PROBE_SHARE * self.costs.predict(1)))))
+            # a trial's price is what its trials took (most are checks refused before drafting: ~0.2-0.3 ms where
+            # the n-gram's drafted steps cost ~1.2 ms at batch 1); before any, its drafting
+            trial = g.trial if g.trial is not None else g.cost
+            max_wait = min(MAX_WAIT, max(2, math.ceil(trial / (PROBE_SHARE * self.costs.predict(1)))))
             g.judge(g.gain * time_without > self.margin * its_time * tokens_without, max_wait)
         self.last_t = self.clock()
         self.host_s += self.last_t - t0

@@ -7,6 +7,7 @@ and the default are wired as documented. Sampling exactness with the policy on: 
 (its "adaptive-..." settings)."""
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -229,6 +230,28 @@ def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
     p.observe(None)
     assert g.cost == pytest.approx(3.0) and g.gain == pytest.approx(0.7)  # the mean gain: 0.7 * 1 + 0.3 * 0
     assert not g.open
+
+
+def test_a_held_back_parts_trials_set_how_often_it_is_tried():
+    """The wait after a trial is capped by what the part's trials took (PartGate.trial), not by its drafting
+    cost: a check refused before drafting costs the check alone (here 0 ms: the clock stands still), so the part
+    is tried again within 2 steps, where its 3 ms drafting cost would allow 30 (3 / (PROBE_SHARE * a 10 ms step)).
+    Steps a part runs while open are not trials."""
+    d = OutlinedChainDrafter()
+    p = learned_policy(0.05, 2.0, drafter=d)  # the draft would be cut to the root
+    g = p.gates[0]
+    g.record(1.0, 1.0, 3.0)  # an earlier drafted step: 3 ms of drafting
+    g.open, g.wait = False, 16  # held back, its backoff at 16 steps
+    assert p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,)) is None
+    p.observe(None)
+    assert g.trial == pytest.approx(0.0) and g.cost == pytest.approx(3.0)
+    assert not g.open and g.wait == g.left == 2
+    assert math.ceil(g.cost / (adaptive.PROBE_SHARE * p.costs.predict(1))) == 30
+    opened = learned_policy(0.05, 2.0, drafter=d)
+    assert opened.gates[0].open
+    opened.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+    opened.observe(None)
+    assert opened.gates[0].trial is None
 
 
 class RandomTreeDrafter:
