@@ -1,7 +1,8 @@
 """The Drafter protocol: what the decoding loop (speculative.py) knows of any drafting method.
 
 A family (Medusa, Hydra, EAGLE, n-gram, ...) is one module under drafters/ with a class that
-implements these methods, plus its registry entry (drafters/registry.py). The loop calls, per run:
+implements these methods, plus its registry entry (drafters/registry.py). load_drafter(model=...) calls
+drafter.prepare(model, backends) once (caches every run reads); the loop calls, per run:
 
     tree  = drafter.resolve_tree(tree_arg, device_type)     # before any work: validated, bounds the KV rows
     state = drafter.start(model, B, max_seq_len, tree, backends)
