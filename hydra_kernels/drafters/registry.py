@@ -22,7 +22,6 @@ from .medusa import MedusaDrafter
 from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramConfig, NgramDrafter
 from ..budget import load_tables
-from ..ops.backend import plan_backends
 from ..tree import Tree, as_tree
 from .protocol import Drafter
 
@@ -216,7 +215,7 @@ def load_drafter(path=None, model=None, *, kind: str | None = None) -> Drafter:
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
         with torch.no_grad():  # the caches every run reads (Drafter.prepare), built now, not in the first drafted step
-            drafter.prepare(model, plan_backends("auto", model.device, packed_weights=model.has_packed_weights))
+            drafter.prepare(model, model.backend_plan())
     return drafter
 
 
