@@ -1,13 +1,16 @@
 """Our CPU decoding beside what a CPU user would pick instead, on the same GGUF, the same prompts, the same
 thread count, interleaved (issue 44): llama.cpp's plain greedy decoding and its prompt-lookup decoding
 (llama-cpp-python), transformers' generate, and ours: plain and with the default drafter, on the quantized
-weights (the default) and, for reference, on the fp32 copy.
+weights (the default), on them with int8 activations (the -int8 decoders: load_model(activations="int8"), llama.cpp's
+arithmetic) and, for reference, on the fp32 copy.
 
 Per decoder and prompt: end-to-end tokens/s (prefill included: what a user waits for), decode-only tokens/s
 (the same run minus a 1-token run's time, i.e. minus prefill), the tokens produced. Medians over prompts and
 --rounds rounds (every decoder once per prompt per round, in the same order). Each decoder's greedy tokens
 are compared with our fp32 plain decoding's (the median first divergence of those that differ is reported:
-llama.cpp rounds activations to 8 bits, so near-ties flip); ours are identical to it. --rss: peak resident memory of a fresh process that loads the model (and our
+llama.cpp rounds activations to 8 bits, so near-ties flip); ours are identical to it, except the -int8 decoders,
+which round activations as llama.cpp does; same_as_own_plain: our speculative tokens against plain decoding of the
+same model (fp32 or int8 activations): lossless is all of them. --rss: peak resident memory of a fresh process that loads the model (and our
 default drafter) and decodes one prompt, per decoder. --prefill N: prefill tokens/s on N-token prompts.
 --long N: N more prompts of --long-context tokens (held-out ShareGPT conversations followed by MT-Bench's first
 question, as bench_scaling.py's long contexts), where the default drafter's CPU table drafts (batch 1: 4 nodes from
@@ -18,7 +21,8 @@ CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU's instructions); without it its rows 
 says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
 
     python benchmarks/bench_cpu_peers.py [--mtbench 8] [--editing 4] [--new-tokens 128] [--rounds 2]
-        [--threads 2] [--decoders plain combined combined-adaptive llama.cpp llama.cpp-lookup transformers plain-fp32]
+        [--threads 2] [--decoders plain combined combined-adaptive plain-int8 combined-int8 combined-adaptive-int8
+                    llama.cpp llama.cpp-lookup transformers plain-fp32]
         [--rss] [--prefill 2048] [--long 4 --long-context 2048] [--gguf another.gguf] [--out benchmarks/results]
 
 --gguf: another GGUF of the embedded model (SmolLM2-135M-Instruct, e.g. requantized to Q4_K_M: the default drafter's
@@ -42,7 +46,8 @@ import hydra_kernels as hk
 from hydra_kernels.generate import generate
 
 LLAMA_CPP_CONTEXT = 4096  # the llama.cpp peer's n_ctx
-ALL_DECODERS = ["plain", "combined", "combined-adaptive", "llama.cpp", "llama.cpp-lookup", "transformers", "plain-fp32"]
+ALL_DECODERS = ["plain", "combined", "combined-adaptive", "plain-int8", "combined-int8", "combined-adaptive-int8",
+                "llama.cpp", "llama.cpp-lookup", "transformers", "plain-fp32"]
 
 
 def have_llama_cpp() -> bool:
@@ -110,7 +115,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def build(name: str, gguf: Path, threads: int, quantized, fp32, model_dir: Path):
+def build(name: str, gguf: Path, threads: int, quantized, fp32, model_dir: Path, int8=None):
+    if name.endswith("-int8"):  # the same decoders on int8 activations (load_model(activations="int8"))
+        name, quantized = name[:-len("-int8")], int8
     if name == "plain":
         return Ours(quantized)
     if name == "combined":
@@ -140,9 +147,10 @@ def rss_probe(decoder: str, threads: int, gguf: Path | None) -> None:
     torch.set_grad_enabled(False)
     from hydra_kernels.chat import chat_prompt_ids
 
-    model, tok = hk.load_model(gguf, weights="fp32" if decoder == "plain-fp32" else None)
+    model, tok = hk.load_model(gguf, weights="fp32" if decoder == "plain-fp32" else None,
+                               activations="int8" if decoder.endswith("-int8") else "fp32")
     dec = Ours(model, hk.load_drafter(model=model) if decoder.startswith("combined") else None,
-               budget="adaptive" if decoder == "combined-adaptive" else None)
+               budget="adaptive" if decoder.startswith("combined-adaptive") else None)
     dec.run(chat_prompt_ids(tok, "Explain how a hash map works."), 64)
     print(json.dumps({"decoder": decoder, "peak_rss_mb": peak_rss_mb()}))
 
@@ -238,12 +246,17 @@ def main(argv=None) -> list[dict]:
     prompts += editing_prompts(tok, args.editing)
     if args.long:
         prompts += long_context_prompts(tok, args.long, args.long_context, questions[0])
-    runners = {name: build(name, gguf, args.threads, quantized, fp32, model_dir) for name in decoders}
+    int8 = hk.load_model(None if embedded else gguf, activations="int8")[0] if any(
+        d.endswith("-int8") for d in decoders) else None
+    runners = {name: build(name, gguf, args.threads, quantized, fp32, model_dir, int8) for name in decoders}
     reference = Ours(fp32)
     want = [reference.run(p, args.new_tokens) for p in prompts]  # fp32 plain greedy: the reference tokens
+    # each of our decoders' own model's plain greedy tokens: what its speculative decoding must emit (lossless)
+    own = {"fp32": want, "int8": [Ours(int8).run(p, args.new_tokens) for p in prompts] if int8 is not None else None}
     for dec in runners.values():
         dec.run(prompts[0], 8)  # warm-up
     e2e, dec_only, diverged = {k: [] for k in runners}, {k: [] for k in runners}, {k: [] for k in runners}
+    lossless = {k: [] for k in runners}
     from tqdm.auto import tqdm
 
     with tqdm(total=args.rounds * len(prompts) * len(runners), desc="decoding") as bar:
@@ -254,6 +267,8 @@ def main(argv=None) -> list[dict]:
                     e2e[name].append(len(toks) / t_e2e)
                     dec_only[name].append((len(toks) - 1) / t_dec)
                     diverged[name].append(first_divergence(toks, want[i]))
+                    if isinstance(dec, Ours):
+                        lossless[name].append(toks == own["int8" if name.endswith("-int8") else "fp32"][i])
                     bar.update()
     base = statistics.median(e2e["plain"]) if "plain" in e2e else None
     rows = []
@@ -263,6 +278,8 @@ def main(argv=None) -> list[dict]:
                          decode_tok_s=round(statistics.median(dec_only[name]), 1),
                          vs_our_plain=round(statistics.median(e2e[name]) / base, 3) if base else "",
                          same_as_fp32=f"{sum(x is None for x in d)}/{len(d)}",
+                         # ours: the tokens of plain greedy decoding on the same model (fp32 or int8 activations)
+                         same_as_own_plain=f"{sum(lossless[name])}/{len(lossless[name])}" if lossless[name] else "",
                          # where the others' tokens first differ (median over those that differ)
                          median_divergence=statistics.median([x for x in d if x is not None]) if any(
                              x is not None for x in d) else ""))
@@ -273,7 +290,7 @@ def main(argv=None) -> list[dict]:
     if args.prefill:
         long = long_context_prompts(tok, 1, args.prefill, "Summarise the conversations above.")[0]
         for r in rows:
-            if r["decoder"] in ("plain", "plain-fp32") or r["decoder"] == "llama.cpp":
+            if r["decoder"] in ("plain", "plain-int8", "plain-fp32") or r["decoder"] == "llama.cpp":
                 dec = runners[r["decoder"]]
                 dec.run(long, 1)  # warm-up at this length
                 t = min(_time(dec.run, long, 1) for _ in range(2))

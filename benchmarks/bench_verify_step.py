@@ -5,7 +5,7 @@ variant in turn (each block warmed by 3 calls), --rounds rounds, medians. The st
 inactive), so each call sees the same cache of --context rows; the two verify steps' outputs are compared first.
 
     python benchmarks/bench_verify_step.py [--batches 1 4] [--sizes 1 2 4 6] [--context 300] [--rounds 6]
-        [--calls 20] [--out DIR]
+        [--calls 20] [--activations fp32|int8] [--out DIR]
 
 What it shows: what a drafted step pays beyond its rows: (module T) - (native T) is the work around the kernels
 that the native step removes; (native T) - (plain) is what T - 1 drafted rows cost.
@@ -37,10 +37,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=20, help="calls timed per block")
+    ap.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
+                    help="the model's projections: exact (fp32 activations) or int8 dot products (load_model's)")
     ap.add_argument("--out", default=None, help="write verify_step.csv there")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    model, _ = hk.load_model(device="cpu")
+    model, _ = hk.load_model(device="cpu", activations=args.activations)
     backends = plan_backends("auto", model.device, packed_weights=model.has_packed_weights)
     rows = []
     for B in args.batches:

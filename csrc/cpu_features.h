@@ -38,6 +38,16 @@ inline bool cpu_has_avx512() {
 #endif
 }
 
+// AVX-512 VNNI (vpdpbusd): the int8 dot kernel (int8_dot_linear_cpu.cpp); HK_CPU_ISA=avx2 or =portable turns it off
+inline bool cpu_has_avx512_vnni() {
+#ifdef HK_X86
+  static const bool yes = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw");
+  return yes;
+#else
+  return false;
+#endif
+}
+
 inline bool cpu_has_avx2_fma() {
 #ifdef HK_X86
   // (and F16C, which every AVX2 CPU has: the quantized kernel's fp16 scales)

@@ -17,7 +17,8 @@
 // only on that row (and, in attention, on its own keys), so a token's logits are the same alone and in a tree.
 //
 // Linear layers come as (weights, kind): kind 0 = packed fp32 / bf16 panels (packed_linear), else the quantized
-// panels of quantized_linear with kind = 10 * bits + offset (40, 41, 80, 81), + 100 where the scales are stored fp16.
+// panels of quantized_linear with kind = 10 * bits + offset (40, 41, 80, 81), + 100 where the scales are stored fp16,
+// + 1000 for int8_dot_linear's panels (step_kernels.h: QuantizedKind).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -80,8 +81,18 @@ at::Tensor rms_norm_rows_cpu(const at::Tensor& x, const at::Tensor& w, double ep
 void step_linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y) {
   if (kind == 0)
     packed_linear_into(x, M, w, N, bias, y);
+  else if (const QuantizedKind k(kind); k.int8_dot)
+    int8_dot_linear_into(x, M, w, N, k.bits, k.offset, k.half, bias, y);
   else
-    quantized_linear_into(x, M, w, N, kind % 100 / 10, kind % 2 == 1, kind >= 100, bias, y);
+    quantized_linear_into(x, M, w, N, k.bits, k.offset, k.half, bias, y);
+}
+
+void check_quantized_kind(const at::Tensor& w, int64_t kind, int64_t N, int64_t K) {
+  const QuantizedKind k(kind);
+  if (k.int8_dot)
+    check_int8_dot_panels(w, N, K, k.bits, k.offset, k.half);
+  else
+    check_quantized_panels(w, N, K, k.bits, k.offset, k.half);
 }
 
 namespace {

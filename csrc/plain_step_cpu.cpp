@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::
                 op, ": the LM head must be packed panels [ceil(vocab / 64), H = ", H, ", 64] for vocab ", m.vocab,
                 ", got ", m.head.scalar_type(), " ", m.head.sizes());
   } else {
-    check_quantized_panels(m.head, m.vocab, H, m.head_kind % 100 / 10, m.head_kind % 2 == 1, m.head_kind >= 100);
+    check_quantized_kind(m.head, m.head_kind, m.vocab, H);
   }
   const int64_t* tp = tokens.data_ptr<int64_t>();
   const int32_t* sp = seqlens.data_ptr<int32_t>();

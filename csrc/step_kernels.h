@@ -23,6 +23,12 @@ void packed_linear_into(const float* x, int64_t M, const at::Tensor& packed, int
 void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
                            bool half_scales, const float* bias, float* y);
 
+// The same weights with the activations quantized to int8 and summed in integers (int8_dot_linear_cpu.cpp: its
+// panels from pack_int8_dot_weight, a different model from the exact kernel's: see there).
+void int8_dot_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
+                          bool half_scales, const float* bias, float* y);
+void check_int8_dot_panels(const at::Tensor& packed, int64_t N, int64_t K, int64_t bits, bool offset, bool half_scales);
+
 // Refuses (TORCH_CHECK) panels that are not the quantized_linear op's layout for an [N, K] weight.
 void check_quantized_panels(const at::Tensor& packed, int64_t N, int64_t K, int64_t bits, bool offset, bool half_scales);
 
@@ -31,8 +37,20 @@ void check_quantized_panels(const at::Tensor& packed, int64_t N, int64_t K, int6
 void quantized_rows_into(const at::Tensor& packed, int64_t N, int64_t bits, bool offset, bool half_scales,
                          const int64_t* ids, int64_t n, float* out);
 
-// y [M, N] = x [M, K] W^T (+ bias): the packed (kind 0) or quantized (100 * fp16 scales + 10 * bits + offset) op's
-// kernel, called directly (decode_stack_cpu.cpp).
+// A stack weight's kind: 0 the packed_linear panels; else 1000 * int8 activations + 100 * fp16 scales + 10 * bits +
+// offset: the quantized_linear op's panels (40, 41, 80, 81, + 100), or the int8_dot_linear op's (+ 1000).
+struct QuantizedKind {
+  bool int8_dot, half;
+  int64_t bits;
+  bool offset;
+  explicit QuantizedKind(int64_t kind)
+      : int8_dot(kind >= 1000), half(kind % 1000 >= 100), bits(kind % 100 / 10), offset(kind % 2 == 1) {}
+};
+
+// Refuses (TORCH_CHECK) weights that are not the layout `kind` names for an [N, K] weight (kind != 0).
+void check_quantized_kind(const at::Tensor& w, int64_t kind, int64_t N, int64_t K);
+
+// y [M, N] = x [M, K] W^T (+ bias): the kernel of the weight's kind (above), called directly (decode_stack_cpu.cpp).
 void step_linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y);
 
 // The CPU RMSNorm of model/layers.py (the rms_norm_rows op) over M rows of H: y = (x * r) * w in a fixed order.

@@ -75,6 +75,12 @@ def test_bench_verify_step_runs(tmp_path):
     assert [(r["batch"], r["T"]) for r in rows] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(r["native_ms"] > 0 and r["module_ms"] > 0 and r["plain_ms"] > 0 for r in rows)
     assert len(_rows(tmp_path / "verify_step.csv")) == 4
+    from hydra_kernels.ops.int8_dot_linear import int8_dot_linear_available
+
+    if int8_dot_linear_available():  # the model on int8 activations: its native and module steps agree too
+        rows = _run_returning("bench_verify_step", ["--batches", "1", "--sizes", "2", "--context", "20", "--rounds",
+                                                    "1", "--calls", "2", "--activations", "int8"])
+        assert [(r["batch"], r["T"]) for r in rows] == [(1, 2)] and rows[0]["native_ms"] > 0
 
 
 def test_bench_checkouts_runs():
@@ -155,14 +161,20 @@ def test_bench_cpu_peers_runs(tmp_path, capsys):
     """Our quantized plain and speculative decoding beside the fp32 path (llama.cpp and transformers are peers
     the smoke run leaves out: an optional build, and slow), one MT-Bench prompt and one --long prompt of
     --long-context tokens, one round; ours identical. A long context that llama.cpp's window cannot hold is
-    refused before any work."""
+    refused before any work. Where the int8 dot kernel runs, our decoders on int8 activations too: their speculative
+    tokens are their own plain decoding's."""
+    from hydra_kernels.ops.int8_dot_linear import int8_dot_linear_available
+
+    int8 = ["plain-int8", "combined-int8"] if int8_dot_linear_available() else []
+    decoders = ["plain", "combined", *int8, "plain-fp32"]
     rows = _run_returning("bench_cpu_peers", ["--mtbench", "1", "--editing", "0", "--long", "1", "--long-context", "96",
                                               "--new-tokens", "6", "--rounds", "1",
-                                              "--decoders", "plain", "combined", "plain-fp32", "--out", str(tmp_path)])
+                                              "--decoders", *decoders, "--out", str(tmp_path)])
     assert "(1 MT-Bench, 0 editing, 1 of 96 tokens)" in capsys.readouterr().out
-    assert [r["decoder"] for r in rows] == ["plain", "combined", "plain-fp32"]
-    assert all(r["same_as_fp32"] == "2/2" and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
-    assert len(_rows(tmp_path / "cpu_peers.csv")) == 3
+    assert [r["decoder"] for r in rows] == decoders
+    assert all(r["same_as_own_plain"] == "2/2" and r["e2e_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert all(r["same_as_fp32"] == "2/2" for r in rows if not r["decoder"].endswith("-int8"))
+    assert len(_rows(tmp_path / "cpu_peers.csv")) == len(decoders)
     with pytest.raises(SystemExit):
         _run_returning("bench_cpu_peers", ["--long", "1", "--long-context", "4000", "--new-tokens", "128"])
     assert "must fit llama.cpp's 4096-token context" in capsys.readouterr().err

@@ -58,6 +58,8 @@ def assert_refused(result, option, pattern):
     (["--acceptance", "greedy", "--temperature", "0.7"], "--acceptance", r"greedy is for --temperature 0"),
     (["--weights", "int3"], "--weights", r"invalid choice: 'int3' \(choose from 'quantized', 'fp32', 'int8', 'int4'\)"),
     (["--weights", "quantized", "--dtype", "bf16"], "--weights", r"^weights='quantized' keeps a GGUF file's blocks"),
+    (["--activations", "int4"], "--activations", r"invalid choice: 'int4' \(choose from 'fp32', 'int8'\)"),
+    (["--activations", "int8", "--weights", "fp32"], "--activations", r"^activations='int8' runs on quantized weights"),
 ])
 def test_bad_value_is_refused_before_any_work(argv, option, pattern):
     assert_refused(run_cli(*argv), option, pattern)

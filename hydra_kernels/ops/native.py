@@ -66,6 +66,10 @@ def _register() -> bool:
     def _(x, packed, N, bits, offset, bias=None, isa=0, half_scales=False):
         return x.new_empty(*x.shape[:-1], N)
 
+    @torch.library.register_fake("hydra_kernels::int8_dot_linear")
+    def _(x, packed, N, bits, offset, bias=None, isa=0, half_scales=False):
+        return x.new_empty(*x.shape[:-1], N)
+
     @torch.library.register_fake("hydra_kernels::quantized_rows")
     def _(packed, ids, N, bits, offset, half_scales=False):
         from .quantized_linear import header_bytes

@@ -103,6 +103,24 @@ class QuantizedPanels:
         return QuantizedPanels.pack(q.reshape(ids.numel(), self.k).contiguous(), scales.contiguous(),
                                     None if offsets is None else offsets.contiguous(), self.bits, self.half)
 
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The stored weight as (q int8 [n, k], scales fp32 [n, k / G], offsets fp32 or None): pack's arguments."""
+        P, NG, _ = self.packed.shape
+        header = header_bytes(self.offset, self.half)
+        stored = self.packed[:, :, :header].contiguous().view(torch.float16 if self.half else torch.float32)
+        fp = stored.float().view(P, NG, -1, 64).permute(0, 3, 1, 2).reshape(P * 64, NG, -1)[: self.n]  # [n, NG, 1|2]
+        qb = self.packed[:, :, header:].view(P, NG, -1, 64).permute(0, 3, 1, 2).reshape(P * 64, NG, -1)[: self.n]
+        if self.bits == 4:  # byte (i, c) = q[2i][c] | q[2i + 1][c] << 4
+            qb = torch.stack([qb & 0x0F, qb >> 4], dim=-1).flatten(-2)
+        q = qb.view(torch.int8) if self.bits == 8 else qb.to(torch.int8)
+        return (q.reshape(self.n, self.k).contiguous(), fp[..., 0].contiguous(),
+                fp[..., 1].contiguous() if self.offset else None)
+
+    @property
+    def step_tensor(self) -> torch.Tensor:
+        """The tensor a decode step's kernel reads (the decode stack's weight of layout `kind`)."""
+        return self.packed
+
     def dequantize(self) -> torch.Tensor:
         """The whole weight as fp32 [n, k] (exact values)."""
         return self.rows(torch.arange(self.n))

@@ -510,3 +510,32 @@ def tree_inputs(root, candidates, node_source, depths, cache_seqlens):
     tokens[:, 0] = root
     positions = cache_seqlens.long()[:, None] + depths.long()  # [B, 1] + [T] or [B, T]
     return tokens, positions
+
+
+def int8_dot_linear(x, q, scales, offsets=None, bias=None):
+    """A linear layer over quantized weights with int8 activations, the definition csrc/int8_dot_linear_cpu.cpp
+    computes: x fp32 [M, K]; the weight q int [N, K] with scales (and offsets) fp32 [N, K / G], w = s q (+ o).
+    Per row and group of G inputs: a = max |x|, d = a / 127, xq = round-half-even(x * (127 / a)) in [-127, 127]
+    (0 where a = 0), xs = sum xq; isum = q . xq (exact integers); then over the groups in order
+    acc = fma(s d, isum, acc) and, with offsets, acc = fma(o, d xs, acc), from acc = bias (or 0).
+    The fma is computed in float64 and rounded once to fp32 (exact: an fp32 product is exact in float64, so only
+    the sum rounds, and float64's 53 bits then round again to fp32; a double rounding that can differ in the last
+    bit, rarely): compare within a few fp32 ulps. -> [M, N] fp32."""
+    M, K = x.shape
+    N, NG = scales.shape
+    G = K // NG
+    xg = x.float().reshape(M, NG, G)
+    a = xg.abs().amax(-1)  # [M, NG]
+    inv = torch.where(a > 0, torch.tensor(127.0) / a, torch.zeros_like(a))
+    xq = torch.round(xg * inv[..., None]).clamp(-127, 127).to(torch.int64)  # round half to even
+    d = a / torch.tensor(127.0)
+    xs = xq.sum(-1)  # [M, NG]
+    isum = torch.einsum("mgk,ngk->mng", xq, q.to(torch.int64).reshape(N, NG, G))  # [M, N, NG], exact
+    sd = scales[None].float() * d[:, None, :]  # [M, N, NG], fp32 products
+    dxs = d * xs.float()  # [M, NG]
+    acc = (bias.float() if bias is not None else torch.zeros(N)).expand(M, N).double()
+    for g in range(NG):
+        acc = (sd[:, :, g].double() * isum[:, :, g].double() + acc).float().double()
+        if offsets is not None:
+            acc = (offsets[None, :, g].double() * dxs[:, None, g].double() + acc).float().double()
+    return acc.float()
