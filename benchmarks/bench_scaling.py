@@ -27,7 +27,7 @@ alone on a buffer of the same shape (the native CPU kernel, 30 layers, batch B, 
 
     python benchmarks/bench_scaling.py [--drafter DIR | --kind KIND] [--compare KIND|DIR ...] [--batches 1 2 4 8 16]
         [--contexts short 2048 8000] [--max-batch-long 4] [--new-tokens 64] [--reps 1] [--groups 1] [--no-full-tree]
-        [--adaptive] [--prompt-set mtbench|editing|sharegpt] [--ratio-reps 5] [--out DIR]
+        [--adaptive] [--prompt-set mtbench|editing|sharegpt] [--activations fp32|int8] [--ratio-reps 5] [--out DIR]
 
 Last, plain batch-1 decoding of a short and a 2048-token prompt, interleaved --ratio-reps times: the
 share of its short-context speed decoding keeps at 2k context (medians).
@@ -149,6 +149,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--adaptive", action="store_true", help="add budget='adaptive' as a variant")
     ap.add_argument("--prompt-set", choices=("mtbench", "editing", "sharegpt"), default="mtbench",
                     help="the short prompts: MT-Bench first turns, held-out ShareGPT editing turns or first turns")
+    ap.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
+                    help="the model's projections: exact (fp32 activations) or int8 dot products (load_model's)")
     ap.add_argument("--out", default=None, help="write scaling.csv / scaling.png there")
     ap.add_argument("--ratio-reps", type=int, default=5, help="interleaved reps of the plain short/long ratio")
     ap.add_argument("--ratio-context", type=int, default=2048)
@@ -156,7 +158,7 @@ def main(argv=None) -> list[dict]:
                     help="K/V buffers the attention timing cycles through (more than the LLC: memory reads)")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
-    model, tok = hk.load_model(device="cpu")
+    model, tok = hk.load_model(device="cpu", activations=args.activations)
     if args.drafter and args.kind:
         ap.error("--drafter and --kind both pick the main drafter: give one")
     name = args.kind or args.drafter
