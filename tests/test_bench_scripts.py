@@ -193,3 +193,14 @@ def test_bench_cpu_peers_reads_another_gguf_of_the_model(tmp_path, monkeypatch):
                                               "--decoders", "plain", "combined", "--gguf", str(copy)])
     assert [r["decoder"] for r in rows] == ["plain", "combined"] and all(r["same_as_fp32"] == "1/1" for r in rows)
     assert any(p.name.startswith("smollm2-copy-") for p in (tmp_path / "cache").iterdir())
+
+
+def test_bench_int8_agreement_runs(tmp_path):
+    from hydra_kernels.ops.int8_dot_linear import int8_dot_linear_available
+
+    if not int8_dot_linear_available():
+        pytest.skip("no int8 dot kernel here (AVX-512 VNNI)")
+    rows = _run_returning("bench_int8_agreement", ["--prompts", "1", "--new-tokens", "8", "--out", str(tmp_path)])
+    assert [r["prompt"] for r in rows] == [0, "all"] and rows[-1]["positions"] == 8
+    assert 0.5 <= rows[-1]["top1_agreement"] <= 1 and 0 <= rows[-1]["kl_mean"] < 0.1
+    assert len(_rows(tmp_path / "int8_agreement.csv")) == 2
