@@ -1,6 +1,7 @@
 """`make demo`: stream a chat answer from the embedded default with the shipped drafter measured fastest at
 batch 1 (default.json's batch_1 kind where it has one, else its default kind: now the combined drafter), then
-the same prompt with plain greedy decoding, and print both speeds (the outputs are checked equal)."""
+the same prompt with plain greedy decoding, and print both speeds (the outputs are checked equal); where the CPU runs
+the int8 dot kernel, plain decoding on int8 activations too (the faster, opt-in arithmetic: another model)."""
 from __future__ import annotations
 
 import io
@@ -61,6 +62,26 @@ def main() -> None:
     else:
         out = generate(model, [ids], max_new_tokens=n, streamer=TextStreamer(tok))
         print(f"\n\nplain greedy decoding: {len(out.sequences[0])} tokens, {out.tokens_per_second:.1f} tokens/s")
+    int8_plain(ids, out.sequences[0], n, tok)
+
+
+def int8_plain(ids: list[int], exact: list[int], n: int, tok) -> None:
+    """Plain greedy decoding of the prompt on int8 activations (hk.load_model(activations="int8")), where this CPU runs
+    it: its speed, and how many of its first tokens are the exact model's (`exact`)."""
+    import hydra_kernels as hk
+
+    from .chat import TextStreamer
+    from .generate import generate
+    from .ops.int8_dot_linear import int8_dot_linear_available
+
+    if not int8_dot_linear_available():
+        return
+    model, _ = hk.load_model(activations="int8")
+    generate(model, [ids], max_new_tokens=8)
+    out = generate(model, [ids], max_new_tokens=n, streamer=TextStreamer(tok, out=io.StringIO()))
+    same = next((i for i, (a, b) in enumerate(zip(out.sequences[0], exact)) if a != b), min(len(exact), n))
+    print(f"plain greedy on int8 activations (hk.load_model(activations='int8'), llama.cpp's arithmetic; another model, "
+          f"its first {same} tokens the same here): {out.tokens_per_second:.1f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -131,3 +131,16 @@ def test_bad_requests_say_what_to_change():
     run = subprocess.run([sys.executable, "-c", "import hydra_kernels as hk; hk.load_model(activations='int8')"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "AVX-512 VNNI" in run.stderr and "activations='fp32'" in run.stderr
+
+
+def test_the_demo_shows_int8_activations_beside_the_exact_model(int8_smollm2, prompts, capsys):
+    from hydra_kernels.demo import int8_plain
+
+    model, tok = int8_smollm2
+    exact = generate(hk.load_model()[0], [prompts[0]], max_new_tokens=12).sequences[0]
+    int8_plain(prompts[0], exact, 12, tok)
+    line = capsys.readouterr().out
+    assert "plain greedy on int8 activations" in line and "tokens/s" in line
+    same = generate(model, [prompts[0]], max_new_tokens=12).sequences[0]
+    k = next((i for i, (a, b) in enumerate(zip(same, exact)) if a != b), 12)
+    assert f"its first {k} tokens the same here" in line
