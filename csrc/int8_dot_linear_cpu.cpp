@@ -350,30 +350,13 @@ void check_dot_panel_count(const at::Tensor& packed, int64_t N) {
 // q int8 [N, K] (4 bits: 0..15), s fp32 [N, K/G], o fp32 [N, K/G] or None -> uint8 [P, 2, K/G, GB] (the layout above)
 at::Tensor pack_int8_dot_weight_cpu(const at::Tensor& q, const at::Tensor& s, const std::optional<at::Tensor>& o,
                                     int64_t bits, bool half_scales) {
-  TORCH_CHECK(bits == 4 || bits == 8, "pack_int8_dot_weight: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_int8_dot_weight: q must be int8 [N, K], got ",
-              q.scalar_type(), " ", q.sizes());
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.scalar_type() == at::kFloat && s.size(1) > 0 && K % s.size(1) == 0,
-              "pack_int8_dot_weight: scales must be fp32 [N=", N, ", K/G] with G dividing K=", K, ", got ",
-              s.scalar_type(), " ", s.sizes());
-  TORCH_CHECK(!o.has_value() || (o->sizes() == s.sizes() && o->scalar_type() == at::kFloat),
-              "pack_int8_dot_weight: offsets must be fp32 shaped like the scales ", s.sizes());
-  const int64_t NG = s.size(1), G = K / NG;
-  TORCH_CHECK(G % 4 == 0, "pack_int8_dot_weight: groups must hold a multiple of 4 inputs (the kernel sums 4 a lane), "
-              "got ", G, "; use the exact kernel (quantized_linear) for this weight");
-  if (bits == 4)
-    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
-                "pack_int8_dot_weight: 4-bit q must hold values 0..15");
+  // G % 4: the kernel sums 4 inputs a lane (the exact kernel, quantized_linear, takes other groups)
+  const int64_t G = check_pack_arguments("pack_int8_dot_weight", q, s, o, bits, half_scales, 4);
+  const int64_t N = q.size(0), K = q.size(1), NG = s.size(1);
   const at::Tensor sc = s.contiguous(), qc = q.contiguous();
   const at::Tensor oc = o.has_value() ? o->contiguous() : at::Tensor();
   const float* sp = sc.data_ptr<float>();
   const float* op = oc.defined() ? oc.data_ptr<float>() : nullptr;
-  if (half_scales)
-    for (const float* v : {sp, op})
-      for (int64_t i = 0; v != nullptr && i < N * NG; ++i)
-        TORCH_CHECK(static_cast<float>(c10::Half(v[i])) == v[i], "pack_int8_dot_weight: half_scales needs every scale ",
-                    "and offset to be an fp16 value, got ", v[i]);
   const int64_t header = kHalf * (half_scales ? 2 : 4) * (op ? 2 : 1), qb = kHalf * 4 * bits / 8;
   const int64_t GB = header + (G / 4) * qb, P = (N + kPanel - 1) / kPanel;
   at::Tensor packed = at::zeros({P, 2, NG, GB}, q.options().dtype(at::kByte));

@@ -328,21 +328,9 @@ void panel_tile(Isa isa, const float* x, int64_t ldx, int rows, const uint8_t* p
 // half_scales: store s and o as fp16 (each must be an fp16 value: checked), else fp32.
 at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, const std::optional<at::Tensor>& o,
                                      int64_t bits, bool half_scales) {
-  TORCH_CHECK(bits == 4 || bits == 8, "pack_quantized_weight: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, "pack_quantized_weight: q must be int8 [N, K], got ",
-              q.scalar_type(), " ", q.sizes());
-  const int64_t N = q.size(0), K = q.size(1);
-  TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.scalar_type() == at::kFloat && s.size(1) > 0 && K % s.size(1) == 0,
-              "pack_quantized_weight: scales must be fp32 [N=", N, ", K/G] with G dividing K=", K, ", got ",
-              s.scalar_type(), " ", s.sizes());
-  TORCH_CHECK(!o.has_value() || (o->sizes() == s.sizes() && o->scalar_type() == at::kFloat),
-              "pack_quantized_weight: offsets must be fp32 shaped like the scales ", s.sizes());
-  const int64_t NG = s.size(1), G = K / NG;
-  TORCH_CHECK(bits == 8 || G % 2 == 0, "pack_quantized_weight: 4-bit groups must hold an even number of inputs, got ",
-              G);
-  if (bits == 4)
-    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15),
-                "pack_quantized_weight: 4-bit q must hold values 0..15");
+  // a 4-bit byte holds two inputs of one column
+  const int64_t G = check_pack_arguments("pack_quantized_weight", q, s, o, bits, half_scales, bits == 4 ? 2 : 1);
+  const int64_t N = q.size(0), K = q.size(1), NG = s.size(1);
   const int64_t header = header_bytes(half_scales) * (o.has_value() ? 2 : 1), GB = header + G * kPanel * bits / 8;
   const int64_t P = (N + kPanel - 1) / kPanel;
   at::Tensor packed = at::zeros({P, NG, GB}, q.options().dtype(at::kByte));
@@ -351,11 +339,6 @@ at::Tensor pack_quantized_weight_cpu(const at::Tensor& q, const at::Tensor& s, c
   const int8_t* qp = qc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   const float* op = oc.defined() ? oc.data_ptr<float>() : nullptr;
-  if (half_scales)
-    for (const float* v : {sp, op})
-      for (int64_t i = 0; v != nullptr && i < N * NG; ++i)
-        TORCH_CHECK(static_cast<float>(c10::Half(v[i])) == v[i], "pack_quantized_weight: half_scales needs every scale ",
-                    "and offset to be an fp16 value, got ", v[i]);
   uint8_t* out = packed.data_ptr<uint8_t>();
   // a group's scales and offsets as stored: fp32, or the fp16 bits of each
   const auto put = [half_scales](uint8_t* header_start, int64_t idx, float v) {
@@ -462,6 +445,33 @@ at::Tensor quantized_rows_cpu(const at::Tensor& packed, const at::Tensor& ids, i
 int64_t quantized_linear_isa() { return resolve_isa(kAuto); }
 
 }  // namespace
+
+int64_t check_pack_arguments(const char* op, const at::Tensor& q, const at::Tensor& s, const std::optional<at::Tensor>& o,
+                             int64_t bits, bool half_scales, int64_t g_multiple) {
+  TORCH_CHECK(bits == 4 || bits == 8, op, ": bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar, op, ": q must be int8 [N, K], got ", q.scalar_type(), " ",
+              q.sizes());
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(s.dim() == 2 && s.size(0) == N && s.scalar_type() == at::kFloat && s.size(1) > 0 && K % s.size(1) == 0, op,
+              ": scales must be fp32 [N=", N, ", K/G] with G dividing K=", K, ", got ", s.scalar_type(), " ", s.sizes());
+  TORCH_CHECK(!o.has_value() || (o->sizes() == s.sizes() && o->scalar_type() == at::kFloat), op,
+              ": offsets must be fp32 shaped like the scales ", s.sizes());
+  const int64_t G = K / s.size(1);
+  TORCH_CHECK(G % g_multiple == 0, op, ": groups must hold a multiple of ", g_multiple, " inputs here, got ", G);
+  if (bits == 4)
+    TORCH_CHECK(q.numel() == 0 || (q.min().item<int>() >= 0 && q.max().item<int>() <= 15), op,
+                ": 4-bit q must hold values 0..15");
+  if (half_scales)
+    for (const at::Tensor* t : {&s, o.has_value() ? &*o : nullptr}) {
+      if (t == nullptr) continue;
+      const at::Tensor c = t->contiguous();
+      const float* v = c.data_ptr<float>();
+      for (int64_t i = 0; i < c.numel(); ++i)
+        TORCH_CHECK(static_cast<float>(c10::Half(v[i])) == v[i], op, ": half_scales needs every scale and offset to ",
+                    "be an fp16 value, got ", v[i]);
+    }
+  return G;
+}
 
 void quantized_linear_into(const float* x, int64_t M, const at::Tensor& packed, int64_t N, int64_t bits, bool offset,
                            bool half_scales, const float* bias, float* y) {

@@ -29,6 +29,12 @@ void int8_dot_linear_into(const float* x, int64_t M, const at::Tensor& packed, i
                           bool half_scales, const float* bias, float* y);
 void check_int8_dot_panels(const at::Tensor& packed, int64_t N, int64_t K, int64_t bits, bool offset, bool half_scales);
 
+// The pack ops' arguments (pack_quantized_weight, pack_int8_dot_weight; `op` names the caller): q int8 [N, K] (4 bits:
+// values 0..15), scales fp32 [N, K / G] with G dividing K (and G % g_multiple == 0), offsets fp32 shaped like them or
+// none; with half_scales every scale and offset an fp16 value. Refuses anything else (TORCH_CHECK); returns G.
+int64_t check_pack_arguments(const char* op, const at::Tensor& q, const at::Tensor& s, const std::optional<at::Tensor>& o,
+                             int64_t bits, bool half_scales, int64_t g_multiple);
+
 // Refuses (TORCH_CHECK) panels that are not the quantized_linear op's layout for an [N, K] weight.
 void check_quantized_panels(const at::Tensor& packed, int64_t N, int64_t K, int64_t bits, bool offset, bool half_scales);
 

@@ -12,7 +12,7 @@ from hydra_kernels.ops import reference
 from hydra_kernels.ops.int8_dot_linear import (DOT_ISA_PORTABLE, DOT_ISA_VNNI, Int8DotPanels, int8_dot_linear_available,
                                                int8_dot_linear_isa)
 from hydra_kernels.ops.quantized_linear import QuantizedPanels
-from test_quantized_linear import FLAGS, poison_then
+from test_quantized_linear import FLAGS, poison_then, random_blocks
 
 pytestmark = pytest.mark.skipif(int8_dot_linear_isa() == 0, reason="the extension is not built")
 
@@ -20,14 +20,10 @@ ISAS = [DOT_ISA_PORTABLE] + ([DOT_ISA_VNNI] if int8_dot_linear_available() else 
 
 
 def weight(N: int, K: int, G: int, bits: int, offset: bool, gen: torch.Generator):
-    """q in the format's range, scales and offsets fp16 values (as GGUF stores d and m)."""
-    if bits == 4:
-        q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int8)
-    else:
-        q = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int8)
-    s = (torch.randn(N, K // G, generator=gen) * 0.02).half().float()
-    o = (torch.randn(N, K // G, generator=gen) * 0.1).half().float() if offset else None
-    return q, s, o
+    """(q, scales, offsets) tensors of test_quantized_linear's random_blocks: q in the format's range, scales and
+    offsets fp16 values (as GGUF stores d and m)."""
+    bw = random_blocks(N, K, G, bits, offset, gen)
+    return torch.from_numpy(bw.q), torch.from_numpy(bw.s), None if bw.o is None else torch.from_numpy(bw.o)
 
 
 def activations(M: int, K: int, G: int, gen: torch.Generator) -> torch.Tensor:
@@ -127,7 +123,7 @@ def test_bad_input_is_refused_with_a_message():
     ops = torch.ops.hydra_kernels
     gen = torch.Generator().manual_seed(0)
     q, s, o = weight(8, 12, 6, 4, True, gen)
-    with pytest.raises(RuntimeError, match="multiple of 4 inputs"):
+    with pytest.raises(RuntimeError, match="groups must hold a multiple of 4 inputs here, got 6"):
         ops.pack_int8_dot_weight(q, s, o, 4, True)
     q, s, o = weight(8, 64, 32, 4, True, gen)
     d = Int8DotPanels.of(QuantizedPanels.pack(q, s, o, 4, True))
