@@ -55,7 +55,7 @@ namespace {
 
 constexpr int64_t kPanel = kPanelColumns, kHalf = kPanelColumns / 2;
 
-enum DotIsa : int64_t { kDotAuto = 0, kDotPortable = 1, kDotVnni = 3 };
+enum DotIsa : int64_t { kDotAuto = 0, kDotPortable = 1, kDotAvx2 = 2, kDotVnni = 3 };
 
 struct DotLayout {
   int bits;
@@ -147,14 +147,47 @@ __attribute__((target("avx512f,avx512bw"))) int32_t quantize_group_avx512(const 
   }
   return _mm512_reduce_add_epi32(sum);
 }
+
+// The same in AVX2 for G % 8 == 0 (the same argument: exact max, the same product, vcvtps2dq's rounding, the clamp).
+__attribute__((target("avx2,fma"))) int32_t quantize_group_avx2(const float* xg, int64_t G, int8_t* xq, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t k = 0; k < G; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float a = 0.0f;
+  for (float v : lanes) a = std::max(a, v);
+  *d = a / 127.0f;
+  if (!(a > 0.0f)) {
+    std::memset(xq, 0, G);
+    return 0;
+  }
+  const __m256 inv = _mm256_set1_ps(127.0f / a);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  __m256i sum = _mm256_setzero_si256();
+  alignas(32) int32_t v32[8];
+  for (int64_t k = 0; k < G; k += 8) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k), inv));
+    v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+    sum = _mm256_add_epi32(sum, v);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(v32), v);
+    for (int i = 0; i < 8; ++i) xq[k + i] = static_cast<int8_t>(v32[i]);
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(v32), sum);
+  int32_t total = 0;
+  for (int32_t v : v32) total += v;
+  return total;
+}
 #endif
 
 // One row's activations, per weight group: xq, d, d * xs (the offset's factor) and xs (the 8-bit bias fix).
-void quantize_row(const float* x, const DotLayout& l, bool avx512, int8_t* xq, float* d, float* dxs, int32_t* xs) {
+void quantize_row(const float* x, const DotLayout& l, DotIsa isa, int8_t* xq, float* d, float* dxs, int32_t* xs) {
   for (int64_t g = 0; g < l.NG; ++g) {
 #ifdef HK_X86
-    if (avx512 && l.G % 16 == 0)
+    if (isa == kDotVnni && l.G % 16 == 0)
       xs[g] = quantize_group_avx512(x + g * l.G, l.G, xq + g * l.G, d + g);
+    else if (isa == kDotAvx2 && l.G % 8 == 0)
+      xs[g] = quantize_group_avx2(x + g * l.G, l.G, xq + g * l.G, d + g);
     else
 #endif
       xs[g] = quantize_group(x + g * l.G, l.G, xq + g * l.G, d + g);
@@ -281,18 +314,101 @@ HalfPanelFn pick_vnni(const DotLayout& l, int rows) {
   if (l.bits == 4) return l.offset ? vnni_fn<4, true>(rows) : vnni_fn<4, false>(rows);
   return l.offset ? vnni_fn<8, true>(rows) : vnni_fn<8, false>(rows);
 }
+
+// ---- AVX2 (no VNNI): vpmaddubsw (u8 x s8 -> pairs summed in int16) then vpmaddwd by ones (-> the 4-input lane sum in
+// int32). Exact where no pair sum leaves int16: a 4-bit weight (<= 15) times |xq| <= 127, twice, is <= 3810. An 8-bit
+// weight (stored q + 128, up to 255) could reach 64770, so it goes as its two nibbles, each a 4-bit product, the high
+// one's sum times 16. 16 ymm registers: a quarter panel (16 columns: 2 ymm) at a time, up to 4 rows, the fp32
+// accumulators in y itself (a row's 16 outputs stay in L1), updated once a group in the definition's order.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load_scales8(const uint8_t* grp, bool half, int64_t idx) {
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * idx)));
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(grp) + idx);
+}
+
+template <int R, int BITS, bool OFF>
+__attribute__((target("avx2,fma,f16c"))) void half_panel_avx2(const QuantizedRow* rows, const uint8_t* panel,
+                                                              const DotLayout& l, int h, const float* bias, float* y,
+                                                              int64_t ldy, int ncols) {
+  const int64_t qb = l.quad_bytes(), QG = l.G / 4;
+  panel += h * l.half_bytes();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+  for (int u = 0; u < 2; ++u) {  // quarter u: the half's columns [16u, 16u + 16)
+    const int c0 = kHalf * h + 16 * u, left = ncols - c0;
+    if (left <= 0) break;
+    alignas(32) float acc[R][16];
+    for (int m = 0; m < R; ++m)
+      for (int c = 0; c < 16; ++c) acc[m][c] = bias ? bias[c0 + c] : 0.0f;
+    for (int64_t g = 0; g < l.NG; ++g) {
+      const uint8_t* grp = panel + g * l.GB;
+      const uint8_t* qd = grp + l.header;
+      __m256i isum[R][2];
+      for (int m = 0; m < R; ++m) isum[m][0] = isum[m][1] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < QG; ++j) {
+        // w[v]: columns 16u + 8v .. + 7, 4 inputs a lane (BITS 8: the low nibbles; hi: the high ones)
+        __m256i w[2], wh[2];
+        if (BITS == 4) {
+          for (int v = 0; v < 2; ++v) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qd + j * qb + 32 * v));
+            w[v] = u == 0 ? _mm256_and_si256(b, low4) : _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+          }
+        } else {
+          for (int v = 0; v < 2; ++v) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qd + j * qb + 64 * u + 32 * v));
+            w[v] = _mm256_and_si256(b, low4);
+            wh[v] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+          }
+        }
+        for (int m = 0; m < R; ++m) {
+          const __m256i xb = _mm256_set1_epi32(rows[m].quads[g * QG + j]);
+          for (int v = 0; v < 2; ++v) {
+            __m256i s32 = _mm256_madd_epi16(_mm256_maddubs_epi16(w[v], xb), ones);
+            if (BITS == 8) s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(wh[v], xb), sixteen));
+            isum[m][v] = _mm256_add_epi32(isum[m][v], s32);
+          }
+        }
+      }
+      for (int v = 0; v < 2; ++v) {
+        const __m256 s = load_scales8(grp, l.half, 16 * u + 8 * v);
+        const __m256 o = OFF ? load_scales8(grp, l.half, kHalf + 16 * u + 8 * v) : _mm256_setzero_ps();
+        for (int m = 0; m < R; ++m) {
+          __m256i is = isum[m][v];
+          if (BITS == 8) is = _mm256_sub_epi32(is, _mm256_set1_epi32(128 * rows[m].xs[g]));  // the +128 bias
+          __m256 a = _mm256_load_ps(acc[m] + 8 * v);
+          a = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(rows[m].d[g])), _mm256_cvtepi32_ps(is), a);
+          if (OFF) a = _mm256_fmadd_ps(o, _mm256_set1_ps(rows[m].dxs[g]), a);
+          _mm256_store_ps(acc[m] + 8 * v, a);
+        }
+      }
+    }
+    for (int m = 0; m < R; ++m) std::memcpy(y + m * ldy + c0, acc[m], sizeof(float) * std::min(left, 16));
+  }
+}
+
+template <int BITS, bool OFF>
+HalfPanelFn avx2_fn(int rows) {
+  static constexpr HalfPanelFn table[5] = {nullptr, half_panel_avx2<1, BITS, OFF>, half_panel_avx2<2, BITS, OFF>,
+                                           half_panel_avx2<3, BITS, OFF>, half_panel_avx2<4, BITS, OFF>};
+  return table[rows];
+}
+
+HalfPanelFn pick_avx2(const DotLayout& l, int rows) {
+  if (l.bits == 4) return l.offset ? avx2_fn<4, true>(rows) : avx2_fn<4, false>(rows);
+  return l.offset ? avx2_fn<8, true>(rows) : avx2_fn<8, false>(rows);
+}
 #endif
 
 DotIsa resolve_dot_isa(int64_t isa) {
-  TORCH_CHECK(isa == kDotAuto || isa == kDotPortable || isa == kDotVnni,
-              "int8_dot_linear: isa must be 0 (auto), 1 (portable) or 3 (AVX-512 VNNI), got ", isa);
-  if (isa == kDotAuto) return cpu_has_avx512_vnni() ? kDotVnni : kDotPortable;
+  TORCH_CHECK(isa >= kDotAuto && isa <= kDotVnni, "int8_dot_linear: isa must be 0 (auto), 1 (portable), 2 (AVX2) or ",
+              "3 (AVX-512 VNNI), got ", isa);
+  if (isa == kDotAuto) return cpu_has_avx512_vnni() ? kDotVnni : (cpu_has_avx2_fma() ? kDotAvx2 : kDotPortable);
   TORCH_CHECK(isa != kDotVnni || cpu_has_avx512_vnni(), "int8_dot_linear: this CPU has no AVX-512 VNNI (or HK_CPU_ISA ",
+              "limits the kernels below it)");
+  TORCH_CHECK(isa != kDotAvx2 || cpu_has_avx2_fma(), "int8_dot_linear: this CPU has no AVX2 + FMA (or HK_CPU_ISA ",
               "limits the kernels below it)");
   return static_cast<DotIsa>(isa);
 }
 
-constexpr int kTile = 6;
+constexpr int kTile = 6, kTileAvx2 = 4;  // rows a tile: the VNNI path's registers, the AVX2 path's
 
 void dot_panels_into(const float* x, int64_t M, const uint8_t* wp, const DotLayout& l, int64_t N, const float* bias,
                      float* y, DotIsa isa) {
@@ -316,10 +432,11 @@ void dot_panels_into(const float* x, int64_t M, const uint8_t* wp, const DotLayo
   // a row is ~K cheap vector ops: a step's rows on this thread, a prefill chunk's split across the threads
   at::parallel_for(0, M, std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K)), [&](int64_t r0, int64_t r1) {
     for (int64_t m = r0; m < r1; ++m)
-      quantize_row(x + m * K, l, isa == kDotVnni, xq + m * K, d + m * NG, dxs + m * NG, xs + m * NG);
+      quantize_row(x + m * K, l, isa, xq + m * K, d + m * NG, dxs + m * NG, xs + m * NG);
   });
-  for_each_panel_tile(M, N, bias, kTile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb,
-                                            int half) {
+  const int tile = isa == kDotAvx2 ? kTileAvx2 : kTile;
+  for_each_panel_tile(M, N, bias, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb,
+                                           int half) {
     QuantizedRow qr[kTile];
     const int8_t* xr[kTile];
     for (int m = 0; m < rows; ++m) {
@@ -332,6 +449,12 @@ void dot_panels_into(const float* x, int64_t M, const uint8_t* wp, const DotLayo
 #ifdef HK_X86
     if (isa == kDotVnni) {
       const HalfPanelFn fn = pick_vnni(l, rows);
+      if (half <= 0) fn(qr, panel, l, 0, pb, yt, N, ncols);
+      if (half != 0 && ncols > 32) fn(qr, panel, l, 1, pb, yt, N, ncols);
+      return;
+    }
+    if (isa == kDotAvx2) {
+      const HalfPanelFn fn = pick_avx2(l, rows);
       if (half <= 0) fn(qr, panel, l, 0, pb, yt, N, ncols);
       if (half != 0 && ncols > 32) fn(qr, panel, l, 1, pb, yt, N, ncols);
       return;
@@ -415,7 +538,7 @@ at::Tensor int8_dot_linear_cpu(const at::Tensor& x, const at::Tensor& packed, in
   return y.view(out_sizes);
 }
 
-// 3: AVX-512 VNNI, 1: the portable loop (slow: a reference, not a path to run a model on)
+// 3: AVX-512 VNNI, 2: AVX2, 1: the portable loop (slow: a reference, not a path to run a model on)
 int64_t int8_dot_linear_isa() { return resolve_dot_isa(kDotAuto); }
 
 }  // namespace

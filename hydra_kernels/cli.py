@@ -122,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
                         "fp32 (default) or quantized at load (int8, int4)")
     p.add_argument("--activations", default="fp32", choices=("fp32", "int8"),
                    help="quantized CPU weights: exact fp32 arithmetic (default), or int8 activations with integer dot "
-                        "products (AVX-512 VNNI; llama.cpp's scheme: faster, tokens may differ from the fp32 model's)")
+                        "products (AVX-512 VNNI or AVX2; llama.cpp's scheme: faster, tokens may differ from the fp32 model's)")
     p.add_argument("--backend", default="auto", choices=["auto", "reference", "triton", "native"])
     return p
 

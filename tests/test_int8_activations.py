@@ -15,15 +15,21 @@ import hydra_kernels as hk
 from hydra_kernels.budget import whole_tree_budget
 from hydra_kernels.chat import chat_prompt_ids
 from hydra_kernels.generate import generate
-from hydra_kernels.model.packed_linear import Linear
+from hydra_kernels.model.packed_linear import Linear, packed_linear_available
 from hydra_kernels.ops.int8_dot_linear import Int8DotPanels, int8_dot_linear_available
 from hydra_kernels.ops.quantized_linear import QuantizedPanels
 from hydra_kernels.training import mtbench_questions
 from test_decode_stack import model_of
+from test_quantized_linear import FLAGS
 from test_plain_step import assert_same_decoding, with_quantized_head
 from test_tree_step import assert_same_steps
 
-pytestmark = pytest.mark.skipif(not int8_dot_linear_available(), reason="the int8 dot kernel (AVX-512 VNNI)")
+pytestmark = pytest.mark.skipif(not int8_dot_linear_available(), reason="the int8 dot kernel (AVX-512 VNNI or AVX2)")
+
+
+# the small models of test_decode_stack (model_of) keep fp32 layers on the packed kernel (AVX-512), as the native
+# steps' own tests do
+needs_packed = pytest.mark.skipif(not packed_linear_available(), reason="the packed CPU kernel (AVX-512)")
 
 
 def int8_model(layout: str, seed: int, tied_head: bool | None = True):
@@ -34,6 +40,7 @@ def int8_model(layout: str, seed: int, tied_head: bool | None = True):
     return m
 
 
+@needs_packed
 @pytest.mark.parametrize("layout", ["a", "b"])
 @pytest.mark.parametrize("B", [1, 3])
 def test_native_plain_step_is_the_module_path_bit_for_bit(layout, B):
@@ -42,6 +49,7 @@ def test_native_plain_step_is_the_module_path_bit_for_bit(layout, B):
     assert_same_decoding(m, B)
 
 
+@needs_packed
 @pytest.mark.parametrize("layout", ["a", "b"])
 @pytest.mark.parametrize("B", [1, 3])
 def test_native_verify_step_is_the_module_path_bit_for_bit(layout, B):
@@ -49,6 +57,7 @@ def test_native_verify_step_is_the_module_path_bit_for_bit(layout, B):
     assert len(lengths) >= 3, f"accept lengths seen: {lengths}"
 
 
+@needs_packed
 def test_an_untied_quantized_head_and_fp32_head():
     assert_same_decoding(int8_model("a", seed=51, tied_head=False), 3)
     m = int8_model("b", seed=52, tied_head=None)  # the head stays fp32 panels: only the layers run int8
@@ -56,6 +65,7 @@ def test_an_untied_quantized_head_and_fp32_head():
     assert_same_decoding(m, 3)
 
 
+@needs_packed
 def test_a_layer_keeps_one_copy_and_its_state_dict_is_the_exact_models():
     exact = with_quantized_head(model_of("a", False, seed=60), tied=True, seed=60)
     want = {k: v.clone() for k, v in exact.state_dict().items()}
@@ -126,11 +136,44 @@ def test_bad_requests_say_what_to_change():
     with pytest.raises(ValueError, match="activations='int8' runs on quantized weights"):
         hk.load_model(weights="fp32", activations="int8")
     with pytest.raises(ValueError, match="load a quantized GGUF"):
-        model_of(False, False, seed=1).use_int8_activations()  # fp32 panels: nothing to run in int8
-    env = dict(os.environ, HK_CPU_ISA="avx2")
+        hk.load_model(weights="fp32")[0].use_int8_activations()  # fp32 weights: nothing to run in int8
+    env = dict(os.environ, HK_CPU_ISA="portable")  # as on a CPU without AVX2
     run = subprocess.run([sys.executable, "-c", "import hydra_kernels as hk; hk.load_model(activations='int8')"],
                          env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "AVX-512 VNNI" in run.stderr and "activations='fp32'" in run.stderr
+    assert run.returncode != 0 and "AVX-512 VNNI or AVX2" in run.stderr and "activations='fp32'" in run.stderr
+
+
+# the embedded model on int8 activations with every kernel limited to AVX2 (the int8 kernel's AVX2 path, as on a CPU
+# without AVX-512 VNNI): the native plain and verify steps run, and a drafted run emits the plain tokens
+AVX2_RUN = r"""
+import torch
+import hydra_kernels as hk
+from hydra_kernels.budget import whole_tree_budget
+from hydra_kernels.chat import chat_prompt_ids
+from hydra_kernels.generate import generate
+from hydra_kernels.model import plain_step, tree_step
+from hydra_kernels.ops.int8_dot_linear import DOT_ISA_AVX2, int8_dot_linear_isa
+assert int8_dot_linear_isa() == DOT_ISA_AVX2
+model, tok = hk.load_model(activations="int8")
+prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.")]
+calls, real = [], tree_step.TREE_GREEDY_STEP
+tree_step.TREE_GREEDY_STEP = lambda *a: calls.append(1) or real(*a)
+want = generate(model, prompts, max_new_tokens=24).sequences
+d = hk.load_drafter(model=model)
+spec = generate(model, prompts, drafter=d, max_new_tokens=24, budget=whole_tree_budget(d, None, "cpu"))
+assert spec.sequences == want and len(calls) == spec.num_steps > 0 and spec.mean_accepted_tokens > 1
+exact, _ = hk.load_model()
+same = generate(exact, prompts, max_new_tokens=24).sequences
+print("diverge", [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 24) for x, y in zip(want, same)])
+"""
+
+
+def test_the_avx2_path_runs_the_model_losslessly():
+    if not {"avx2", "fma", "f16c"} <= FLAGS:
+        pytest.skip("a CPU with AVX2, FMA and F16C")
+    env = {**os.environ, "HK_CPU_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-c", AVX2_RUN], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
 
 
 def test_the_demo_shows_int8_activations_beside_the_exact_model(int8_smollm2, prompts, capsys):

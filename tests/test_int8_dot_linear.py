@@ -1,7 +1,7 @@
 """The int8 dot kernel (csrc/int8_dot_linear_cpu.cpp, ops/int8_dot_linear.py): on fresh random weights of both widths,
 with and without offsets, fp16 and fp32 scales, groups of 4, 16 and 32 inputs, odd N (partial panels and halves) and
-M from 1 to 64 rows, its AVX-512 VNNI path and its portable loop give ops/reference.py's int8_dot_linear (the
-definition) to a few fp32 ulps, and each other bit for bit; a row's output is the same alone and among others (the
+M from 1 to 64 rows, its AVX-512 VNNI path, its AVX2 path and its portable loop give ops/reference.py's
+int8_dot_linear (the definition) to a few fp32 ulps, and each other bit for bit; a row's output is the same alone and among others (the
 property that keeps speculative decoding lossless on it); its error from the exact fp32 linear stays inside the
 rounding bound of its int8 activations; the layout round-trips to the weight's integers, scales and offsets; bad input
 is refused with a message."""
@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from hydra_kernels.ops import reference
-from hydra_kernels.ops.int8_dot_linear import (DOT_ISA_PORTABLE, DOT_ISA_VNNI, Int8DotPanels, int8_dot_linear_available,
+from hydra_kernels.ops.int8_dot_linear import (DOT_ISA_AVX2, DOT_ISA_PORTABLE, DOT_ISA_VNNI, Int8DotPanels,
                                                int8_dot_linear_isa)
 from hydra_kernels.ops.quantized_linear import QuantizedPanels
 from test_quantized_linear import FLAGS, poison_then, random_blocks
 
 pytestmark = pytest.mark.skipif(int8_dot_linear_isa() == 0, reason="the extension is not built")
 
-ISAS = [DOT_ISA_PORTABLE] + ([DOT_ISA_VNNI] if int8_dot_linear_available() else [])
+# every path this machine runs (HK_CPU_ISA may limit them): the portable loop, AVX2, AVX-512 VNNI
+ISAS = [i for i in (DOT_ISA_PORTABLE, DOT_ISA_AVX2, DOT_ISA_VNNI) if i <= int8_dot_linear_isa()]
 
 
 def weight(N: int, K: int, G: int, bits: int, offset: bool, gen: torch.Generator):
@@ -61,7 +62,7 @@ def test_every_path_computes_the_definition(N, K, G, bits, offset, half):
         outs = [poison_then(lambda x, isa=isa: d.linear(x, b, isa=isa))(x) for isa in ISAS]
         torch.testing.assert_close(outs[0], want, rtol=4 * 2.0 ** -23, atol=1e-6)  # fp32: a few ulps (docstring)
         for y in outs[1:]:
-            assert torch.equal(y, outs[0]), "the VNNI path and the portable loop differ"
+            assert torch.equal(y, outs[0]), "a vector path and the portable loop differ"
         alone = torch.cat([d.linear(x[i:i + 1], b) for i in range(M)])
         assert torch.equal(outs[-1], alone), f"a row's output depends on the other rows (M={M})"
 
@@ -132,23 +133,25 @@ def test_bad_input_is_refused_with_a_message():
     with pytest.raises(RuntimeError, match="bias must be fp32"):
         d.linear(torch.randn(2, 64), torch.randn(9))
     with pytest.raises(RuntimeError, match="isa must be"):
-        d.linear(torch.randn(2, 64), isa=2)
+        d.linear(torch.randn(2, 64), isa=4)
     with pytest.raises(RuntimeError, match="4-bit q must hold values 0..15"):
         ops.pack_int8_dot_weight(q - 1, s, o, 4, True)
     with pytest.raises(RuntimeError, match="N=200 does not match 1 panels"):
         ops.int8_dot_linear(torch.randn(2, 64), d.dot, 200, 4, True, None, 0, True)
     with pytest.raises(RuntimeError, match="uint8 \\[P, 2, K/G, group bytes\\]"):
         ops.int8_dot_linear(torch.randn(2, 64), d.dot[0], 8, 4, True, None, 0, True)
-    if not int8_dot_linear_available():
+    if int8_dot_linear_isa() < DOT_ISA_VNNI:
         with pytest.raises(RuntimeError, match="no AVX-512 VNNI"):
             d.linear(torch.randn(2, 64), isa=DOT_ISA_VNNI)
 
 
 def test_isa_report_matches_the_machine():
-    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS
     import os
-    limited = os.environ.get("HK_CPU_ISA") in ("avx2", "portable")
-    assert int8_dot_linear_isa() == (DOT_ISA_VNNI if vnni and not limited else DOT_ISA_PORTABLE)
+
+    limit = os.environ.get("HK_CPU_ISA", "avx512")
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= FLAGS and limit == "avx512"
+    avx2 = {"avx2", "fma", "f16c"} <= FLAGS and limit != "portable"
+    assert int8_dot_linear_isa() == (DOT_ISA_VNNI if vnni else DOT_ISA_AVX2 if avx2 else DOT_ISA_PORTABLE)
 
 
 def test_op_passes_torch_library_opcheck():

@@ -203,15 +203,15 @@ class Llama(nn.Module):
     def use_int8_activations(self) -> int:
         """CPU arithmetic choice for a model on quantized panels (a quantized GGUF, or weights="int8" / "int4"):
         every quantized projection, the LM head included, rounds its input to int8 per weight group and sums the
-        products in integers (ops/int8_dot_linear.py, AVX-512 VNNI), llama.cpp's scheme: ~2-3x faster projections at
+        products in integers (ops/int8_dot_linear.py, AVX-512 VNNI or AVX2), llama.cpp's scheme: ~2-3x faster projections at
         the step's few rows, and another model than the exact one (its tokens can differ from the fp32 model's;
         greedy speculative decoding still emits exactly its own plain decoding's tokens). The embedding and the
         drafters' LM-head rows keep the exact values (the head keeps its exact layout beside the dot one; a layer keeps
         only the dot layout: one copy of its weight). Returns the number of layers converted; raises where this CPU
         has no AVX-512 VNNI or the model holds no quantized panels."""
         if not int8_dot_linear_available():
-            raise ValueError("int8 activations need the extension and a CPU with AVX-512 VNNI (and HK_CPU_ISA not "
-                             "limiting the kernels below AVX-512); load with activations='fp32'")
+            raise ValueError("int8 activations need the extension and a CPU with AVX-512 VNNI or AVX2 (and HK_CPU_ISA "
+                             "not limiting the kernels below AVX2); load with activations='fp32'")
         mods = [m for m in self.modules() if isinstance(m, Linear) and isinstance(m._panels, QuantizedPanels)]
         if not mods:
             raise ValueError("int8 activations run on quantized weights: load a quantized GGUF (weights='quantized') "

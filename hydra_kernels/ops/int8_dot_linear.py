@@ -2,7 +2,8 @@
 Python reaches it.
 
 The weights are the same (q, s, o) groups as ops/quantized_linear.py's; what changes is the arithmetic: each row's
-activations are rounded to int8 per weight group and multiplied with the weights in integers (AVX-512 VNNI), which
+activations are rounded to int8 per weight group and multiplied with the weights in integers (AVX-512 VNNI, or AVX2's
+vpmaddubsw), which
 is llama.cpp's scheme on the CPU. The result is a slightly different model from the exact kernel's (ops/reference.py:
 int8_dot_linear is the definition), so a model runs it only where asked (Llama.use_int8_activations); but a row's
 result is fixed by the definition, whatever the number of rows or the ISA, so speculative decoding with it emits
@@ -17,15 +18,15 @@ import torch
 from .packed_linear import LazyOp
 from .quantized_linear import ISA_AUTO, QuantizedPanels, header_bytes
 
-# ISA codes of the kernel's `isa` argument: tests force the portable loop beside the VNNI path
-DOT_ISA_AUTO, DOT_ISA_PORTABLE, DOT_ISA_VNNI = 0, 1, 3
+# ISA codes of the kernel's `isa` argument: tests force each path (the portable loop is the slow reference)
+DOT_ISA_AUTO, DOT_ISA_PORTABLE, DOT_ISA_AVX2, DOT_ISA_VNNI = 0, 1, 2, 3
 
 _ISA: int | None = None
 
 
 def int8_dot_linear_isa() -> int:
-    """DOT_ISA_VNNI where this CPU has AVX-512 VNNI (and HK_CPU_ISA does not limit the kernels below it),
-    DOT_ISA_PORTABLE where only the (slow) portable loop runs, 0 without the extension."""
+    """DOT_ISA_VNNI where this CPU has AVX-512 VNNI, else DOT_ISA_AVX2 with AVX2 + FMA (HK_CPU_ISA can limit it
+    to either below), DOT_ISA_PORTABLE where only the (slow) portable loop runs, 0 without the extension."""
     global _ISA
     if _ISA is None:
         try:
@@ -38,8 +39,8 @@ def int8_dot_linear_isa() -> int:
 
 
 def int8_dot_linear_available() -> bool:
-    """The extension is built and this CPU runs the kernel's vector path (AVX-512 VNNI)."""
-    return int8_dot_linear_isa() == DOT_ISA_VNNI
+    """The extension is built and this CPU runs a vector path of the kernel (AVX-512 VNNI or AVX2)."""
+    return int8_dot_linear_isa() in (DOT_ISA_AVX2, DOT_ISA_VNNI)
 
 
 @dataclass(frozen=True)
