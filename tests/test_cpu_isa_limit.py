@@ -65,3 +65,41 @@ def test_a_bad_isa_limit_is_refused_at_import():
     run = subprocess.run([sys.executable, "-c", "import hydra_kernels"], env=env, capture_output=True, text=True,
                          timeout=120)
     assert run.returncode != 0 and "HK_CPU_ISA must be avx512, avx2 or portable" in run.stderr
+
+
+# the tree attention's row kernel (the path of every CPU without the AVX-512 passes) compiled for AVX2 + FMA and
+# compiled without: the same values bit for bit (its lanes keep one order: csrc/tree_attention_cpu.cpp), on awkward
+# shapes (head_dim 40 with a tail of lanes, 64, 288; GQA; trees; an empty prefix)
+ROW_KERNEL_RUN = r"""
+import sys
+import torch
+import hydra_kernels._C  # noqa: F401
+sys.path.insert(0, "tests")
+from helpers import random_tree_batch
+outs = []
+for seed, Hq, Hkv, D, sizes, seqlens in [(1, 9, 3, 64, [1], [300]), (2, 4, 2, 40, [5, 1], [0, 70]),
+                                         (3, 4, 1, 288, [3, 2], [40, 7]), (4, 6, 3, 24, [2], [9])]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = random_tree_batch(gen, sizes)[1].mask
+    B, T = mask.shape[:2]
+    kv = torch.randn(2, B, max(seqlens) + T + 2, Hkv, D, generator=gen)
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    outs.append(torch.ops.hydra_kernels.tree_attention(q, kv[0], kv[1], torch.tensor(seqlens, dtype=torch.int32),
+                                                       mask, None))
+torch.save(outs, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= FLAGS, reason="a CPU with AVX2 and FMA")
+def test_the_row_kernel_compiled_for_avx2_is_the_portable_one(tmp_path):
+    import torch
+
+    got = {}
+    for limit in ("avx2", "portable"):
+        out = tmp_path / f"{limit}.pt"
+        run = subprocess.run([sys.executable, "-c", ROW_KERNEL_RUN, str(out)], env={**os.environ, "HK_CPU_ISA": limit},
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-4000:]
+        got[limit] = torch.load(out)
+    for a, b in zip(got["avx2"], got["portable"]):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
