@@ -232,6 +232,9 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
   const std::vector<int64_t> kind_list(kinds.begin(), kinds.end());
   std::vector<const float*> bias_ptrs(biases.size(), nullptr);
   const int64_t outputs[4] = {(n_heads + 2 * n_kv_heads) * D, H, 2 * intermediate, H};  // wqkv, wo, w13, w2
+  const int64_t inputs[4] = {H, n_heads * D, H, intermediate};
+  for (size_t i = 0; i < weights.size(); ++i)  // a quantized weight's layout against its projection's shape
+    if (kind_list[i] != 0) check_quantized_kind(weights[i], kind_list[i], outputs[i % 4], inputs[i % 4]);
   for (size_t i = 0; i < biases.size(); ++i) {
     const std::optional<at::Tensor> b = biases.get(i);
     if (!b.has_value()) continue;

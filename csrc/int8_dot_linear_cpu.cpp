@@ -13,7 +13,9 @@
 // The definition (ops/reference.py: int8_dot_linear), per row m and weight group g of G inputs (the weight's
 // groups: w[n, k] = s[n, g] q[n, k] (+ o[n, g])):
 //   a = max_k |x[m, k]| over the group; d = a / 127; xq[m, k] = nearbyint(x[m, k] * (127 / a)) clamped to
-//   [-127, 127] (all 0 where a = 0); xs = sum_k xq[m, k]; isum[n] = sum_k q[n, k] xq[m, k] (integers: exact);
+//   [-127, 127]; all 0 where 127 / a is not finite (a = 0, or a below ~3.7e-37); a group with an inf or a NaN input:
+//   xq all 0 and d = NaN (its row's outputs NaN, as the exact kernel's would be); xs = sum_k xq[m, k];
+//   isum[n] = sum_k q[n, k] xq[m, k] (integers: exact);
 //   then, g ascending from acc = bias[n] (or 0): acc = fma(s[n, g] * d, isum[n], acc), and with an offset
 //   acc = fma(o[n, g], d * xs, acc).
 // Every product and sum above is fixed by the definition (the integer sums are exact, the fp32 steps run in this
@@ -39,6 +41,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -100,16 +103,22 @@ struct QuantizedRow {
 };
 
 // One group's quantization (the definition above), the portable loop: a = max |x|, xq = nearbyint(x * (127 / a))
-// clamped to [-127, 127]; returns xs = sum xq and writes d = a / 127.
+// clamped to [-127, 127]; returns xs = sum xq and writes d = a / 127. The cases with no finite scale first: an inf
+// or NaN input (|x| <= FLT_MAX fails) -> d = NaN; 127 / a not finite -> xq = 0 (and d = a / 127).
 int32_t quantize_group(const float* xg, int64_t G, int8_t* xq, float* d) {
   float a = 0.0f;
-  for (int64_t k = 0; k < G; ++k) a = std::max(a, std::fabs(xg[k]));
-  *d = a / 127.0f;
-  if (!(a > 0.0f)) {
+  bool finite = true;
+  for (int64_t k = 0; k < G; ++k) {
+    const float v = std::fabs(xg[k]);
+    finite = finite && v <= std::numeric_limits<float>::max();
+    a = std::max(a, v);
+  }
+  *d = finite ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inv = 127.0f / a;
+  if (!finite || !(inv <= std::numeric_limits<float>::max())) {
     std::memset(xq, 0, G);
     return 0;
   }
-  const float inv = 127.0f / a;
   int32_t sum = 0;
   for (int64_t k = 0; k < G; ++k) {
     const float r = std::nearbyint(xg[k] * inv);  // round half to even (the default rounding mode)
@@ -121,22 +130,29 @@ int32_t quantize_group(const float* xg, int64_t G, int8_t* xq, float* d) {
 }
 
 #ifdef HK_X86
-// The same for G % 16 == 0 in AVX-512: max is exact in any order; x * inv is the same IEEE product; vcvtps2dq rounds
-// by MXCSR, half to even by default, as nearbyint; the clamp of the rounded value then the saturating pack give the
-// same integers. So the values equal the loop's (the VNNI path uses this, the portable path the loop: the tests'
+// The same for G % 16 == 0 in AVX-512: the same non-finite cases first; then max is exact in any order; x * inv is
+// the same IEEE product (finite, |x * inv| <= 127 and a bit); vcvtps2dq rounds by MXCSR, half to even by default, as
+// nearbyint; the clamp of the rounded value then the saturating pack give the same integers. So the values equal the loop's (the VNNI path uses this, the portable path the loop: the tests'
 // VNNI-vs-portable comparison checks it). ~10x the loop, which ran on one thread while the other waited: 0.8 ms of
 // a 6-row verify step (2026-11-29, EPYC VM, perf).
 __attribute__((target("avx512f,avx512bw"))) int32_t quantize_group_avx512(const float* xg, int64_t G, int8_t* xq,
                                                                           float* d) {
+  const __m512 big = _mm512_set1_ps(std::numeric_limits<float>::max());
   __m512 m = _mm512_setzero_ps();
-  for (int64_t k = 0; k < G; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xg + k)));
-  const float a = _mm512_reduce_max_ps(m);
-  *d = a / 127.0f;
-  if (!(a > 0.0f)) {
+  __mmask16 bad = 0;  // an inf or NaN input: |x| <= FLT_MAX fails (unordered for NaN)
+  for (int64_t k = 0; k < G; k += 16) {
+    const __m512 v = _mm512_abs_ps(_mm512_loadu_ps(xg + k));
+    bad |= _mm512_cmp_ps_mask(v, big, _CMP_NLE_UQ);
+    m = _mm512_max_ps(m, v);
+  }
+  const float a = _mm512_reduce_max_ps(m);  // exact in any order (no NaN reaches here that counts: bad says so)
+  *d = bad == 0 ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inv_s = 127.0f / a;
+  if (bad != 0 || !(inv_s <= std::numeric_limits<float>::max())) {
     std::memset(xq, 0, G);
     return 0;
   }
-  const __m512 inv = _mm512_set1_ps(127.0f / a);
+  const __m512 inv = _mm512_set1_ps(inv_s);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   __m512i sum = _mm512_setzero_si512();
   for (int64_t k = 0; k < G; k += 16) {
@@ -150,19 +166,25 @@ __attribute__((target("avx512f,avx512bw"))) int32_t quantize_group_avx512(const 
 
 // The same in AVX2 for G % 8 == 0 (the same argument: exact max, the same product, vcvtps2dq's rounding, the clamp).
 __attribute__((target("avx2,fma"))) int32_t quantize_group_avx2(const float* xg, int64_t G, int8_t* xq, float* d) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), big = _mm256_set1_ps(std::numeric_limits<float>::max());
   __m256 m = _mm256_setzero_ps();
-  for (int64_t k = 0; k < G; k += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + k)));
+  int bad = 0;  // an inf or NaN input: |x| <= FLT_MAX fails (unordered for NaN)
+  for (int64_t k = 0; k < G; k += 8) {
+    const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(xg + k));
+    bad |= _mm256_movemask_ps(_mm256_cmp_ps(v, big, _CMP_NLE_UQ));
+    m = _mm256_max_ps(m, v);
+  }
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, m);
   float a = 0.0f;
   for (float v : lanes) a = std::max(a, v);
-  *d = a / 127.0f;
-  if (!(a > 0.0f)) {
+  *d = bad == 0 ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inv_s = 127.0f / a;
+  if (bad != 0 || !(inv_s <= std::numeric_limits<float>::max())) {
     std::memset(xq, 0, G);
     return 0;
   }
-  const __m256 inv = _mm256_set1_ps(127.0f / a);
+  const __m256 inv = _mm256_set1_ps(inv_s);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   __m256i sum = _mm256_setzero_si256();
   alignas(32) int32_t v32[8];
@@ -319,7 +341,8 @@ HalfPanelFn pick_vnni(const DotLayout& l, int rows) {
 // int32). Exact where no pair sum leaves int16: a 4-bit weight (<= 15) times |xq| <= 127, twice, is <= 3810. An 8-bit
 // weight (stored q + 128, up to 255) could reach 64770, so it goes as its two nibbles, each a 4-bit product, the high
 // one's sum times 16. 16 ymm registers: a quarter panel (16 columns: 2 ymm) at a time, up to 4 rows, the fp32
-// accumulators in y itself (a row's 16 outputs stay in L1), updated once a group in the definition's order.
+// accumulators in a small array on the stack (a row's 16 outputs, in L1), updated once a group in the definition's
+// order, then copied to y.
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load_scales8(const uint8_t* grp, bool half, int64_t idx) {
   if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 2 * idx)));
   return _mm256_loadu_ps(reinterpret_cast<const float*>(grp) + idx);

@@ -101,7 +101,7 @@ struct RowArgs {
 
 // The row kernel's arithmetic, one order on every machine without the AVX-512 passes: each score is a dot product over D
 // in 8 lanes (lane l takes the inputs d = l mod 8 in increasing d, one fma each), the lanes folded 8 -> 4 -> 2 -> 1
-// (lane l += lane l + s); the softmax and the weighted sum of V as written. The compiler may vectorize the lanes and
+// (lane l += lane l + w, w = 4, 2, 1); the softmax and the weighted sum of V as written. The compiler may vectorize the lanes and
 // the columns of the V sum, which keeps each one's sequence of roundings, so the result is the same compiled for AVX2 +
 // FMA (attend_row_avx2: vfmadd for std::fma, 8 lanes one ymm) or without (attend_row_portable: libm's fmaf, exact
 // too). Before: one fma chain over D, a libm call each, ~60% of an AVX2 step (2026-11-29, EPYC VM under

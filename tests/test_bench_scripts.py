@@ -199,7 +199,7 @@ def test_bench_int8_agreement_runs(tmp_path):
     from hydra_kernels.ops.int8_dot_linear import int8_dot_linear_available
 
     if not int8_dot_linear_available():
-        pytest.skip("no int8 dot kernel here (AVX-512 VNNI)")
+        pytest.skip("no int8 dot kernel here (AVX-512 VNNI or AVX2)")
     rows = _run_returning("bench_int8_agreement", ["--prompts", "1", "--new-tokens", "8", "--out", str(tmp_path)])
     assert [r["prompt"] for r in rows] == [0, "all"] and rows[-1]["positions"] == 8
     assert 0.5 <= rows[-1]["top1_agreement"] <= 1 and 0 <= rows[-1]["kl_mean"] < 0.1

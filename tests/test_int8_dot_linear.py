@@ -28,15 +28,20 @@ def weight(N: int, K: int, G: int, bits: int, offset: bool, gen: torch.Generator
 
 
 def activations(M: int, K: int, G: int, gen: torch.Generator) -> torch.Tensor:
-    """Random rows with the awkward groups a model gives: one all zero (a = 0), one with a single non-zero input, one
-    of tiny values, one of large ones."""
+    """Random rows with the awkward groups a model gives: an all-zero group (a = 0) and one with a single non-zero
+    input; a group whose scaled inputs tie at .5 (max 127: 127 / a = 1 exactly, so 0.5, 1.5, 2.5, -2.5 round half to
+    even); a group below the smallest finite scale (127 / a overflows: all 0); a row of tiny values and one of large."""
     x = torch.randn(M, K, generator=gen) * 2.0
     x[0, :G] = 0.0
     if K >= 2 * G:
         x[0, G:2 * G] = 0.0
         x[0, G + 1] = -3.5
+    if K >= 3 * G:
+        x[0, 2 * G:3 * G] = 1e-38 * torch.randn(G, generator=gen)  # a ~ 1e-38: 127 / a is inf
     if M > 1:
         x[1] *= 1e-6
+        ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -2.5, -0.5, 126.5, -126.5])[:G]
+        x[1, :len(ties)] = ties
     if M > 2:
         x[2] *= 1e4
     return x
@@ -48,7 +53,10 @@ def dequantized(q, s, o):
     return w if o is None else w + o.repeat_interleave(G, 1)
 
 
-@pytest.mark.parametrize("N,K,G", [(70, 96, 32), (200, 64, 16), (64, 128, 32), (31, 40, 4), (1, 32, 32), (130, 576, 32)])
+# N: last panels of 6, 8, 64, 31, 1, 2, 36 and 63 columns (a second half partly filled); G: 4 to 32 (8 and 24: the
+# VNNI path's rows quantized by the portable loop, the AVX2 path's by its own)
+@pytest.mark.parametrize("N,K,G", [(70, 96, 32), (200, 64, 16), (64, 128, 32), (31, 40, 4), (1, 32, 32), (130, 576, 32),
+                                   (100, 48, 8), (127, 72, 24)])
 @pytest.mark.parametrize("bits,offset", [(4, True), (4, False), (8, False), (8, True)])
 @pytest.mark.parametrize("half", [True, False])
 def test_every_path_computes_the_definition(N, K, G, bits, offset, half):
@@ -56,7 +64,7 @@ def test_every_path_computes_the_definition(N, K, G, bits, offset, half):
     q, s, o = weight(N, K, G, bits, offset, gen)
     d = Int8DotPanels.of(QuantizedPanels.pack(q, s, o, bits, half))
     b = torch.randn(N, generator=gen)
-    for M in (1, 2, 5, 6, 7, 13, 64):
+    for M in (1, 2, 5, 6, 7, 13, 64):  # tiles of 6 (VNNI) and 4 (AVX2) rows, full and partial
         x = activations(M, K, G, gen)
         want = reference.int8_dot_linear(x, q, s, o, b)
         outs = [poison_then(lambda x, isa=isa: d.linear(x, b, isa=isa))(x) for isa in ISAS]
@@ -91,12 +99,14 @@ def test_the_threads_half_panel_split_changes_no_value(N):
     q, s, o = weight(N, 64, 32, 4, True, gen)
     d = Int8DotPanels.of(QuantizedPanels.pack(q, s, o, 4, True))
     x = activations(7, 64, 32, gen)
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
     try:
+        torch.set_num_threads(1)
         one = d.linear(x)
-    finally:
         torch.set_num_threads(2)
-    assert torch.equal(d.linear(x), one)
+        assert torch.equal(d.linear(x), one)
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(one, reference.int8_dot_linear(x, q, s, o)) or torch.allclose(
         one, reference.int8_dot_linear(x, q, s, o), rtol=4 * 2.0 ** -23, atol=1e-6)
 
@@ -162,3 +172,34 @@ def test_op_passes_torch_library_opcheck():
     torch.library.opcheck(torch.ops.hydra_kernels.int8_dot_linear.default,
                           (torch.randn(2, 3, 64, generator=gen), d.dot, 70, 4, True, torch.randn(70, generator=gen), 0,
                            True), test_utils=("test_schema", "test_faketensor"))
+
+
+
+@pytest.mark.parametrize("bits,offset", [(4, True), (8, False)])
+def test_a_group_with_an_inf_or_a_nan_makes_its_row_nan_on_every_path(bits, offset):
+    """The definition's non-finite case: such a group has no scale (d = NaN), so its row's outputs are NaN, as the
+    exact kernel's are; the other rows keep their values."""
+    gen = torch.Generator().manual_seed(11)
+    q, s, o = weight(70, 96, 32, bits, offset, gen)
+    d = Int8DotPanels.of(QuantizedPanels.pack(q, s, o, bits, True))
+    x = torch.randn(4, 96, generator=gen)
+    x[1, 40] = float("inf")
+    x[2, 70] = float("nan")
+    want = reference.int8_dot_linear(x, q, s, o)
+    assert want[1:3].isnan().all() and not want[[0, 3]].isnan().any()
+    for isa in ISAS:
+        y = d.linear(x, isa=isa)
+        torch.testing.assert_close(y, want, rtol=4 * 2.0 ** -23, atol=1e-6, equal_nan=True)
+        assert torch.equal(y[[0, 3]], d.linear(x[[0, 3]], isa=isa))
+
+
+def test_many_rows_quantized_over_the_threads_are_each_rows_own():
+    """A prefill chunk's rows (more than one thread's share of the quantization) give each row's 1-row values."""
+    gen = torch.Generator().manual_seed(12)
+    q, s, o = weight(96, 64, 32, 4, True, gen)
+    d = Int8DotPanels.of(QuantizedPanels.pack(q, s, o, 4, True))
+    x = torch.randn(1100, 64, generator=gen)
+    y = d.linear(x)
+    for i in (0, 1023, 1024, 1099):
+        assert torch.equal(y[i], d.linear(x[i:i + 1])[0])
+    torch.testing.assert_close(y, reference.int8_dot_linear(x, q, s, o), rtol=4 * 2.0 ** -23, atol=1e-6)

@@ -143,8 +143,8 @@ def test_bad_input_is_refused_before_anything_is_written():
 
 
 def test_bad_weights_and_positions_are_refused_before_anything_is_written():
-    """A head or embedding whose panels do not fit vocab and H, and a position past the RoPE table, are refused by the
-    op before the stack writes a cache row."""
+    """A head or embedding whose panels do not fit vocab and H, a layer's quantized weight that does not fit its
+    projection, and a position past the RoPE table, are refused by the op before the stack writes a cache row."""
     m = with_quantized_head(model_of("a", False, seed=6), tied=True, seed=6)
     cache = two_prefilled(m)
     kv, lens = cache.kv.clone(), cache.seqlens.clone()
@@ -154,12 +154,15 @@ def test_bad_weights_and_positions_are_refused_before_anything_is_written():
     cos, sin = m._rope.table(16, m.device)
     narrow = panels_of(random_blocks(V, 32, 32, 8, False, torch.Generator().manual_seed(1)), half=True)
 
-    def call(emb=emb, head=head, vocab=V, cos=cos, sin=sin):
+    def call(emb=emb, head=head, vocab=V, cos=cos, sin=sin, weights=weights):
         return torch.ops.hydra_kernels.plain_greedy_step(
             torch.tensor([5, 6]), *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
             m.norm.weight, m.norm.eps, *head, vocab, cos, sin, cache.kv, cache.seqlens, 8)
 
+    swapped = list(weights)  # layer 1's wqkv where its w2 goes: quantized panels of the wrong shape for their place
+    swapped[7] = weights[4]
     for bad, match in [(dict(vocab=V + 64), "does not match"), (dict(head=(narrow.packed, narrow.kind)), "inputs a row"),
+                       (dict(weights=swapped), "does not match|inputs a row|does not fit"),
                        (dict(emb=(narrow.packed, narrow.kind, V)), "inputs a row"),
                        (dict(emb=(emb[0], emb[1], V + 64)), "does not match"),
                        (dict(head=(torch.zeros(2, 48, 64), 0)), "LM head must be packed panels"),

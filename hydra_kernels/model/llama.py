@@ -28,7 +28,7 @@ from .decode_stack import run_stack
 from .hf_names import hf_to_ours
 from .kv_cache import KVCache, attention_rows
 from .layers import RMSNorm, TransformerBlock
-from ..ops.int8_dot_linear import int8_dot_linear_available
+from ..ops.int8_dot_linear import Int8DotPanels, int8_dot_linear_available
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from .packed_linear import Linear, packed_linear_available
 from .quantized_embedding import QuantizedEmbedding
@@ -207,8 +207,10 @@ class Llama(nn.Module):
         the step's few rows, and another model than the exact one (its tokens can differ from the fp32 model's;
         greedy speculative decoding still emits exactly its own plain decoding's tokens). The embedding and the
         drafters' LM-head rows keep the exact values (the head keeps its exact layout beside the dot one; a layer keeps
-        only the dot layout: one copy of its weight). Returns the number of layers converted; raises where this CPU
-        has no AVX-512 VNNI or the model holds no quantized panels."""
+        only the dot layout: one copy of its weight). Where a layer would not run its panels (autograd, a tensor off
+        the CPU, packed_kernel_off) it takes F.linear on the exact dequantized weight, as before. Returns the number
+        of layers converted; raises where this CPU has neither AVX-512 VNNI nor AVX2, or the model holds no quantized
+        panels."""
         if not int8_dot_linear_available():
             raise ValueError("int8 activations need the extension and a CPU with AVX-512 VNNI or AVX2 (and HK_CPU_ISA "
                              "not limiting the kernels below AVX2); load with activations='fp32'")
@@ -240,8 +242,12 @@ class Llama(nn.Module):
         return emb.dense() if isinstance(emb, QuantizedEmbedding) else emb.weight
 
     def lm_head_quantized(self) -> QuantizedPanels | None:
-        """The LM head's quantized panels where they hold it (a quantized GGUF on the CPU), else None."""
+        """The LM head's quantized panels where they hold it (a quantized GGUF on the CPU), else None: always the exact
+        kernel's (an int8-activation head's exact layout), so the drafters' logits over its rows are the same whenever
+        use_int8_activations ran."""
         p = self.output.packed_weight() if self.output.released else None
+        if isinstance(p, Int8DotPanels):
+            return p.exact()
         return p if isinstance(p, QuantizedPanels) else None
 
     def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:

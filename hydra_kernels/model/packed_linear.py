@@ -154,8 +154,9 @@ class Linear(nn.Linear):
 
     def step_weights(self, rows: int) -> tuple[torch.Tensor, int] | None:
         """(weights, kind) that forward would run `rows` rows of fp32 CPU inference on, for the fused decode
-        stack (csrc/decode_stack_cpu.cpp): kind 0 = packed_linear panels, 10 * bits + offset = quantized
-        panels; None where forward would take F.linear."""
+        stack (csrc/decode_stack_cpu.cpp): kind 0 = packed_linear panels, else quantized panels (csrc/step_kernels.h:
+        QuantizedKind: 10 * bits + offset, + 100 with fp16 scales, + 1000 on int8 activations); None where forward
+        would take F.linear."""
         p = self._panels
         if p is not None and self.packed_on:  # released: the panels are the weight (the path of every step)
             return (p.step_tensor, p.kind) if isinstance(p, QuantizedPanels) else (p, 0)

@@ -516,7 +516,8 @@ def int8_dot_linear(x, q, scales, offsets=None, bias=None):
     """A linear layer over quantized weights with int8 activations, the definition csrc/int8_dot_linear_cpu.cpp
     computes: x fp32 [M, K]; the weight q int [N, K] with scales (and offsets) fp32 [N, K / G], w = s q (+ o).
     Per row and group of G inputs: a = max |x|, d = a / 127, xq = round-half-even(x * (127 / a)) in [-127, 127]
-    (0 where a = 0), xs = sum xq; isum = q . xq (exact integers); then over the groups in order
+    (0 where 127 / a is not finite: a = 0 or below ~3.7e-37; a group with an inf or NaN input: xq = 0, d = NaN),
+    xs = sum xq; isum = q . xq (exact integers); then over the groups in order
     acc = fma(s d, isum, acc) and, with offsets, acc = fma(o, d xs, acc), from acc = bias (or 0).
     The fma is computed in float64 and rounded once to fp32 (exact: an fp32 product is exact in float64, so only
     the sum rounds, and float64's 53 bits then round again to fp32; a double rounding that can differ in the last
@@ -525,10 +526,13 @@ def int8_dot_linear(x, q, scales, offsets=None, bias=None):
     N, NG = scales.shape
     G = K // NG
     xg = x.float().reshape(M, NG, G)
-    a = xg.abs().amax(-1)  # [M, NG]
-    inv = torch.where(a > 0, torch.tensor(127.0) / a, torch.zeros_like(a))
-    xq = torch.round(xg * inv[..., None]).clamp(-127, 127).to(torch.int64)  # round half to even
-    d = a / torch.tensor(127.0)
+    a = xg.abs().amax(-1)  # [M, NG] (NaN where a group holds one)
+    finite = torch.isfinite(a)
+    inv = torch.tensor(127.0) / a
+    scaled = finite & torch.isfinite(inv)  # a group with a finite scale: its inputs are rounded, the others are 0
+    r = torch.round(xg * torch.where(scaled, inv, torch.zeros_like(inv))[..., None])  # round half to even
+    xq = torch.where(scaled[..., None], r.clamp(-127, 127), torch.zeros_like(r)).to(torch.int64)
+    d = torch.where(finite, a / torch.tensor(127.0), torch.full_like(a, float("nan")))
     xs = xq.sum(-1)  # [M, NG]
     isum = torch.einsum("mgk,ngk->mng", xq, q.to(torch.int64).reshape(N, NG, G))  # [M, N, NG], exact
     sd = scales[None].float() * d[:, None, :]  # [M, N, NG], fp32 products
