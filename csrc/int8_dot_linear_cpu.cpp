@@ -227,10 +227,11 @@ inline int weight_q(const uint8_t* qd, const DotLayout& l, int64_t k, int64_t c)
 }
 
 // columns [c0, c1) of a panel (its halves at `panel` and `panel + half_bytes`)
-void panel_rows_portable(const QuantizedRow* rows, int R, const int8_t* const* xq, const uint8_t* panel,
-                         const DotLayout& l, const float* bias, float* y, int64_t ldy, int c0, int c1) {
+void panel_rows_portable(const QuantizedRow* rows, int R, const uint8_t* panel, const DotLayout& l, const float* bias,
+                         float* y, int64_t ldy, int c0, int c1) {
   for (int m = 0; m < R; ++m)
     for (int c = c0; c < c1; ++c) {
+      const int8_t* xq = reinterpret_cast<const int8_t*>(rows[m].quads);  // the row's inputs, one byte each
       const uint8_t* half = panel + (c / kHalf) * l.half_bytes();
       const int64_t hc = c % kHalf;
       float acc = bias ? bias[c] : 0.0f;
@@ -238,7 +239,7 @@ void panel_rows_portable(const QuantizedRow* rows, int R, const int8_t* const* x
         const uint8_t* grp = half + g * l.GB;
         const uint8_t* qd = grp + l.header;
         int32_t isum = 0;
-        for (int64_t k = 0; k < l.G; ++k) isum += weight_q(qd, l, k, hc) * xq[m][g * l.G + k];
+        for (int64_t k = 0; k < l.G; ++k) isum += weight_q(qd, l, k, hc) * xq[g * l.G + k];
         const float dg = rows[m].d[g];
         acc = __builtin_fmaf(stored_scale(grp, l, hc) * dg, static_cast<float>(isum), acc);
         if (l.offset) acc = __builtin_fmaf(stored_scale(grp, l, kHalf + hc), rows[m].dxs[g], acc);
@@ -461,30 +462,22 @@ void dot_panels_into(const float* x, int64_t M, const uint8_t* wp, const DotLayo
   for_each_panel_tile(M, N, bias, tile, [&](int64_t p, int64_t m0, int rows, int64_t n0, int ncols, const float* pb,
                                            int half) {
     QuantizedRow qr[kTile];
-    const int8_t* xr[kTile];
     for (int m = 0; m < rows; ++m) {
       const int64_t r = m0 + m;
       qr[m] = {quads + r * K / 4, d + r * NG, dxs + r * NG, xs + r * NG};
-      xr[m] = xq + r * K;
     }
     const uint8_t* panel = wp + p * 2 * l.half_bytes();
     float* yt = y + m0 * N + n0;
 #ifdef HK_X86
-    if (isa == kDotVnni) {
-      const HalfPanelFn fn = pick_vnni(l, rows);
-      if (half <= 0) fn(qr, panel, l, 0, pb, yt, N, ncols);
-      if (half != 0 && ncols > 32) fn(qr, panel, l, 1, pb, yt, N, ncols);
-      return;
-    }
-    if (isa == kDotAvx2) {
-      const HalfPanelFn fn = pick_avx2(l, rows);
+    if (isa != kDotPortable) {  // the vector paths: one half panel a call
+      const HalfPanelFn fn = isa == kDotVnni ? pick_vnni(l, rows) : pick_avx2(l, rows);
       if (half <= 0) fn(qr, panel, l, 0, pb, yt, N, ncols);
       if (half != 0 && ncols > 32) fn(qr, panel, l, 1, pb, yt, N, ncols);
       return;
     }
 #endif
     const int c0 = half == 1 ? 32 : 0, c1 = half == 0 ? std::min(ncols, 32) : ncols;
-    panel_rows_portable(qr, rows, xr, panel, l, pb, yt, N, c0, c1);
+    panel_rows_portable(qr, rows, panel, l, pb, yt, N, c0, c1);
   }, /*halves=*/true);
 }
 

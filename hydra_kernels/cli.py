@@ -157,7 +157,7 @@ def main(argv=None) -> None:
                                          activations=args.activations)
     except (ValueError, TypeError, OSError) as e:  # a corrupt file, named; weights the model cannot keep
         option = ("--weights" if str(e).startswith("weights=") else
-                  "--activations" if str(e).startswith(("activations", "int8 activations")) else "--model")
+                  "--activations" if str(e).startswith("activations") else "--model")
         p.error(f"argument {option}: {e}" if args.model or option != "--model" else str(e))
     if tokenizer is None:
         p.error(f"argument --model: {args.model} ships no tokenizer; the CLI needs one to apply the chat template")

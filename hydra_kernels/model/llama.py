@@ -28,7 +28,7 @@ from .decode_stack import run_stack
 from .hf_names import hf_to_ours
 from .kv_cache import KVCache, attention_rows
 from .layers import RMSNorm, TransformerBlock
-from ..ops.int8_dot_linear import Int8DotPanels, int8_dot_linear_available
+from ..ops.int8_dot_linear import Int8DotPanels, require_int8_dot_linear
 from ..ops.quantized_linear import QuantizedPanels, quantized_linear_available
 from .packed_linear import Linear, packed_linear_available
 from .quantized_embedding import QuantizedEmbedding
@@ -211,9 +211,7 @@ class Llama(nn.Module):
         the CPU, packed_kernel_off) it takes F.linear on the exact dequantized weight, as before. Returns the number
         of layers converted; raises where this CPU has neither AVX-512 VNNI nor AVX2, or the model holds no quantized
         panels."""
-        if not int8_dot_linear_available():
-            raise ValueError("int8 activations need the extension and a CPU with AVX-512 VNNI or AVX2 (and HK_CPU_ISA "
-                             "not limiting the kernels below AVX2); load with activations='fp32'")
+        require_int8_dot_linear()
         mods = [m for m in self.modules() if isinstance(m, Linear) and isinstance(m._panels, QuantizedPanels)]
         if not mods:
             raise ValueError("int8 activations run on quantized weights: load a quantized GGUF (weights='quantized') "

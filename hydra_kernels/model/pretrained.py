@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..ops.int8_dot_linear import int8_dot_linear_available
+from ..ops.int8_dot_linear import require_int8_dot_linear
 from ..ops.quantized_linear import quantized_linear_available
 from .gguf_convert import convert_gguf_cached
 from .gguf_quantized import load_gguf_quantized
@@ -104,9 +104,8 @@ def load_model(path: str | os.PathLike | None = None, *, dtype=None, device=None
     """
     if activations not in ("fp32", "int8"):
         raise ValueError(f"activations must be 'fp32' (exact) or 'int8' (int8 dot products), got {activations!r}")
-    if activations == "int8" and not int8_dot_linear_available():
-        raise ValueError("activations='int8' needs the extension and a CPU with AVX-512 VNNI or AVX2 (and HK_CPU_ISA "
-                         "not limiting the kernels below AVX2); load with activations='fp32'")
+    if activations == "int8":
+        require_int8_dot_linear()  # before any work
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, device)
     if weights not in (None, "quantized", "fp32", "int8", "int4"):

@@ -3,9 +3,8 @@ Python reaches it.
 
 The weights are the same (q, s, o) groups as ops/quantized_linear.py's; what changes is the arithmetic: each row's
 activations are rounded to int8 per weight group and multiplied with the weights in integers (AVX-512 VNNI, or AVX2's
-vpmaddubsw), which
-is llama.cpp's scheme on the CPU. The result is a slightly different model from the exact kernel's (ops/reference.py:
-int8_dot_linear is the definition), so a model runs it only where asked (Llama.use_int8_activations); but a row's
+vpmaddubsw), which is llama.cpp's scheme on the CPU. The result is a slightly different model from the exact kernel's
+(ops/reference.py: int8_dot_linear is the definition), so a model runs it only where asked (Llama.use_int8_activations); but a row's
 result is fixed by the definition, whatever the number of rows or the ISA, so speculative decoding with it emits
 exactly its own plain decoding's tokens.
 """
@@ -16,31 +15,27 @@ from dataclasses import dataclass
 import torch
 
 from .packed_linear import LazyOp
-from .quantized_linear import ISA_AUTO, QuantizedPanels, header_bytes
+from .quantized_linear import ISA_AUTO, QuantizedPanels, extension_isa, header_bytes
 
 # ISA codes of the kernel's `isa` argument: tests force each path (the portable loop is the slow reference)
 DOT_ISA_AUTO, DOT_ISA_PORTABLE, DOT_ISA_AVX2, DOT_ISA_VNNI = 0, 1, 2, 3
 
-_ISA: int | None = None
-
-
 def int8_dot_linear_isa() -> int:
     """DOT_ISA_VNNI where this CPU has AVX-512 VNNI, else DOT_ISA_AVX2 with AVX2 + FMA (HK_CPU_ISA can limit it
     to either below), DOT_ISA_PORTABLE where only the (slow) portable loop runs, 0 without the extension."""
-    global _ISA
-    if _ISA is None:
-        try:
-            import hydra_kernels._C  # noqa: F401
-
-            _ISA = int(torch.ops.hydra_kernels.int8_dot_linear_isa())
-        except (ImportError, AttributeError, RuntimeError):
-            _ISA = 0
-    return _ISA
+    return extension_isa("int8_dot_linear_isa")
 
 
 def int8_dot_linear_available() -> bool:
     """The extension is built and this CPU runs a vector path of the kernel (AVX-512 VNNI or AVX2)."""
     return int8_dot_linear_isa() in (DOT_ISA_AVX2, DOT_ISA_VNNI)
+
+
+def require_int8_dot_linear() -> None:
+    """Refuses (ValueError, saying what to do) where int8 activations cannot run here."""
+    if not int8_dot_linear_available():
+        raise ValueError("activations='int8' needs the extension and a CPU with AVX-512 VNNI or AVX2 (and HK_CPU_ISA "
+                         "not limiting the kernels below AVX2); load with activations='fp32'")
 
 
 @dataclass(frozen=True)
@@ -89,7 +84,7 @@ class Int8DotPanels(QuantizedPanels):
         return q.contiguous(), fp[..., 0].contiguous(), fp[..., 1].contiguous() if self.offset else None
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().rows(ids) if self.packed is not None else self.exact().rows(ids)
+        return self.exact().rows(ids)
 
     def select_rows(self, ids: torch.Tensor) -> QuantizedPanels:
         """The rows ids as exact panels of their own (a drafter's LM-head rows of its draft vocabulary: one row of

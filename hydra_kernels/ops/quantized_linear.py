@@ -12,6 +12,7 @@ The GGUF formats are decoded into (q, s, o) by hydra_kernels/model/gguf_blocks.p
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,21 +22,22 @@ from .packed_linear import LazyOp
 # ISA codes of the kernel's `isa` argument (tests force each path; 0 lets the kernel pick the fastest)
 ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 
-_ISA: int | None = None
+@functools.cache
+def extension_isa(op: str) -> int:
+    """The ISA code the extension's op `op` (a kernel's *_isa op) reports for this CPU, once a process; 0 without the
+    extension."""
+    try:
+        import hydra_kernels._C  # noqa: F401
+
+        return int(getattr(torch.ops.hydra_kernels, op)())
+    except (ImportError, AttributeError, RuntimeError):
+        return 0
 
 
 def quantized_linear_isa() -> int:
     """The ISA the kernel runs with on this CPU (ISA_AVX512, ISA_AVX2 or ISA_PORTABLE), or 0 without the
     extension."""
-    global _ISA
-    if _ISA is None:
-        try:
-            import hydra_kernels._C  # noqa: F401
-
-            _ISA = int(torch.ops.hydra_kernels.quantized_linear_isa())
-        except (ImportError, AttributeError, RuntimeError):
-            _ISA = 0
-    return _ISA
+    return extension_isa("quantized_linear_isa")
 
 
 def quantized_linear_available() -> bool:
@@ -83,11 +85,19 @@ class QuantizedPanels:
     def select_rows(self, ids: torch.Tensor) -> "QuantizedPanels":
         """The weight's rows ids int64 [m] (any order, repeats allowed) as panels of their own: the same
         stored integers, scales and offsets, so the same exact values (a drafter's LM-head rows of its draft
-        vocabulary, read at the head's bytes per weight). Unpacks only those rows (the layout above: panel
-        ids // 64, column ids % 64)."""
+        vocabulary, read at the head's bytes per weight). Unpacks only those rows."""
         ids = ids.reshape(-1).long().cpu()
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
             raise ValueError(f"row ids must lie in [0, {self.n})")
+        return QuantizedPanels.pack(*self._groups_at(ids), self.bits, self.half)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The stored weight as (q int8 [n, k], scales fp32 [n, k / G], offsets fp32 or None): pack's arguments."""
+        return self._groups_at(torch.arange(self.n))
+
+    def _groups_at(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows ids int64 [m] (checked by the caller) as (q int8 [m, k], scales fp32 [m, k / G], offsets or None),
+        read from the layout above: row r is column r % 64 of panel r // 64."""
         P, NG, GB = self.packed.shape
         header = header_bytes(self.offset, self.half)
         p, c = ids // 64, ids % 64
@@ -100,21 +110,8 @@ class QuantizedPanels:
         if self.bits == 4:  # byte (i, c) = q[2i][c] | q[2i + 1][c] << 4
             q = torch.stack([q & 0x0F, q >> 4], dim=-1).flatten(-2)
         q = q.view(torch.int8) if self.bits == 8 else q.to(torch.int8)
-        return QuantizedPanels.pack(q.reshape(ids.numel(), self.k).contiguous(), scales.contiguous(),
-                                    None if offsets is None else offsets.contiguous(), self.bits, self.half)
-
-    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The stored weight as (q int8 [n, k], scales fp32 [n, k / G], offsets fp32 or None): pack's arguments."""
-        P, NG, _ = self.packed.shape
-        header = header_bytes(self.offset, self.half)
-        stored = self.packed[:, :, :header].contiguous().view(torch.float16 if self.half else torch.float32)
-        fp = stored.float().view(P, NG, -1, 64).permute(0, 3, 1, 2).reshape(P * 64, NG, -1)[: self.n]  # [n, NG, 1|2]
-        qb = self.packed[:, :, header:].view(P, NG, -1, 64).permute(0, 3, 1, 2).reshape(P * 64, NG, -1)[: self.n]
-        if self.bits == 4:  # byte (i, c) = q[2i][c] | q[2i + 1][c] << 4
-            qb = torch.stack([qb & 0x0F, qb >> 4], dim=-1).flatten(-2)
-        q = qb.view(torch.int8) if self.bits == 8 else qb.to(torch.int8)
-        return (q.reshape(self.n, self.k).contiguous(), fp[..., 0].contiguous(),
-                fp[..., 1].contiguous() if self.offset else None)
+        return (q.reshape(ids.numel(), self.k).contiguous(), scales.contiguous(),
+                None if offsets is None else offsets.contiguous())
 
     @property
     def step_tensor(self) -> torch.Tensor:
