@@ -95,6 +95,15 @@ void check_quantized_kind(const at::Tensor& w, int64_t kind, int64_t N, int64_t 
     check_quantized_panels(w, N, K, k.bits, k.offset, k.half);
 }
 
+void check_step_weight(const char* op, const char* name, const at::Tensor& w, int64_t kind, int64_t N, int64_t K) {
+  if (kind != 0) return check_quantized_kind(w, kind, N, K);
+  TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == 64 && w.is_contiguous() &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16) && N > (w.size(0) - 1) * 64 &&
+                  N <= w.size(0) * 64,
+              op, ": ", name, " must be packed panels [ceil(", N, " / 64), ", K, ", 64] (fp32 or bf16) for its [", N,
+              ", ", K, "] weight, got ", w.scalar_type(), " ", w.sizes());
+}
+
 namespace {
 
 // Rotate-half RoPE of one head (reference.apply_rope): out[d] = x[d] * c[d] + rot[d] * s[d], rot = (-x[half:],
@@ -233,8 +242,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
   std::vector<const float*> bias_ptrs(biases.size(), nullptr);
   const int64_t outputs[4] = {(n_heads + 2 * n_kv_heads) * D, H, 2 * intermediate, H};  // wqkv, wo, w13, w2
   const int64_t inputs[4] = {H, n_heads * D, H, intermediate};
-  for (size_t i = 0; i < weights.size(); ++i)  // a quantized weight's layout against its projection's shape
-    if (kind_list[i] != 0) check_quantized_kind(weights[i], kind_list[i], outputs[i % 4], inputs[i % 4]);
+  for (size_t i = 0; i < weights.size(); ++i)  // each weight's layout against its projection's shape
+    check_step_weight("decode_stack", "a layer weight", weights[i], kind_list[i], outputs[i % 4], inputs[i % 4]);
   for (size_t i = 0; i < biases.size(); ++i) {
     const std::optional<at::Tensor> b = biases.get(i);
     if (!b.has_value()) continue;

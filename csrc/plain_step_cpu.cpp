@@ -21,9 +21,7 @@
 #include "step_kernels.h"
 
 namespace hydra_kernels {
-namespace {
 
-// torch.argmax of a row: the first maximum; a NaN is larger than every number (the first NaN wins).
 int64_t first_argmax(const float* v, int64_t n) {
   int64_t best = 0;
   float bv = v[0];
@@ -32,7 +30,24 @@ int64_t first_argmax(const float* v, int64_t n) {
   return best;
 }
 
-}  // namespace
+int64_t check_embedding(const char* op, const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows, int64_t H) {
+  if (embed_kind < 0) {
+    TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.scalar_type() == at::kFloat && embed.is_contiguous(),
+                op, ": an fp32 embedding must be contiguous [V, H = ", H, "], got ", embed.sizes());
+    return embed.size(0);
+  }
+  check_quantized_panels(embed, embed_rows, H, embed_kind % 100 / 10, embed_kind % 2 == 1, embed_kind >= 100);
+  return embed_rows;
+}
+
+void embed_rows_into(const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows, const int64_t* ids, int64_t n,
+                     int64_t H, float* out) {
+  if (embed_kind < 0) {
+    for (int64_t r = 0; r < n; ++r) std::copy_n(embed.data_ptr<float>() + ids[r] * H, H, out + r * H);
+  } else {
+    quantized_rows_into(embed, embed_rows, embed_kind % 100 / 10, embed_kind % 2 == 1, embed_kind >= 100, ids, n, out);
+  }
+}
 
 // The greedy forward both native steps share (step_kernels.h): tokens int64 [B, T] at RoPE positions [B, T] (host
 // values), node i of sequence b written at cache row seqlens[b] + i and attending per tree_mask -> (each node's argmax
@@ -55,26 +70,10 @@ std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::
                   m.cos_table.scalar_type() == at::kFloat && m.sin_table.scalar_type() == at::kFloat &&
                   m.cos_table.is_contiguous() && m.sin_table.is_contiguous(),
               op, ": cos/sin tables must be contiguous fp32 [n, D = ", D, "], got ", m.cos_table.sizes());
-  int64_t embed_rows = m.embed_rows;
-  if (m.embed_kind < 0) {
-    TORCH_CHECK(m.embed.dim() == 2 && m.embed.size(1) == H && m.embed.scalar_type() == at::kFloat &&
-                    m.embed.is_contiguous(),
-                op, ": an fp32 embedding must be contiguous [V, H = ", H, "], got ", m.embed.sizes());
-    embed_rows = m.embed.size(0);
-  }
   TORCH_CHECK(m.vocab > 0, op, ": vocab must be positive");
   // the embedding's and the LM head's layouts against H and vocab, before the stack writes a cache row
-  if (m.embed_kind >= 0)
-    check_quantized_panels(m.embed, embed_rows, H, m.embed_kind % 100 / 10, m.embed_kind % 2 == 1, m.embed_kind >= 100);
-  if (m.head_kind == 0) {
-    TORCH_CHECK(m.head.dim() == 3 && m.head.size(1) == H && m.head.size(2) == 64 && m.head.is_contiguous() &&
-                    (m.head.scalar_type() == at::kFloat || m.head.scalar_type() == at::kBFloat16) &&
-                    m.vocab > (m.head.size(0) - 1) * 64 && m.vocab <= m.head.size(0) * 64,
-                op, ": the LM head must be packed panels [ceil(vocab / 64), H = ", H, ", 64] for vocab ", m.vocab,
-                ", got ", m.head.scalar_type(), " ", m.head.sizes());
-  } else {
-    check_quantized_kind(m.head, m.head_kind, m.vocab, H);
-  }
+  const int64_t embed_rows = check_embedding(op, m.embed, m.embed_kind, m.embed_rows, H);
+  check_step_weight(op, "the LM head", m.head, m.head_kind, m.vocab, H);
   const int64_t* tp = tokens.data_ptr<int64_t>();
   const int32_t* sp = seqlens.data_ptr<int32_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -89,12 +88,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::
   const auto f32 = tokens.options().dtype(at::kFloat);
   // the step's inputs: the embedded tokens [B, T, H], their RoPE rows [B, T, D], the cache rows [B, T]
   at::Tensor x = at::empty({B, T, H}, f32), cos = at::empty({B, T, D}, f32), sin = at::empty({B, T, D}, f32);
-  if (m.embed_kind < 0) {
-    for (int64_t r = 0; r < N; ++r) std::copy_n(m.embed.data_ptr<float>() + tp[r] * H, H, x.data_ptr<float>() + r * H);
-  } else {
-    quantized_rows_into(m.embed, embed_rows, m.embed_kind % 100 / 10, m.embed_kind % 2 == 1, m.embed_kind >= 100, tp, N,
-                        x.data_ptr<float>());
-  }
+  embed_rows_into(m.embed, m.embed_kind, embed_rows, tp, N, H, x.data_ptr<float>());
   at::Tensor rows = at::empty({B, T}, tokens.options());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = 0; i < T; ++i) {

@@ -56,8 +56,22 @@ struct QuantizedKind {
 // Refuses (TORCH_CHECK) weights that are not the layout `kind` names for an [N, K] weight (kind != 0).
 void check_quantized_kind(const at::Tensor& w, int64_t kind, int64_t N, int64_t K);
 
+// Refuses (TORCH_CHECK, naming op and the weight) a weight that is not the layout `kind` names for an [N, K] weight,
+// kind 0 (packed fp32 / bf16 panels [ceil(N / 64), K, 64]) included.
+void check_step_weight(const char* op, const char* name, const at::Tensor& w, int64_t kind, int64_t N, int64_t K);
+
 // y [M, N] = x [M, K] W^T (+ bias): the kernel of the weight's kind (above), called directly (decode_stack_cpu.cpp).
 void step_linear(const float* x, int64_t M, const at::Tensor& w, int64_t kind, int64_t N, const float* bias, float* y);
+
+// torch.argmax of a row of n values: the first maximum; a NaN is larger than every number (the first NaN wins).
+int64_t first_argmax(const float* v, int64_t n);
+
+// A native step's token embedding (an fp32 table [V, H] with embed_kind -1, or quantized panels of embed_rows rows with
+// embed_kind their quantized kind): refused (TORCH_CHECK, naming op) unless it is one for width H; returns its rows.
+int64_t check_embedding(const char* op, const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows, int64_t H);
+// The embeddings of ids[0 .. n) (checked by the caller against the rows) into out [n, H]: the module path's values.
+void embed_rows_into(const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows, const int64_t* ids, int64_t n,
+                     int64_t H, float* out);
 
 // The CPU RMSNorm of model/layers.py (the rms_norm_rows op) over M rows of H: y = (x * r) * w in a fixed order.
 void rms_norm_rows_into(const float* x, const float* w, float eps, int64_t M, int64_t H, float* y);

@@ -150,7 +150,7 @@ def test_bad_weights_and_positions_are_refused_before_anything_is_written():
     kv, lens = cache.kv.clone(), cache.seqlens.clone()
     weights, kinds, biases, norms, eps = plain_step.stack_weights(m, 2)
     a, f = m.layers[0].attention, m.layers[0].feed_forward
-    emb, head = plain_step._embedding_spec(m.tok_embeddings), m.output.step_weights(2)
+    emb, head = plain_step.embedding_spec(m.tok_embeddings), m.output.step_weights(2)
     cos, sin = m._rope.table(16, m.device)
     narrow = panels_of(random_blocks(V, 32, 32, 8, False, torch.Generator().manual_seed(1)), half=True)
 
@@ -211,7 +211,7 @@ def test_op_passes_torch_library_opcheck():
     cache = two_prefilled(m)
     weights, kinds, biases, norms, eps = plain_step.stack_weights(m, 2)
     a, f = m.layers[0].attention, m.layers[0].feed_forward
-    emb, head = plain_step._embedding_spec(m.tok_embeddings), m.output.step_weights(2)
+    emb, head = plain_step.embedding_spec(m.tok_embeddings), m.output.step_weights(2)
     cos, sin = m._rope.table(16, m.device)
     args = (torch.tensor([5, 6]), *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
             m.norm.weight, m.norm.eps, *head, V, cos, sin, cache.kv, cache.seqlens, 8)

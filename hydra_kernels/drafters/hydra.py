@@ -16,6 +16,7 @@ from .. import ops
 from ..tree import Tree
 from .draft_heads import HeadDrafter, HeadState
 from .medusa import MedusaDrafter
+from .native_heads import native_head_topk
 from .protocol import Proposal
 
 
@@ -52,6 +53,10 @@ class HydraDrafter(HeadDrafter):
         probs = h.new_zeros(B, tree.num_nodes, self.vocab_size, dtype=torch.float32) if sampled else None
         for d, plan in enumerate(tree.plans):
             path = tree.ancestors[plan.parents, : d + 1]  # [n_parents, d+1] node ids, root first
+            top = None if sampled else native_head_topk(self, model, d, h, tokens[:, path], plan.topk, backends)
+            if top is not None:  # the depth in one native call (drafters/native_heads.py): the same guesses
+                tokens[:, plan.children] = top[:, plan.child_slot, plan.child_rank]
+                continue
             hidden = self.heads[d].infer(self.first_block(model, d, h, tokens[:, path], backends), backends, first=1)
             if sampled:
                 top, q = self.head_draws(model, d, hidden, plan.topk, state)  # [B, n_parents, k], [B, n_parents, V]

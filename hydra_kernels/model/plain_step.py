@@ -32,7 +32,7 @@ from .quantized_embedding import QuantizedEmbedding
 PLAIN_GREEDY_STEP = extension_op("plain_greedy_step")
 
 
-def _without_hooks(*mods: nn.Module) -> bool:
+def without_hooks(*mods: nn.Module) -> bool:
     """None of mods has a forward hook, nor does nn.Module globally: the native step runs no module's forward."""
     from torch.nn.modules import module as m
 
@@ -41,7 +41,7 @@ def _without_hooks(*mods: nn.Module) -> bool:
     return not any(mod._forward_hooks or mod._forward_pre_hooks for mod in mods)
 
 
-def _embedding_spec(emb: nn.Module) -> tuple[torch.Tensor, int, int] | None:
+def embedding_spec(emb: nn.Module) -> tuple[torch.Tensor, int, int] | None:
     """(table, kind, rows) of the token embedding for the native step: quantized panels (their kind), an fp32 CPU
     table (kind -1), or None (another embedding, or a subclass with its own forward: the module path)."""
     if type(emb) is QuantizedEmbedding and emb.panels is not None:
@@ -65,10 +65,10 @@ def native_step_model(model, cache, backends) -> Callable[[], tuple] | None:
             or resolved_name("tree_attention", plan["tree_attention"], model.device) != "native"
             or not (plan.packed_linear and model.has_packed_weights) or model.output.bias is not None
             or type(model.norm) is not RMSNorm or model.norm.weight.dtype is not torch.float32
-            or not _without_hooks(model.tok_embeddings, model.norm, model.output)):
+            or not without_hooks(model.tok_embeddings, model.norm, model.output)):
         return None
     B = cache.batch_size
-    if (torch.is_grad_enabled() or _embedding_spec(model.tok_embeddings) is None
+    if (torch.is_grad_enabled() or embedding_spec(model.tok_embeddings) is None
             or model.output.step_weights(B) is None or stack_weights(model, B, cache.stack_memo) is None):
         return None
     a, f = model.layers[0].attention, model.layers[0].feed_forward
@@ -76,7 +76,7 @@ def native_step_model(model, cache, backends) -> Callable[[], tuple] | None:
 
     def args() -> tuple:
         spec = stack_weights(model, B, cache.stack_memo)
-        emb = _embedding_spec(model.tok_embeddings)
+        emb = embedding_spec(model.tok_embeddings)
         head = model.output.step_weights(B)
         if spec is None or emb is None or head is None:
             raise RuntimeError("the model changed during generation: the native step no longer applies")

@@ -83,6 +83,11 @@ def _register() -> bool:
         B, T, H = x.shape
         return torch.empty_like(x), x.new_empty((B, T, len(capture) * H) if capture else (0,))
 
+    @torch.library.register_fake("hydra_kernels::hydra_head_topk")
+    def _(h, paths, embed, embed_kind, embed_rows, w_lin, lin_kind, b_lin, w_res, res_kind, b_res, lm, lm_kind, vocab,
+          vocab_ids, k):  # each parent's k guesses as token ids
+        return paths.new_empty(paths.shape[0], paths.shape[1], k)
+
     @torch.library.register_fake("hydra_kernels::plain_greedy_step")
     def _(tokens, embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
           final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table, kv, seqlens, kv_len, commit=True):

@@ -1,0 +1,173 @@
+"""Hydra's greedy drafting of a depth in one native call (csrc/hydra_head_cpu.cpp, drafters/native_heads.py): the same
+guesses as HydraDrafter's module path (first_block + head_topk) bit for bit, on fp32 packed or quantized layers, an
+fp32 or quantized (tied) embedding and LM head, with and without a draft vocabulary, batch 1 and 3, trees whose
+depths have several parents and ranks; the cases it does not take (sampled drafts, heads of two blocks, a head's own
+LM head, autograd, forward hooks) keep the module path; bad input refused before any work; opcheck; and greedy
+speculative decoding through it stays plain decoding's tokens."""
+import pytest
+import torch
+
+import hydra_kernels as hk
+from hydra_kernels.drafters import native_heads
+from hydra_kernels.generate import generate
+from hydra_kernels.model import plain_step
+from hydra_kernels.model.packed_linear import packed_linear_available
+from test_decode_stack import model_of
+from test_drafters import randomise
+from test_plain_step import V, with_quantized_head
+
+pytestmark = pytest.mark.skipif(native_heads.HYDRA_HEAD_TOPK is None or not packed_linear_available(),
+                                reason="the extension's hydra_head_topk and the packed CPU kernel (AVX-512)")
+
+MODELS = {  # layers, embedding and LM head
+    "fp32": lambda: model_of(False, False, seed=11),
+    "quantized, tied Q8 head": lambda: with_quantized_head(model_of("a", True, seed=12), tied=True, seed=12),
+    "quantized, untied Q4 embedding": lambda: with_quantized_head(model_of("b", False, seed=13), tied=False, seed=13),
+}
+
+
+def hydra_of(model, draft_vocab=True, seed=1, **kw):
+    dv = torch.randperm(V, generator=torch.Generator().manual_seed(seed))[:41] if draft_vocab else None
+    kw = dict(num_heads=3, num_layers=1, lm_head="tied", draft_vocab=dv) | kw
+    return randomise(hk.new_drafter(model, kind="hydra", **kw), seed).eval()
+
+
+REAL_OP = native_heads.HYDRA_HEAD_TOPK
+
+
+def native_calls(monkeypatch) -> list:
+    """Counts the native depth's calls (each one's paths shape)."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args[1].shape)
+        return REAL_OP(*args)
+
+    monkeypatch.setattr(native_heads, "HYDRA_HEAD_TOPK", spy)
+    return calls
+
+
+def module_path(monkeypatch):
+    """HydraDrafter's module path from here on (the op looks absent)."""
+    monkeypatch.setattr(native_heads, "HYDRA_HEAD_TOPK", None)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("draft_vocab", [True, False])
+@pytest.mark.parametrize("B", [1, 3])
+def test_native_depth_drafts_the_module_paths_guesses(name, draft_vocab, B, monkeypatch):
+    model = MODELS[name]()
+    d = hydra_of(model, draft_vocab, seed=B)
+    g = torch.Generator().manual_seed(7 + B)
+    h = torch.randn(B, model.config.hidden_size, generator=g)
+    root = torch.randint(0, V, (B,), generator=g)
+    for tree in (hk.tree.default_tree(15, depth=3), hk.tree.chain(3), hk.tree.Tree([[0], [1], [2], [0, 0], [0, 1]])):
+        with torch.no_grad():
+            calls = native_calls(monkeypatch)
+            got = d.draft(model, h, root, tree)
+            assert len(calls) == tree.depth  # every depth in one call
+            module_path(monkeypatch)
+            want = d.draft(model, h, root, tree)
+        assert torch.equal(got, want)
+        assert (got[:, 1:] != 0).any()  # real guesses, not an untouched buffer
+
+
+def test_guesses_of_each_depth_match_first_block_and_head_topk_directly():
+    """native_head_topk against the module functions it replaces, on paths of every depth, k 1 and 4, n 1 and 5."""
+    model = MODELS["quantized, tied Q8 head"]()
+    d = hydra_of(model)
+    backends = model.backend_plan(None)
+    d.use_packed_cpu_weights(backends.packed_linear)
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(2, model.config.hidden_size, generator=g)
+    with torch.no_grad():
+        for head in range(3):
+            for n, k in [(1, 1), (5, 4), (2, 1)]:
+                paths = torch.randint(0, V, (2, n, head + 1), generator=g)
+                got = native_heads.native_head_topk(d, model, head, h, paths, k, backends)
+                hidden = d.heads[head].infer(d.first_block(model, head, h, paths, backends), backends, first=1)
+                want = d.head_topk(model, head, hidden, k, backends)
+                assert got is not None and got.shape == (2, n, k) and torch.equal(got, want)
+
+
+def test_cases_it_does_not_take_keep_the_module_path(monkeypatch):
+    model = MODELS["fp32"]()
+    backends = model.backend_plan(None)
+    h, paths = torch.randn(1, model.config.hidden_size), torch.tensor([[[3]]])
+    two_blocks = hydra_of(model, num_layers=2)
+    own_head = hydra_of(model, draft_vocab=False, lm_head="per_head")
+    plain = hydra_of(model)
+    for d in (two_blocks, own_head, plain):
+        d.use_packed_cpu_weights(backends.packed_linear)
+    with torch.no_grad():
+        assert native_heads.native_head_topk(two_blocks, model, 0, h, paths, 1, backends) is None
+        assert native_heads.native_head_topk(own_head, model, 0, h, paths, 1, backends) is None
+        assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, model.backend_plan("reference")) is None
+        handle = plain.heads[0].blocks[0].register_forward_hook(lambda *a: None)
+        assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is None
+        handle.remove()
+        assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is not None
+    with torch.enable_grad():  # training: autograd through the modules
+        assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is None
+    # sampled drafts draw from q: the module path (HydraDrafter._tokens never asks)
+    calls = native_calls(monkeypatch)
+    plain.draft_temperature = 0.7
+    state = plain.start(model, 1, 32, hk.tree.chain(2), backends)
+    state.h = h
+    with torch.no_grad():
+        plain.propose(state, torch.tensor([3]), torch.tensor([4], dtype=torch.int32))
+    assert not calls
+
+
+def op_args(model, d, head=0, n=2):
+    backends = model.backend_plan(None)
+    d.use_packed_cpu_weights(backends.packed_linear)
+    blk = d.heads[head].blocks[0]
+    h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    paths = torch.randint(0, V, (2, n, head + 1), generator=torch.Generator().manual_seed(2))
+    return dict(h=h, paths=paths, emb=plain_step.embedding_spec(model.tok_embeddings),
+                lin=blk.linear.step_weights(2 * n), b_lin=blk.linear.bias, res=blk.res_connection.step_weights(2 * n),
+                b_res=blk.res_connection.bias, lm=native_heads.tied_rows_spec(d, model)[:2],
+                vocab=d.draft_vocab.numel(), ids=d.draft_vocab, k=2)
+
+
+def call(a):
+    return torch.ops.hydra_kernels.hydra_head_topk(a["h"], a["paths"], *a["emb"], *a["lin"], a["b_lin"], *a["res"],
+                                                   a["b_res"], *a["lm"], a["vocab"], a["ids"], a["k"])
+
+
+def test_bad_input_is_refused_with_what_is_wrong():
+    model = MODELS["quantized, tied Q8 head"]()
+    d = hydra_of(model)
+    good = op_args(model, d)
+    assert call(good).shape == (2, 2, 2)
+    wrong_depth = op_args(model, d, head=1)  # head 1's block reads 3 H inputs
+    for bad, match in [(dict(paths=good["paths"].clone().fill_(V)), "outside the embedding"),
+                       (dict(paths=good["paths"][0]), "paths must be"),
+                       (dict(h=good["h"].double()), "h must be contiguous fp32"),
+                       (dict(k=0), "k must be in"), (dict(k=good["vocab"] + 1), "k must be in"),
+                       (dict(lin=wrong_depth["lin"]), "w_lin must be packed panels"),
+                       (dict(b_res=torch.zeros(3)), "b_res must be"),
+                       (dict(ids=good["ids"][:-1]), "vocab_ids must be"),
+                       (dict(vocab=good["vocab"] + 64), "does not match|rows|vocab")]:
+        with pytest.raises(RuntimeError, match=match):
+            call(good | bad)
+
+
+def test_op_passes_torch_library_opcheck():
+    model = MODELS["fp32"]()
+    a = op_args(model, hydra_of(model))
+    torch.library.opcheck(torch.ops.hydra_kernels.hydra_head_topk.default,
+                          (a["h"], a["paths"], *a["emb"], *a["lin"], a["b_lin"], *a["res"], a["b_res"], *a["lm"],
+                           a["vocab"], a["ids"], a["k"]))
+
+
+def test_greedy_speculative_decoding_through_it_is_plain_decoding(monkeypatch):
+    model = MODELS["quantized, tied Q8 head"]()
+    d = hydra_of(model, seed=3)
+    prompts = [[5, 9, 2, 44, 17], [8, 1, 60]]
+    with torch.no_grad():
+        want = generate(model, prompts, max_new_tokens=24).sequences
+        calls = native_calls(monkeypatch)
+        got = generate(model, prompts, drafter=d, tree=hk.tree.default_tree(7, depth=3), max_new_tokens=24)
+    assert calls and got.sequences == want
