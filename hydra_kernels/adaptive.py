@@ -363,10 +363,12 @@ class AdaptiveBudget:
         shape = drafter.outline(state, self.batch) if self.prunable else None
         t_shape = self.clock()
         outline_ms, check_ms = (t_shape - t0) * 1e3 / ran, 0.0
+        host = None  # the outline's judgment (expected tokens per width, each sequence's nodes ranked), for the cut
         if shape is not None:
             drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
             act_host = active.tolist()  # the check reads host values only: it runs every few steps (a trial)
-            if self._best_width(*self._host_expected(shape, act_host), drafting) == 1:
+            host = self._host_expected(shape, act_host)
+            if self._best_width(host[0], host[1], drafting) == 1:
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
                 # the gates judge it as the trial it replaces, at their parts' drafting cost (EPYC VM, 2026-11-28:
                 # charged at the check's ~0.2 ms, the parts looked cheap and drafted more, at batch 2 on the editing
@@ -393,6 +395,8 @@ class AdaptiveBudget:
         if T0 == 1:  # the parts found nothing to draft (no n-gram match, say): a plain step, nothing to cut
             self._charge(parts, part_ms, 1, None, active.to(torch.float32), t1)
             return None
+        if host is not None and host[1] == T0:  # the outline's tree (Drafter.outline's contract): cut on the host
+            return self._host_cut(prop, shape, host, parts, part_ms, active, t1)
         dev = tokens.device
         if isinstance(tree, Tree):
             parents = tree.parents.to(dev).expand(B, T0)
@@ -439,10 +443,11 @@ class AdaptiveBudget:
             best = 1
         return best
 
-    def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int]:
+    def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int, dict[int, tuple[list[int], list[int]]]]:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys, rates and P (a product down the
-        path), each sequence's P sorted; active: the host's [B] (0: finished). -> (expected [T0], T0)."""
+        path), each sequence's P sorted; active: the host's [B] (0: finished). -> (expected [T0], T0, ranked:
+        {active b: (its node ids by P, descending, ties to the lower id, so every prefix is a subtree; its keys)})."""
         T0 = max(len(parents) for parents, _, _ in shape)
         keys = {}  # active sequences only: a finished one's nodes count for nothing
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
@@ -453,17 +458,65 @@ class AdaptiveBudget:
                 depth[j] = depth[parents[j]] + 1
             keys[b] = [(g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
                        + min(max(x, 0), SIGNALS - 1) for g, d, x in zip(groups, depth, signal)]
-        expected = [0.0] * T0
+        expected, ranked = [0.0] * T0, {}
         for b, r in self.calib.host_rates(keys).items():
             parents = shape[b][0]
             P = [1.0]
             for j in range(1, len(parents)):
                 P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
-            P.sort(reverse=True)
-            P += [0.0] * (T0 - len(P))
-            for w, total in enumerate(itertools.accumulate(P)):
+            order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
+            ranked[b] = (order, keys[b])
+            for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
-        return expected, T0
+        return expected, T0, ranked
+
+    def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
+                  t1: float) -> Proposal | None:
+        """propose()'s cut where the drafted tree is the outline's: the width from the check's expected tokens (the
+        same keys, rates and P as the proposal's tensors would give: tests/test_adaptive.py), each active sequence's
+        best nodes from its ranking, the cut tree built from host lists (TreeBatch.from_parent_lists). The tensor
+        path's rates, path products, sort and TreeBatch.kept took ~0.5 ms of a drafted step at batch 1 (EPYC VM,
+        2026-11-29: beside a ~4 ms plain step, as much as the heads' drafting), ~0.1 ms here. A finished
+        sequence (it accepts nothing) keeps its first nodes."""
+        expected, T0, ranked = host
+        best = self._best_width(expected, T0, sum(part_ms))
+        act = active.to(torch.float32)
+        dev = prop.tokens.device
+        if best == 1:
+            self.keep = [0 if r else k for k, r in zip(self.keep, parts)]
+            self._charge(parts, part_ms, 1, None, act, t1)
+            return None
+        kept = [sorted(ranked[b][0][:best]) if b in ranked else list(range(min(best, len(par))))
+                for b, (par, _, _) in enumerate(shape)]
+        par_lists, keys, groups = [], [], []
+        for b, ((par, grp, _), ids) in enumerate(zip(shape, kept)):
+            new = {j: i for i, j in enumerate(ids)}
+            par_lists.append([-1] + [new[par[j]] for j in ids[1:]])
+            key_b = ranked[b][1] if b in ranked else None
+            keys.append([key_b[j] if key_b else 0 for j in ids] + [0] * (best - len(ids)))
+            groups.append([grp[j] for j in ids] + [0] * (best - len(ids)))
+        for p, run in enumerate(parts):  # what each part kept, most of any active sequence (size_part's next bound)
+            if run:
+                self.keep[p] = max((sum(1 for j in ids[1:] if shape[b][1][j] == p) for b, ids in enumerate(kept)
+                                    if b in ranked), default=0)
+        if all(len(ids) == len(par) for ids, (par, _, _) in zip(kept, shape)):  # nothing cut: the proposal itself
+            out = prop
+            tree = prop.tree if isinstance(prop.tree, TreeBatch) else None
+        else:
+            sel = torch.tensor([ids + [0] * (best - len(ids)) for ids in kept], dtype=torch.long, device=dev)
+            tree = TreeBatch.from_parent_lists(par_lists, device=dev)
+            B = sel.shape[0]
+            out = Proposal(prop.tokens.gather(1, sel), tree,
+                           None if prop.positions is None else prop.positions.gather(1, sel),
+                           None if prop.draft_probs is None else prop.draft_probs.gather(
+                               1, sel[:, :, None].expand(B, best, prop.draft_probs.shape[-1])))
+        B, T = out.tokens.shape
+        if tree is None:  # a static Tree verified whole
+            tree = TreeBatch.from_parent_lists(par_lists, device=dev)
+        keys_t = torch.tensor(keys, dtype=torch.long, device=dev)[:, :T]
+        groups_t = torch.tensor(groups, dtype=torch.long, device=dev)[:, :T]
+        self._charge(parts, part_ms, best, (keys_t, tree.depths, tree.valid, tree.parents, groups_t), act, t1)
+        return out
 
     def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None,
                 n_seq: float | None = None) -> None:

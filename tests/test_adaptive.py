@@ -7,6 +7,7 @@ and the default are wired as documented. Sampling exactness with the policy on: 
 (its "adaptive-..." settings)."""
 from __future__ import annotations
 
+import copy
 import math
 import random
 
@@ -291,7 +292,8 @@ class RandomTreeDrafter:
         tree = TreeBatch.from_parent_lists([p for p, _, _ in self.lists])
         groups = torch.tensor([pad(g) for _, g, _ in self.lists])
         signal = None if self.lists[0][2] is None else torch.tensor([pad(x) for _, _, x in self.lists])
-        return Proposal(torch.zeros(B, T, dtype=torch.long), tree, groups=groups, signal=signal)
+        tokens = torch.arange(1, B * T + 1).view(B, T)  # a distinct token per node: a cut's gather shows
+        return Proposal(tokens, tree, groups=groups, signal=signal)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -326,6 +328,64 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
             continue
         assert len(seen) == 2, "the pre-check must pass where rows are free"
         assert seen[0] == pytest.approx(seen[1], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_host_cut_keeps_what_the_tensor_cut_keeps(seed, monkeypatch):
+    """Where the drafted tree is the outline's, propose() cuts on the host (_host_cut); without an outline it cuts
+    the proposal's tensors. Both keep the same nodes (tokens), the same trees, and hand observe() the same kept
+    keys, depths, parents and parts, and size_part the same bounds: random trees per sequence, two parts,
+    learned rates, a finished sequence, rows cheap enough that most widths are cut somewhere."""
+    B = 4
+    g = torch.Generator().manual_seed(100 + seed)
+    base = AdaptiveBudget(RandomTreeDrafter(0, B, True), B, 16, OneChainDrafter(), torch.device("cpu"),
+                          clock=lambda: 0.0)
+    base.calib.seq_tested.copy_(torch.rand(base.calib.seq_tested.shape, generator=g) * 20)
+    base.calib.seq_accepted.copy_(base.calib.seq_tested * torch.rand(base.calib.seq_tested.shape, generator=g))
+    base.calib.prior.copy_(torch.rand(base.calib.prior.shape, generator=g))
+    base.costs.coef, base.margin = [10.0, (0.0, 0.5, 1.5, 3.0)[seed % 4]], 1.0
+    active = torch.tensor([1, 1, 0, 1])
+    for with_signal in (True, False):
+        d = RandomTreeDrafter(seed * 2 + with_signal, B, with_signal)
+        got = {}
+        for path in ("host", "tensors"):
+            p = copy.deepcopy(base)
+            if path == "tensors":
+                monkeypatch.setattr(d, "outline", lambda state, batch: None)
+            out = p.propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
+            got[path] = (out, p.step, list(p.keep))
+            monkeypatch.undo()
+        (h_out, h_step, h_keep), (t_out, t_step, t_keep) = got["host"], got["tensors"]
+        assert h_keep == t_keep and h_step[2] == t_step[2]  # the parts' kept counts, the width
+        if t_out is None:
+            assert h_out is None and h_step[3] is None
+            continue
+        # each active sequence keeps nodes of the same total P (node j of sequence b carries token b * T + j + 1):
+        # where two nodes' P tie in exact arithmetic (the same rates down different branches), the host's products
+        # and the tensors' exp(sum of logs) round apart and may keep either one
+        T = max(len(x) for x, _, _ in d.lists)
+        _, _, ranked = base._host_expected(d.outline(None, B), active.tolist())
+        rates = base.calib.host_rates({b: keys for b, (_, keys) in ranked.items()})
+        for b in ranked:
+            parents = d.lists[b][0]
+            P = [1.0]
+            for j in range(1, len(parents)):
+                P.append(P[parents[j]] * rates[b][j])
+            kept = {}
+            for path, out in (("host", h_out), ("tensors", t_out)):
+                valid = out.tree.valid[b] if isinstance(out.tree, TreeBatch) else torch.ones(T, dtype=torch.bool)
+                kept[path] = [int(t) - b * T - 1 for t in out.tokens[b][valid[: out.tokens.shape[1]]]]
+            assert len(kept["host"]) == len(kept["tensors"])
+            assert sum(P[j] for j in kept["host"]) == pytest.approx(sum(P[j] for j in kept["tensors"]), rel=1e-5)
+            if kept["host"] == kept["tensors"]:  # the same nodes: the same tree, keys and parts for observe()
+                tree_h, tree_t = h_out.tree, t_out.tree
+                for name in ("parents", "depths", "valid", "mask"):
+                    a, c = getattr(tree_h, name)[b], getattr(tree_t, name)
+                    c = c[b] if isinstance(tree_t, TreeBatch) else c
+                    assert torch.equal(a, c), name
+                kh, _, vh, _, gh = (x[b] if x.dim() > 1 else x for x in h_step[3])
+                kt, _, vt, _, gt = (x[b] if x.dim() > 1 else x for x in t_step[3])
+                assert torch.equal(kh[vt], kt[vt]) and torch.equal(gh[vt], gt[vt])
 
 
 def test_a_sized_part_drafts_what_the_last_cut_kept_and_its_whole_draft_every_few_runs():
