@@ -244,8 +244,8 @@ def test_rms_norm_module_is_the_native_norm_with_and_without_autograd(shape):
 
 
 def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
-    """A cache row outside the buffer, a committed length past kv_len, float rows or a bias of the wrong length are
-    refused by the op before any layer runs (the KV buffer unchanged); a seqlens past the buffer by the Python check, with its message,
+    """A cache row outside the buffer, a committed length past kv_len, float rows, a bias of the wrong length or fp32
+    panels of the wrong width are refused by the op before any layer runs (the KV buffer unchanged); a seqlens past the buffer by the Python check, with its message,
     before the op is called."""
     m = model_of(True, False, seed=1)
     cache = m.new_kv_cache(1, 16)
@@ -277,6 +277,16 @@ def test_bad_rows_are_refused_before_anything_is_written(monkeypatch):
             decode_stack.DECODE_STACK(x, weights, kinds, wrong, norms, eps, a.n_heads, a.n_kv_heads, f.inter, cos, sin,
                                       cache.kv, torch.tensor([[4]]), cache.seqlens, torch.ones(1, 1, dtype=torch.bool),
                                       16, [])
+        assert torch.equal(cache.kv.nan_to_num(7.0), before.nan_to_num(7.0))
+        # fp32 panels (kind 0) of the wrong input width where layer 1's w2 goes (its w13: 64 inputs, not 96)
+        fp32 = model_of(False, False, seed=1)
+        fp32_weights, fp32_kinds, _, _, _ = decode_stack.stack_weights(fp32, 1)
+        swapped = list(fp32_weights)
+        swapped[7] = fp32_weights[6]
+        with pytest.raises(RuntimeError, match="a layer weight must be packed panels"):
+            decode_stack.DECODE_STACK(x, swapped, fp32_kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
+                                      cos, sin, cache.kv, torch.tensor([[4]]), cache.seqlens,
+                                      torch.ones(1, 1, dtype=torch.bool), 16, [])
         assert torch.equal(cache.kv.nan_to_num(7.0), before.nan_to_num(7.0))
         monkeypatch.setattr(decode_stack, "DECODE_STACK", lambda *a: pytest.fail("called with bad seqlens"))
         cache.seqlens.fill_(16)
