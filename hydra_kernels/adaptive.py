@@ -445,8 +445,8 @@ class AdaptiveBudget:
 
     def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int, dict[int, tuple[list[int], list[int]]]]:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
-        per sequence) instead of the drafted proposal's tensors: the same keys, rates and P (a product down the
-        path), each sequence's P sorted; active: the host's [B] (0: finished). -> (expected [T0], T0, ranked:
+        per sequence) instead of the drafted proposal's tensors: the same keys and rates, P (a product down the
+        path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). -> (expected [T0], T0, ranked:
         {active b: (its node ids by P, descending, ties to the lower id, so every prefix is a subtree; its keys)})."""
         T0 = max(len(parents) for parents, _, _ in shape)
         keys = {}  # active sequences only: a finished one's nodes count for nothing
@@ -473,7 +473,8 @@ class AdaptiveBudget:
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
                   t1: float) -> Proposal | None:
         """propose()'s cut where the drafted tree is the outline's: the width from the check's expected tokens (the
-        same keys, rates and P as the proposal's tensors would give: tests/test_adaptive.py), each active sequence's
+        same keys and rates as the proposal's tensors would give, P equal up to rounding: the host multiplies in float64
+        where the tensors sum float32 logs, so nodes whose P tie may rank either way: tests/test_adaptive.py), each active sequence's
         best nodes from its ranking, the cut tree built from host lists (TreeBatch.from_parent_lists). The tensor
         path's rates, path products, sort and TreeBatch.kept took ~0.5 ms of a drafted step at batch 1 (EPYC VM,
         2026-11-29: beside a ~4 ms plain step, as much as the heads' drafting), ~0.1 ms here. A finished
@@ -560,7 +561,7 @@ class AdaptiveBudget:
             n_active = max(n_seq, 1.0)
             for p, ran in enumerate(parts):  # what each part earned: accepted nodes, and rows per sequence
                 if ran:
-                    mine = (groups == p) & drafted
+                    mine = (groups == p) & drafted & (act[:, None] > 0)  # a finished sequence's nodes count for nothing
                     earned[p], rows[p] = float((accepted * mine).sum()), float(mine.sum()) / n_active
         # a part pays while (tokens without it + its gain) / (time without it + its cost) beats the rate
         # without it, i.e. gain * time_without > its_time * tokens_without

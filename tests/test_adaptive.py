@@ -321,13 +321,16 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     for with_signal in (True, False):
         seen.clear()
         d = RandomTreeDrafter(seed * 2 + with_signal, B, with_signal)
-        p.propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
+        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
         T0 = max(len(x) for x, _, _ in d.lists)
         if T0 == 1:  # nothing drafted anywhere: a plain step from the outline alone
             assert len(seen) == 1
             continue
-        assert len(seen) == 2, "the pre-check must pass where rows are free"
-        assert seen[0] == pytest.approx(seen[1], rel=1e-5, abs=1e-5)
+        assert len(seen) == 2, "the pre-check must pass where rows are free"  # then the host cut judges its values
+        d.outline = lambda state, batch: None  # no outline: the drafted proposal's tensors are judged
+        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
+        assert len(seen) == 3
+        assert seen[0] == pytest.approx(seen[2], rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -386,6 +389,57 @@ def test_the_host_cut_keeps_what_the_tensor_cut_keeps(seed, monkeypatch):
                 kh, _, vh, _, gh = (x[b] if x.dim() > 1 else x for x in h_step[3])
                 kt, _, vt, _, gt = (x[b] if x.dim() > 1 else x for x in t_step[3])
                 assert torch.equal(kh[vt], kt[vt]) and torch.equal(gh[vt], gt[vt])
+
+
+class OutlinedStaticDrafter(OutlinedChainDrafter):
+    """The outlined 5-node chain (a static Tree) whose proposals carry positions and sampled drafts' q, a distinct
+    token per node."""
+
+    def propose(self, state, root, seqlens):
+        B, V = root.shape[0], 11
+        g = torch.Generator().manual_seed(B)
+        return Proposal(torch.arange(1, 5 * B + 1).view(B, 5), hk.tree.chain(4),
+                        positions=torch.arange(5 * B).view(B, 5) + 40, draft_probs=torch.rand(B, 5, V, generator=g))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_host_cut_of_a_static_tree_keeps_its_positions_and_draft_probs(seed):
+    """A static tree (the head drafters' proposals): the host cut gives the tensor cut's proposal, positions and
+    draft_probs gathered alike, the same tree for the verify step and the same keys for observe(), a finished
+    sequence included; widths from whole to plain."""
+    B = 3
+    g = torch.Generator().manual_seed(seed)
+    base = AdaptiveBudget(OutlinedStaticDrafter(), B, 8, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+    base.calib.seq_tested.fill_(50.0)
+    base.calib.seq_accepted.copy_(base.calib.seq_tested * (0.3 + 0.65 * torch.rand(base.calib.seq_tested.shape,
+                                                                                   generator=g)))
+    base.costs.coef, base.margin = [10.0, (0.0, 0.3, 1.0, 2.0, 4.0, 9.0)[seed]], 1.0
+    active = torch.tensor([1, 0, 1])
+    got = {}
+    for path in ("host", "tensors"):
+        d = OutlinedStaticDrafter()
+        if path == "tensors":
+            d.outline = lambda state, batch: None
+        p = copy.deepcopy(base)
+        got[path] = (p.propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True,)), p.step, p.keep)
+    (h, h_step, h_keep), (t, t_step, t_keep) = got["host"], got["tensors"]
+    assert h_keep == t_keep and h_step[2] == t_step[2]
+    if t is None:
+        assert h is None
+        return
+    live = torch.tensor([[a > 0] for a in active.tolist()]) & (t.tree.valid if isinstance(t.tree, TreeBatch)
+                                                               else torch.ones(1, t.tokens.shape[1], dtype=torch.bool))
+    for name in ("tokens", "positions"):
+        assert torch.equal(getattr(h, name)[live], getattr(t, name)[live]), name
+    assert torch.equal(h.draft_probs[live], t.draft_probs[live])
+    def per_sequence(tree, name):  # a tree's buffer [B, ...] (a static Tree's expanded)
+        x = getattr(tree, name)
+        return x if isinstance(tree, TreeBatch) else x.expand(B, *x.shape)
+
+    for name in ("parents", "depths", "mask"):
+        assert torch.equal(per_sequence(h.tree, name)[active > 0], per_sequence(t.tree, name)[active > 0]), name
+    kh, kt = h_step[3][0], t_step[3][0]
+    assert torch.equal(kh[live], kt.expand_as(kh)[live])
 
 
 def test_a_sized_part_drafts_what_the_last_cut_kept_and_its_whole_draft_every_few_runs():

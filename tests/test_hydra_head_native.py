@@ -2,7 +2,8 @@
 guesses as HydraDrafter's module path (first_block + head_topk) bit for bit, on fp32 packed or quantized layers, an
 fp32 or quantized (tied) embedding and LM head, with and without a draft vocabulary, batch 1 and 3, trees whose
 depths have several parents and ranks; the cases it does not take (sampled drafts, heads of two blocks, a head's own
-LM head, autograd, forward hooks) keep the module path; bad input refused before any work; opcheck; and greedy
+or shared LM head, another backend or dtype, more rows than the packed kernels take, autograd, forward hooks) keep the
+module path; a strided h is taken; bad input refused before any work; opcheck; and greedy
 speculative decoding through it stays plain decoding's tokens."""
 import pytest
 import torch
@@ -11,7 +12,7 @@ import hydra_kernels as hk
 from hydra_kernels.drafters import native_heads
 from hydra_kernels.generate import generate
 from hydra_kernels.model import plain_step
-from hydra_kernels.model.packed_linear import packed_linear_available
+from hydra_kernels.model.packed_linear import MAX_PACKED_ROWS, packed_linear_available
 from test_decode_stack import model_of
 from test_drafters import randomise
 from test_plain_step import V, with_quantized_head
@@ -96,17 +97,27 @@ def test_cases_it_does_not_take_keep_the_module_path(monkeypatch):
     h, paths = torch.randn(1, model.config.hidden_size), torch.tensor([[[3]]])
     two_blocks = hydra_of(model, num_layers=2)
     own_head = hydra_of(model, draft_vocab=False, lm_head="per_head")
+    shared_head = hydra_of(model, draft_vocab=False, lm_head="shared")
     plain = hydra_of(model)
-    for d in (two_blocks, own_head, plain):
+    for d in (two_blocks, own_head, shared_head, plain):
         d.use_packed_cpu_weights(backends.packed_linear)
     with torch.no_grad():
-        assert native_heads.native_head_topk(two_blocks, model, 0, h, paths, 1, backends) is None
-        assert native_heads.native_head_topk(own_head, model, 0, h, paths, 1, backends) is None
+        for d in (two_blocks, own_head, shared_head):
+            assert native_heads.native_head_topk(d, model, 0, h, paths, 1, backends) is None
         assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, model.backend_plan("reference")) is None
-        handle = plain.heads[0].blocks[0].register_forward_hook(lambda *a: None)
-        assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is None
-        handle.remove()
+        assert native_heads.native_head_topk(plain, model, 0, h.double(), paths, 1, backends) is None
+        many = torch.randint(0, V, (1, MAX_PACKED_ROWS + 1, 1))  # more rows than the packed kernels take
+        assert native_heads.native_head_topk(plain, model, 0, h, many, 1, backends) is None
+        blk = plain.heads[0].blocks[0]
+        for mod in (blk, blk.linear, blk.res_connection, model.tok_embeddings):  # a hook the native call would skip
+            handle = mod.register_forward_hook(lambda *a: None)
+            assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is None
+            handle.remove()
         assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is not None
+        wide = torch.randn(3, 2 * model.config.hidden_size)[:, ::2]  # a strided h (a view of hidden states)
+        assert torch.equal(native_heads.native_head_topk(plain, model, 0, wide, paths.expand(3, 1, 1), 1, backends),
+                           native_heads.native_head_topk(plain, model, 0, wide.contiguous(), paths.expand(3, 1, 1), 1,
+                                                         backends))
     with torch.enable_grad():  # training: autograd through the modules
         assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is None
     # sampled drafts draw from q: the module path (HydraDrafter._tokens never asks)
@@ -149,7 +160,9 @@ def test_bad_input_is_refused_with_what_is_wrong():
                        (dict(lin=wrong_depth["lin"]), "w_lin must be packed panels"),
                        (dict(b_res=torch.zeros(3)), "b_res must be"),
                        (dict(ids=good["ids"][:-1]), "vocab_ids must be"),
-                       (dict(vocab=good["vocab"] + 64), "does not match|rows|vocab")]:
+                       (dict(vocab=good["vocab"] + 64), "does not match"),  # the LM rows' panels hold fewer rows
+                       (dict(emb=(good["emb"][0], good["emb"][1], V + 64)), "does not match"),
+                       (dict(emb=(torch.zeros(V, 32), -1, V)), "an fp32 embedding must be contiguous \\[V, H = 64\\]")]:
         with pytest.raises(RuntimeError, match=match):
             call(good | bad)
 

@@ -43,7 +43,7 @@ def native_head_topk(drafter, model, head: int, h: torch.Tensor, path_tokens: to
         embedding_spec(model.tok_embeddings)
     if lin is None or res is None or emb is None:
         return None
-    return HYDRA_HEAD_TOPK(h, path_tokens.contiguous(), *emb, *lin, blk.linear.bias, *res, blk.res_connection.bias,
+    return HYDRA_HEAD_TOPK(h.contiguous(), path_tokens.contiguous(), *emb, *lin, blk.linear.bias, *res, blk.res_connection.bias,
                            *tied_rows_spec(drafter, model), drafter.draft_vocab, k)
 
 
