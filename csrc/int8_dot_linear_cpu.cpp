@@ -102,6 +102,19 @@ struct QuantizedRow {
   const int32_t* xs;
 };
 
+// A group's scale from a = max |x| (finite: no inf or NaN input): writes d = a / 127 (NaN without a finite input) and
+// returns 127 / a, or 0 where the group has no finite scale (an inf or NaN input, or 127 / a not finite), its xq then
+// zeros. Every path's quantizer decides these cases here, so they agree on them.
+inline float group_scale(float a, bool finite, int64_t G, int8_t* xq, float* d) {
+  *d = finite ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inv = 127.0f / a;
+  if (!finite || !(inv <= std::numeric_limits<float>::max())) {
+    std::memset(xq, 0, G);
+    return 0.0f;
+  }
+  return inv;
+}
+
 // One group's quantization (the definition above), the portable loop: a = max |x|, xq = nearbyint(x * (127 / a))
 // clamped to [-127, 127]; returns xs = sum xq and writes d = a / 127. The cases with no finite scale first: an inf
 // or NaN input (|x| <= FLT_MAX fails) -> d = NaN; 127 / a not finite -> xq = 0 (and d = a / 127).
@@ -113,12 +126,8 @@ int32_t quantize_group(const float* xg, int64_t G, int8_t* xq, float* d) {
     finite = finite && v <= std::numeric_limits<float>::max();
     a = std::max(a, v);
   }
-  *d = finite ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
-  const float inv = 127.0f / a;
-  if (!finite || !(inv <= std::numeric_limits<float>::max())) {
-    std::memset(xq, 0, G);
-    return 0;
-  }
+  const float inv = group_scale(a, finite, G, xq, d);
+  if (inv == 0.0f) return 0;
   int32_t sum = 0;
   for (int64_t k = 0; k < G; ++k) {
     const float r = std::nearbyint(xg[k] * inv);  // round half to even (the default rounding mode)
@@ -146,12 +155,8 @@ __attribute__((target("avx512f,avx512bw"))) int32_t quantize_group_avx512(const 
     m = _mm512_max_ps(m, v);
   }
   const float a = _mm512_reduce_max_ps(m);  // exact in any order (no NaN reaches here that counts: bad says so)
-  *d = bad == 0 ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
-  const float inv_s = 127.0f / a;
-  if (bad != 0 || !(inv_s <= std::numeric_limits<float>::max())) {
-    std::memset(xq, 0, G);
-    return 0;
-  }
+  const float inv_s = group_scale(a, bad == 0, G, xq, d);
+  if (inv_s == 0.0f) return 0;
   const __m512 inv = _mm512_set1_ps(inv_s);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   __m512i sum = _mm512_setzero_si512();
@@ -178,12 +183,8 @@ __attribute__((target("avx2,fma"))) int32_t quantize_group_avx2(const float* xg,
   _mm256_store_ps(lanes, m);
   float a = 0.0f;
   for (float v : lanes) a = std::max(a, v);
-  *d = bad == 0 ? a / 127.0f : std::numeric_limits<float>::quiet_NaN();
-  const float inv_s = 127.0f / a;
-  if (bad != 0 || !(inv_s <= std::numeric_limits<float>::max())) {
-    std::memset(xq, 0, G);
-    return 0;
-  }
+  const float inv_s = group_scale(a, bad == 0, G, xq, d);
+  if (inv_s == 0.0f) return 0;
   const __m256 inv = _mm256_set1_ps(inv_s);
   const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
   __m256i sum = _mm256_setzero_si256();

@@ -398,13 +398,7 @@ class AdaptiveBudget:
         if host is not None and host[1] == T0:  # the outline's tree (Drafter.outline's contract): cut on the host
             return self._host_cut(prop, shape, host, parts, part_ms, active, t1)
         dev = tokens.device
-        if isinstance(tree, Tree):
-            parents = tree.parents.to(dev).expand(B, T0)
-            depths = tree.depths.to(dev).expand(B, T0)
-            valid = torch.ones(B, T0, dtype=torch.bool, device=dev)
-            mask = tree.mask.to(dev).expand(B, T0, T0)
-        else:
-            parents, depths, valid, mask = tree.parents, tree.depths, tree.valid, tree.mask
+        parents, depths, valid, mask = _per_sequence(tree, B, dev)
         groups = prop.groups if prop.groups is not None else torch.zeros(B, T0, dtype=torch.long, device=dev)
         signal = prop.signal if prop.signal is not None else sibling_rank(parents)
         keys = self.calib.keys(groups, depths, signal)
@@ -500,23 +494,19 @@ class AdaptiveBudget:
             if run:
                 self.keep[p] = max((sum(1 for j in ids[1:] if shape[b][1][j] == p) for b, ids in enumerate(kept)
                                     if b in ranked), default=0)
+        B = len(kept)
         if all(len(ids) == len(par) for ids, (par, _, _) in zip(kept, shape)):  # nothing cut: the proposal itself
             out = prop
-            tree = prop.tree if isinstance(prop.tree, TreeBatch) else None
         else:
             sel = torch.tensor([ids + [0] * (best - len(ids)) for ids in kept], dtype=torch.long, device=dev)
-            tree = TreeBatch.from_parent_lists(par_lists, device=dev)
-            B = sel.shape[0]
-            out = Proposal(prop.tokens.gather(1, sel), tree,
+            out = Proposal(prop.tokens.gather(1, sel), TreeBatch.from_parent_lists(par_lists, device=dev),
                            None if prop.positions is None else prop.positions.gather(1, sel),
                            None if prop.draft_probs is None else prop.draft_probs.gather(
                                1, sel[:, :, None].expand(B, best, prop.draft_probs.shape[-1])))
-        B, T = out.tokens.shape
-        if tree is None:  # a static Tree verified whole
-            tree = TreeBatch.from_parent_lists(par_lists, device=dev)
-        keys_t = torch.tensor(keys, dtype=torch.long, device=dev)[:, :T]
-        groups_t = torch.tensor(groups, dtype=torch.long, device=dev)[:, :T]
-        self._charge(parts, part_ms, best, (keys_t, tree.depths, tree.valid, tree.parents, groups_t), act, t1)
+        parents, depths, valid, _ = _per_sequence(out.tree, B, dev)
+        keys_t = torch.tensor(keys, dtype=torch.long, device=dev)
+        groups_t = torch.tensor(groups, dtype=torch.long, device=dev)
+        self._charge(parts, part_ms, best, (keys_t, depths, valid, parents, groups_t), act, t1)
         return out
 
     def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None,
@@ -597,6 +587,16 @@ class AdaptiveBudget:
         self.calib.remember()
         self.costs.remember()
         self.memory[self.gate_key] = [copy.copy(g) for g in self.gates]
+
+
+def _per_sequence(tree: Tree | TreeBatch, B: int, dev) -> tuple[torch.Tensor, ...]:
+    """A proposal's tree as per-sequence buffers: parents, depths, valid [B, T], mask [B, T, T] (a static Tree's
+    expanded, every node valid)."""
+    if isinstance(tree, TreeBatch):
+        return tree.parents, tree.depths, tree.valid, tree.mask
+    T = tree.num_nodes
+    return (tree.parents.to(dev).expand(B, T), tree.depths.to(dev).expand(B, T),
+            torch.ones(B, T, dtype=torch.bool, device=dev), tree.mask.to(dev).expand(B, T, T))
 
 
 def sibling_rank(parents: torch.Tensor) -> torch.Tensor:

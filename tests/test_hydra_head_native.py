@@ -91,6 +91,33 @@ def test_guesses_of_each_depth_match_first_block_and_head_topk_directly():
                 assert got is not None and got.shape == (2, n, k) and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["quantized, tied Q8 head", "quantized, untied Q4 embedding"])
+def test_guesses_are_the_definitions_top_k(name):
+    """Against the definition (HeadDrafter.logits: the head's modules in fp32 autograd form over the base model's LM
+    rows, F.linear): on heads whose weights are bf16 values (the packed panels' storage) and quantized LM rows (the
+    same dequantized values), the native guesses are the top-k of the definition's logits, each depth, k 1 and 3,
+    fresh random h and paths."""
+    model = MODELS[name]()
+    d = hydra_of(model, seed=9)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.copy_(p.bfloat16().float())
+    backends = model.backend_plan(None)
+    d.use_packed_cpu_weights(backends.packed_linear)
+    g = torch.Generator().manual_seed(21)
+    h = torch.randn(3, model.config.hidden_size, generator=g)
+    for head in range(3):
+        for n, k in [(1, 1), (4, 3)]:
+            paths = torch.randint(0, V, (3, n, head + 1), generator=g)
+            with torch.no_grad():
+                got = native_heads.native_head_topk(d, model, head, h, paths, k, backends)
+                x = torch.cat([h[:, None, :].expand(3, n, -1), model.tok_embeddings(paths).flatten(2)], dim=-1)
+            with torch.enable_grad():  # the training path: F.linear on the fp32 weights, not the packed kernels
+                logits = d.logits(model, head, x).detach()  # [3, n, draft vocabulary]
+            assert got is not None
+            assert torch.equal(got, d.token_ids(logits.topk(k, dim=-1).indices))
+
+
 def test_cases_it_does_not_take_keep_the_module_path(monkeypatch):
     model = MODELS["fp32"]()
     backends = model.backend_plan(None)
