@@ -9,7 +9,8 @@
 //
 // Exactness: every part is the function the module path runs (the embedding's quantized_rows lookup or row copy; the
 // linears' own kernels through step_linear; ATen's silu; an fp32 add; torch.argmax's first maximum for k = 1, ATen's
-// topk otherwise), so the guesses equal HydraDrafter's module path bit for bit (tests/test_hydra_head_native.py).
+// topk otherwise; ATen's softmax for the probabilities), so the guesses and their probabilities equal HydraDrafter's
+// module path bit for bit (tests/test_hydra_head_native.py).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -34,8 +35,9 @@ const float* bias_ptr(const std::optional<at::Tensor>& b) { return b.has_value()
 // panels of embed_rows rows); w_lin / w_res: the first block's linear and residual projection [H, (L + 1) H] as stack
 // weights of their kinds (0: packed panels), biases fp32 [H] or none; lm: the LM-head rows of the draft vocabulary
 // [vocab, H] (lm_kind as a stack weight's), no bias; vocab_ids int64 [vocab]: draft index -> token id (none: the
-// identity). -> the k best guesses' token ids int64 [B, n, k], best first.
-at::Tensor hydra_head_topk_cpu(const at::Tensor& h, const at::Tensor& paths, const at::Tensor& embed, int64_t embed_kind,
+// identity). -> (the k best guesses' token ids int64 [B, n, k], best first; their probabilities fp32 [B, n, k], the
+// softmax over the draft rows: the adaptive budget's confidence signal).
+std::tuple<at::Tensor, at::Tensor> hydra_head_topk_cpu(const at::Tensor& h, const at::Tensor& paths, const at::Tensor& embed, int64_t embed_kind,
                                int64_t embed_rows, const at::Tensor& w_lin, int64_t lin_kind,
                                const std::optional<at::Tensor>& b_lin, const at::Tensor& w_res, int64_t res_kind,
                                const std::optional<at::Tensor>& b_res, const at::Tensor& lm, int64_t lm_kind,
@@ -63,7 +65,7 @@ at::Tensor hydra_head_topk_cpu(const at::Tensor& h, const at::Tensor& paths, con
   for (int64_t i = 0; i < M * L; ++i)
     TORCH_CHECK(0 <= pp[i] && pp[i] < rows, op, ": token ", pp[i], " outside the embedding's [0, ", rows, ")");
   at::Tensor out = at::empty({B, n, k}, paths.options());
-  if (M == 0) return out;
+  if (M == 0) return {out, at::empty({B, n, k}, h.options())};
 
   const auto f32 = h.options();
   // x [M, (L + 1) H]: row (b, i) = h[b], then the embeddings of its path's L tokens (contiguous, as torch.cat lays them)
@@ -85,11 +87,13 @@ at::Tensor hydra_head_topk_cpu(const at::Tensor& h, const at::Tensor& paths, con
   } else {
     out.view({M, k}).copy_(std::get<1>(at::topk(logits, k, -1)));
   }
+  // the guesses' probabilities: ATen's softmax over the draft rows, gathered (HeadDrafter.head_guesses' values)
+  at::Tensor probs = at::softmax(logits, -1).gather(1, out.view({M, k})).view({B, n, k});
   if (vocab_ids.has_value()) {
     const int64_t* ids = vocab_ids->data_ptr<int64_t>();
     for (int64_t i = 0; i < M * k; ++i) op_[i] = ids[op_[i]];
   }
-  return out;
+  return {out, probs};
 }
 
 }  // namespace
@@ -98,7 +102,7 @@ TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def(
       "hydra_head_topk(Tensor h, Tensor paths, Tensor embed, int embed_kind, int embed_rows, Tensor w_lin, int lin_kind, "
       "Tensor? b_lin, Tensor w_res, int res_kind, Tensor? b_res, Tensor lm, int lm_kind, int vocab, Tensor? vocab_ids, "
-      "int k) -> Tensor");
+      "int k) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) { m.impl("hydra_head_topk", &hydra_head_topk_cpu); }

@@ -20,11 +20,14 @@ Per step, two decisions:
    every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
    Where the drafter knows its draft's shape before drafting (Drafter.outline: the n-gram lookups, a static
    tree), the same choice is made first on the host from that shape (the drafting cost its parts' recent
-   mean): a draft it would cut to the root alone is not drafted, and the step is plain at once.
+   mean): a draft it would cut to the root alone is not drafted, and the step is plain at once. A node whose
+   confidence only its drafting gives (a head's guess) is taken there at its best class's rate, and the cut
+   after drafting ranks the classes the guesses got: a head's unconfident guess costs its drafting, not a row.
 
 Conditional acceptance rates are learned during the run (`Calibration`): keyed by (part, depth, signal),
 signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
-a head's rank of the guess; the sibling rank where a drafter reports none), counted per sequence and over
+the class of a head's probability of its guess (protocol.confidence_class); the sibling rank where a
+drafter reports none), counted per sequence and over
 the run (decayed counts; the run's rates are the prior of each sequence's, the previous run's the prior
 of the run's; a key not verified yet starts from what its part and signal earned at the other depths), so a
 prompt that copies earns long n-gram chains and one that does not earns none.
@@ -55,11 +58,12 @@ import time
 
 import torch
 
-from .drafters.protocol import Proposal
+from .drafters.protocol import CONFIDENCE_EDGES, PENDING_SIGNAL, Proposal
 from .tree import Tree, TreeBatch
 
 MAX_DEPTH_KEY = 8  # depths >= 8 share a calibration key
 SIGNALS = 8  # signal classes per (part, depth)
+assert len(CONFIDENCE_EDGES) + 1 == SIGNALS  # a head's confidence classes fill them
 PRIOR_RATE = 0.4  # a never-seen key's conditional acceptance rate
 RUN_PRIOR_WEIGHT = 2.0  # pseudo-observations of the prior behind the run's rates
 SEQ_PRIOR_WEIGHT = 4.0  # pseudo-observations of the run's rate behind a sequence's
@@ -396,6 +400,9 @@ class AdaptiveBudget:
             self._charge(parts, part_ms, 1, None, active.to(torch.float32), t1)
             return None
         if host is not None and host[1] == T0:  # the outline's tree (Drafter.outline's contract): cut on the host
+            if host[3] and prop.signal is not None:  # the drafted nodes' classes, where the outline had them pending
+                shape = [(par, grp, sig[:len(par)]) for (par, grp, _), sig in zip(shape, prop.signal.tolist())]
+                host = self._host_expected(shape, act_host)
             return self._host_cut(prop, shape, host, parts, part_ms, active, t1)
         dev = tokens.device
         parents, depths, valid, mask = _per_sequence(tree, B, dev)
@@ -437,32 +444,49 @@ class AdaptiveBudget:
             best = 1
         return best
 
-    def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int, dict[int, tuple[list[int], list[int]]]]:
+    def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int, dict, bool]:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys and rates, P (a product down the
-        path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). -> (expected [T0], T0, ranked:
-        {active b: (its node ids by P, descending, ties to the lower id, so every prefix is a subtree; its keys)})."""
+        path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). A node whose
+        class drafting decides (PENDING_SIGNAL: a head's guess) is taken at the best rate of its (part, depth)'s classes:
+        the check then skips a draft only where not even its best class would pay (whether the part pays on the whole
+        is its gate's judgment), and the cut after drafting ranks the drafted classes (EPYC VM, 2026-11-29, 2k-token
+        prompts, batch 1: taken at the most confident class, whose rate stayed the prior 0.4 where guesses that
+        confident were rare, the check refused heads whose p in [0.45, 0.6) were accepted 0.83 of the time).
+        -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
+        prefix is a subtree; its keys, a pending node's its best class's)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
-        keys = {}  # active sequences only: a finished one's nodes count for nothing
+        # per active sequence (a finished one's nodes count for nothing): the keys whose rates are read (a pending
+        # node's every class), and each node's span of them
+        req, spans, pending = {}, {}, False
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
             if not a:
                 continue
             depth = [0] * len(parents)
             for j in range(1, len(parents)):
                 depth[j] = depth[parents[j]] + 1
-            keys[b] = [(g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
-                       + min(max(x, 0), SIGNALS - 1) for g, d, x in zip(groups, depth, signal)]
+            ks, sp = [], []
+            for g, d, x in zip(groups, depth, signal):
+                base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
+                sp.append((len(ks), SIGNALS if x == PENDING_SIGNAL else 1))
+                ks.extend(range(base, base + SIGNALS) if x == PENDING_SIGNAL else (base + min(max(x, 0), SIGNALS - 1),))
+            pending = pending or len(ks) > len(parents)
+            req[b], spans[b] = ks, sp
         expected, ranked = [0.0] * T0, {}
-        for b, r in self.calib.host_rates(keys).items():
-            parents = shape[b][0]
+        for b, rates in self.calib.host_rates(req).items():
+            parents, keys, r = shape[b][0], [], []
+            for i0, n in spans[b]:  # a pending node: its best class
+                i = max(range(i0, i0 + n), key=rates.__getitem__)
+                keys.append(req[b][i])
+                r.append(rates[i])
             P = [1.0]
             for j in range(1, len(parents)):
                 P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
             order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
-            ranked[b] = (order, keys[b])
+            ranked[b] = (order, keys)
             for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
-        return expected, T0, ranked
+        return expected, T0, ranked, pending
 
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
                   t1: float) -> Proposal | None:
@@ -473,7 +497,7 @@ class AdaptiveBudget:
         path's rates, path products, sort and TreeBatch.kept took ~0.5 ms of a drafted step at batch 1 (EPYC VM,
         2026-11-29: beside a ~4 ms plain step, as much as the heads' drafting), ~0.1 ms here. A finished
         sequence (it accepts nothing) keeps its first nodes."""
-        expected, T0, ranked = host
+        expected, T0, ranked, _ = host
         best = self._best_width(expected, T0, sum(part_ms))
         act = active.to(torch.float32)
         dev = prop.tokens.device

@@ -18,7 +18,7 @@ import hydra_kernels as hk
 from hydra_kernels import adaptive
 from hydra_kernels.adaptive import AdaptiveBudget, _cut, sibling_rank
 from hydra_kernels.budget import choose
-from hydra_kernels.drafters.protocol import Proposal
+from hydra_kernels.drafters.protocol import PENDING_SIGNAL, Proposal
 from hydra_kernels.generate import generate
 from hydra_kernels.tree import TreeBatch
 from test_budget import FAMILIES, PROMPTS, make, model  # noqa: F401 (model: the fixture)
@@ -34,7 +34,7 @@ def randomise_policy(monkeypatch, seed: int) -> None:
 
 def check_outlines(drafter) -> list[int]:
     """Wraps drafter.propose: each proposal must be the tree Drafter.outline gave just before it (parents,
-    parts, signal or sibling ranks, per sequence). Returns [proposals checked]."""
+    parts, signal or sibling ranks, per sequence; a pending signal stands for any class). Returns [proposals checked]."""
     propose, checked = drafter.propose, [0]
 
     def wrapped(state, root, seqlens):
@@ -51,7 +51,9 @@ def check_outlines(drafter) -> list[int]:
             for b, (par, grp, sig) in enumerate(shape):
                 n = len(par)
                 assert int(valid[b].sum()) == n and parents[b, :n].tolist() == par, (b, par, parents[b])
-                assert groups[b, :n].tolist() == grp and signal[b, :n].tolist() == sig, b
+                got = signal[b, :n].tolist()  # a pending class (a head's guess): any class its drafting gives
+                assert groups[b, :n].tolist() == grp and all(x == y or y == PENDING_SIGNAL for x, y in zip(got, sig)), b
+                assert all(0 <= x < adaptive.SIGNALS for x in got), got
             checked[0] += 1
         return prop
 
@@ -367,7 +369,7 @@ def test_the_host_cut_keeps_what_the_tensor_cut_keeps(seed, monkeypatch):
         # where two nodes' P tie in exact arithmetic (the same rates down different branches), the host's products
         # and the tensors' exp(sum of logs) round apart and may keep either one
         T = max(len(x) for x, _, _ in d.lists)
-        _, _, ranked = base._host_expected(d.outline(None, B), active.tolist())
+        _, _, ranked, _ = base._host_expected(d.outline(None, B), active.tolist())
         rates = base.calib.host_rates({b: keys for b, (_, keys) in ranked.items()})
         for b in ranked:
             parents = d.lists[b][0]
@@ -389,6 +391,97 @@ def test_the_host_cut_keeps_what_the_tensor_cut_keeps(seed, monkeypatch):
                 kh, _, vh, _, gh = (x[b] if x.dim() > 1 else x for x in h_step[3])
                 kt, _, vt, _, gt = (x[b] if x.dim() > 1 else x for x in t_step[3])
                 assert torch.equal(kh[vt], kt[vt]) and torch.equal(gh[vt], gt[vt])
+
+
+class PendingChainDrafter(OneChainDrafter):
+    """A 3-node chain whose outline leaves every class to drafting (PENDING_SIGNAL, as the heads'), its proposal
+    carrying `classes` (the drafted guesses' confidence classes)."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.classes, self.proposed = classes, 0
+
+    def outline(self, state, batch):
+        return [([-1, 0, 1], [0, 0, 0], [PENDING_SIGNAL] * 3)] * batch
+
+    def propose(self, state, root, seqlens):
+        self.proposed += 1
+        B = root.shape[0]
+        return Proposal(torch.arange(1, 3 * B + 1).view(B, 3), hk.tree.chain(2),
+                        signal=torch.tensor(self.classes).expand(B, 3))
+
+
+def test_confidence_classes_bucket_probabilities_by_their_edges():
+    edges = hk.drafters.protocol.CONFIDENCE_EDGES
+    p = torch.tensor([0.0, 0.05, *edges, 0.95, 1.0])
+    assert hk.drafters.protocol.confidence_class(p).tolist() == [0, 0, *range(1, len(edges) + 1), len(edges),
+                                                                 len(edges)]
+    assert len(edges) + 1 == adaptive.SIGNALS  # every class a key of its own
+
+
+@pytest.mark.parametrize("name", ["medusa", "hydra"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_head_drafters_report_their_guesses_confidence_classes(model, name, temperature):  # noqa: F811
+    """Proposal.signal of Medusa's and Hydra's proposals: each node's class is that of its guess's probability under
+    the head that drafted it at its parent (softmax of the head's logits, HeadDrafter.logits, over the draft vocabulary;
+    for sampled drafts the draw's q), the root's that of p = 1. Fresh random h, batch 2, the 10-node tree."""
+    from hydra_kernels.drafters.protocol import confidence_class
+
+    d, tree = make(model, name)
+    d.draft_temperature = temperature
+    backends = model.backend_plan("reference")
+    tree = tree.to(model.device)
+    state = d.start(model, 2, 64, tree, backends)
+    d.use_generator(state, torch.Generator().manual_seed(3))
+    # scaled: the random heads' guesses then fall in several classes, not all below 0.1
+    state.h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 4
+    assert d.draft_vocab is None  # columns are token ids
+    with torch.no_grad():
+        prop = d.propose(state, torch.tensor([3, 7]), torch.tensor([5, 9], dtype=torch.int32))
+        want = torch.ones(2, tree.num_nodes)
+        for j in range(1, tree.num_nodes):
+            head = int(tree.depths[j]) - 1
+            path = prop.tokens[:, tree.ancestors[int(tree.parents[j]), :head + 1]]  # the parent's path, root first
+            x = state.h if name == "medusa" else torch.cat([state.h, model.tok_embeddings(path).flatten(1)], dim=-1)
+            q = (d.logits(model, head, x).float() / (temperature or 1.0)).softmax(-1)  # [2, V]
+            want[:, j] = q.gather(1, prop.tokens[:, j:j + 1])[:, 0]
+    assert prop.signal is not None and prop.signal.shape == (2, tree.num_nodes)
+    edges = torch.tensor(hk.drafters.protocol.CONFIDENCE_EDGES)
+    clear = (want[..., None] - edges).abs().min(-1).values > 1e-4  # not within rounding of a class edge
+    assert clear.float().mean() > 0.8
+    assert torch.equal(prop.signal[clear], confidence_class(want)[clear])
+    assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 3, prop.signal  # guesses of several classes
+
+
+@pytest.mark.parametrize("classes, rates, prior, drafted, width", [
+    ([7, 6, 1], {6: 0.9, 1: 0.05}, 0.3, True, 2),  # checked at its best class (6), the confident guess kept, the next cut
+    ([7, 6, 6], {6: 0.9, 1: 0.05}, 0.3, True, 3),
+    ([7, 1, 6], {6: 0.9, 1: 0.05}, 0.3, True, 1),  # drafted unconfident: cut to the root (a plain step) after drafting
+    ([7, 6, 6], {6: 0.1, 1: 0.05}, 0.02, False, 1),  # not even the best class pays: not drafted at all
+])
+def test_a_pending_draft_is_checked_at_its_best_class_and_cut_by_its_drafted_classes(classes, rates, prior, drafted,
+                                                                                     width):
+    """Drafter.outline's PENDING_SIGNAL (a head's guess before drafting): the pre-check takes the best learned rate
+    of the node's classes, so a part whose confident guesses pay is drafted; the cut after drafting ranks the classes
+    the guesses got. Learned rates per class (depths 1 and 2 alike), the other classes never seen (at the prior);
+    a row 2 ms beside a 10 ms step."""
+    d = PendingChainDrafter(classes)
+    p = AdaptiveBudget(d, 1, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+    for c, r in rates.items():
+        for depth in (1, 2):
+            k = int(p.calib.keys(torch.tensor(0), torch.tensor(depth), torch.tensor(c)))
+            p.calib.tested[k], p.calib.accepted[k] = 1000.0, 1000.0 * r
+    p.calib.prior.fill_(prior)  # below the best class: the check must read the classes' rates, not the prior
+    p.costs.coef, p.margin = [10.0, 2.0], 1.0
+    out = p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
+    assert d.proposed == int(drafted) and getattr(d, "skipped", 0) == int(not drafted)
+    assert p.step[2] == width
+    if width == 1:
+        assert out is None
+    else:
+        assert out.tokens.shape == (1, width) and out.tokens[0].tolist() == list(range(1, width + 1))
+        keys = p.step[3][0][0]
+        assert (keys % adaptive.SIGNALS).tolist() == classes[:width]  # observe() learns the drafted classes
 
 
 class OutlinedStaticDrafter(OutlinedChainDrafter):

@@ -62,15 +62,19 @@ def test_native_depth_drafts_the_module_paths_guesses(name, draft_vocab, B, monk
     g = torch.Generator().manual_seed(7 + B)
     h = torch.randn(B, model.config.hidden_size, generator=g)
     root = torch.randint(0, V, (B,), generator=g)
+    backends = model.backend_plan(None)
     for tree in (hk.tree.default_tree(15, depth=3), hk.tree.chain(3), hk.tree.Tree([[0], [1], [2], [0, 0], [0, 1]])):
         with torch.no_grad():
             calls = native_calls(monkeypatch)
             got = d.draft(model, h, root, tree)
             assert len(calls) == tree.depth  # every depth in one call
+            _, _, got_conf = d._tokens(model, h, root, tree, backends)  # each node's probability: the policy's signal
             module_path(monkeypatch)
             want = d.draft(model, h, root, tree)
-        assert torch.equal(got, want)
+            _, _, want_conf = d._tokens(model, h, root, tree, backends)
+        assert torch.equal(got, want) and torch.equal(got_conf, want_conf)
         assert (got[:, 1:] != 0).any()  # real guesses, not an untouched buffer
+        assert (got_conf[:, 0] == 1).all() and ((got_conf >= 0) & (got_conf <= 1)).all()
 
 
 def test_guesses_of_each_depth_match_first_block_and_head_topk_directly():
@@ -87,16 +91,18 @@ def test_guesses_of_each_depth_match_first_block_and_head_topk_directly():
                 paths = torch.randint(0, V, (2, n, head + 1), generator=g)
                 got = native_heads.native_head_topk(d, model, head, h, paths, k, backends)
                 hidden = d.heads[head].infer(d.first_block(model, head, h, paths, backends), backends, first=1)
-                want = d.head_topk(model, head, hidden, k, backends)
-                assert got is not None and got.shape == (2, n, k) and torch.equal(got, want)
+                want = d.head_guesses(model, head, hidden, k, backends)
+                assert got is not None and got[0].shape == got[1].shape == (2, n, k)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                assert torch.equal(got[0], d.head_topk(model, head, hidden, k, backends))
 
 
 @pytest.mark.parametrize("name", ["quantized, tied Q8 head", "quantized, untied Q4 embedding"])
 def test_guesses_are_the_definitions_top_k(name):
     """Against the definition (HeadDrafter.logits: the head's modules in fp32 autograd form over the base model's LM
     rows, F.linear): on heads whose weights are bf16 values (the packed panels' storage) and quantized LM rows (the
-    same dequantized values), the native guesses are the top-k of the definition's logits, each depth, k 1 and 3,
-    fresh random h and paths."""
+    same dequantized values), the native guesses are the top-k of the definition's logits and their probabilities the
+    definition's softmax (fp32 tolerance), each depth, k 1 and 3, fresh random h and paths."""
     model = MODELS[name]()
     d = hydra_of(model, seed=9)
     with torch.no_grad():
@@ -115,7 +121,9 @@ def test_guesses_are_the_definitions_top_k(name):
             with torch.enable_grad():  # the training path: F.linear on the fp32 weights, not the packed kernels
                 logits = d.logits(model, head, x).detach()  # [3, n, draft vocabulary]
             assert got is not None
-            assert torch.equal(got, d.token_ids(logits.topk(k, dim=-1).indices))
+            top = logits.topk(k, dim=-1)
+            assert torch.equal(got[0], d.token_ids(top.indices))
+            torch.testing.assert_close(got[1], logits.softmax(-1).gather(-1, top.indices), rtol=1e-5, atol=1e-6)
 
 
 def test_cases_it_does_not_take_keep_the_module_path(monkeypatch):
@@ -142,9 +150,10 @@ def test_cases_it_does_not_take_keep_the_module_path(monkeypatch):
             handle.remove()
         assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is not None
         wide = torch.randn(3, 2 * model.config.hidden_size)[:, ::2]  # a strided h (a view of hidden states)
-        assert torch.equal(native_heads.native_head_topk(plain, model, 0, wide, paths.expand(3, 1, 1), 1, backends),
-                           native_heads.native_head_topk(plain, model, 0, wide.contiguous(), paths.expand(3, 1, 1), 1,
-                                                         backends))
+        for x, y in zip(native_heads.native_head_topk(plain, model, 0, wide, paths.expand(3, 1, 1), 1, backends),
+                        native_heads.native_head_topk(plain, model, 0, wide.contiguous(), paths.expand(3, 1, 1), 1,
+                                                      backends)):
+            assert torch.equal(x, y)
     with torch.enable_grad():  # training: autograd through the modules
         assert native_heads.native_head_topk(plain, model, 0, h, paths, 1, backends) is None
     # sampled drafts draw from q: the module path (HydraDrafter._tokens never asks)
@@ -178,7 +187,9 @@ def test_bad_input_is_refused_with_what_is_wrong():
     model = MODELS["quantized, tied Q8 head"]()
     d = hydra_of(model)
     good = op_args(model, d)
-    assert call(good).shape == (2, 2, 2)
+    ids, probs = call(good)
+    assert ids.shape == probs.shape == (2, 2, 2) and probs.dtype == torch.float32
+    assert ((probs >= 0) & (probs <= 1)).all() and (probs[..., 0] >= probs[..., 1]).all()  # best first
     wrong_depth = op_args(model, d, head=1)  # head 1's block reads 3 H inputs
     for bad, match in [(dict(paths=good["paths"].clone().fill_(V)), "outside the embedding"),
                        (dict(paths=good["paths"][0]), "paths must be"),

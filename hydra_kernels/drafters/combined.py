@@ -187,25 +187,26 @@ class CombinedDrafter(Drafter):
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
         dev = state.device
         if Th not in state.heads_lists:  # once per tree size and run
-            ranks = hp.tree.host_ranks()  # a heads node's signal: its guess's rank
-            state.heads_lists[Th] = (hp.tree.host_parents(), torch.tensor(ranks, dtype=torch.long),
-                                     torch.tensor(ranks, dtype=torch.long, device=dev))
-        heads_parents, heads_signal, heads_signal_dev = state.heads_lists[Th]
+            state.heads_lists[Th] = (hp.tree.host_parents(), hp.tree.host_sibling_ranks())
+        heads_parents, heads_ranks = state.heads_lists[Th]
+        # for the adaptive budget, a heads node's signal: its head's confidence class where the heads report it
+        # (Proposal.signal), else its sibling rank (what the policy takes for a proposal without one)
+        heads_signal = hp.signal if hp.signal is not None else \
+            torch.tensor(heads_ranks, dtype=torch.long, device=dev).expand(B, Th)
         if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
             groups = torch.ones(B, Th, dtype=torch.long, device=dev)
-            return hp._replace(groups=groups, signal=heads_signal_dev.expand(B, Th))
+            return hp._replace(groups=groups, signal=heads_signal)
         src_lists, par_lists = self._merge(state, heads_parents, ng_parents)
         T = max(len(s) for s in src_lists)
         # padded with zeros (padded nodes copy the root; never accepted) as lists, then one tensor each
         src = torch.tensor([s + [0] * (T - len(s)) for s in src_lists], dtype=torch.long)
         ng = torch.tensor([t[1:] + [0] * (max(C, 1) - len(t) + 1) for t in ng_tokens], dtype=torch.long)
-        # for the adaptive budget: a node's part (1: heads, 0: n-gram) and signal (a heads node's rank, an
-        # n-gram node's match length)
-        groups = (src < Th).long()
         matched = torch.tensor(state.ngram.matched if state.use_ngram else [0] * B, dtype=torch.long)[:, None]
-        signal = torch.where(src < Th, heads_signal[src.clamp(max=Th - 1)], matched)
-        groups, signal = groups.to(dev, non_blocking=True), signal.to(dev, non_blocking=True)
-        ng, src = ng.to(dev, non_blocking=True), src.to(dev, non_blocking=True)
+        ng, src, matched = ng.to(dev, non_blocking=True), src.to(dev, non_blocking=True), matched.to(dev, non_blocking=True)
+        # for the adaptive budget: a node's part (1: heads, 0: n-gram) and signal (a heads node's, above; an n-gram
+        # node's match length)
+        groups = (src < Th).long()
+        signal = torch.where(src < Th, heads_signal.gather(1, src.clamp(max=Th - 1)), matched)
         tokens = torch.cat([hp.tokens, ng], 1).gather(1, src)
         tree = TreeBatch.from_parent_lists(par_lists)  # built on the CPU: no device read-back
         draft_probs = None
@@ -234,13 +235,14 @@ class CombinedDrafter(Drafter):
 
     def outline(self, state: CombinedState, batch: int) -> list[tuple[list[int], list[int], list[int]]] | None:
         """The merged tree propose() builds, from the n-gram lookups (kept for propose()) and the heads'
-        static tree, before the heads draft: groups 0 n-gram / 1 heads, signal the match length / the head's
-        rank. None where the heads build their tree per step."""
+        static tree, before the heads draft: groups 0 n-gram / 1 heads, signal the match length / the heads'
+        own outline's (PENDING_SIGNAL where their drafting decides it). None where the heads build their tree
+        per step."""
         if state.use_heads:
-            ht = self.heads.static_tree(state.heads)
-            if ht is None:
+            ho = self.heads.outline(state.heads, 1)
+            if ho is None:
                 return None
-            heads_parents, heads_ranks = ht.host_parents(), ht.host_ranks()
+            heads_parents, _, heads_ranks = ho[0]
         else:
             heads_parents, heads_ranks = [-1], [0]
         ng_parents = self.ngram.draft_lists(state.ngram)[0] if state.use_ngram else [[-1]] * batch

@@ -285,15 +285,29 @@ class HeadDrafter(Drafter):
     def head_topk(self, model, head: int, hidden: torch.Tensor, k: int, backends) -> torch.Tensor:
         """Head output [..., H] -> token ids of its k best guesses [..., k]. The tied LM head runs the
         fused ops.lm_head_topk (no logits written), or on packed CPU weights the packed kernel."""
+        return self.head_guesses(model, head, hidden, k, backends, with_probs=False)[0]
+
+    def head_guesses(self, model, head: int, hidden: torch.Tensor, k: int, backends,
+                     with_probs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """head_topk's guesses [..., k] and, with_probs, their probabilities under the head (softmax over the
+        draft vocabulary, fp32 [..., k]; else None): the adaptive budget's confidence signal. The guesses are
+        head_topk's on every path (the fused kernel's too: its probabilities come from separate logits)."""
         lm = self.heads[head].lm_head or self.shared_lm_head
+        logits = None
         if lm is not None:
-            idx = lm(hidden).topk(k, dim=-1).indices
+            logits = lm(hidden)
+            idx = logits.topk(k, dim=-1).indices
         elif self._packed_tied(hidden, backends):
             logits = self._packed_tied_logits(model, hidden)
             idx = logits.argmax(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
         else:
             idx = ops.lm_head_topk(hidden, self.tied_lm_weight(model), k, backend=backends["lm_head_topk"])[1]
-        return self.token_ids(idx)
+        probs = None
+        if with_probs:
+            if logits is None:  # the fused kernel wrote none: the draft vocabulary's logits (small) for the softmax
+                logits = F.linear(hidden, self.tied_lm_weight(model))
+            probs = logits.float().softmax(dim=-1).gather(-1, idx)
+        return self.token_ids(idx), probs
 
     def head_draws(self, model, head: int, hidden: torch.Tensor, k: int, state: HeadState):
         """Head output [..., H] -> (token ids [..., k] drawn i.i.d. with replacement from

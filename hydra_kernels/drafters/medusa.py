@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..tree import Tree
 from .draft_heads import HeadDrafter, HeadState
-from .protocol import Proposal
+from .protocol import PENDING_SIGNAL, Proposal, confidence_class
 
 
 class MedusaDrafter(HeadDrafter):
@@ -26,8 +26,13 @@ class MedusaDrafter(HeadDrafter):
     def candidates(self, model, h: torch.Tensor, tree: Tree, backends) -> torch.Tensor:
         """h [B, H] -> every depth's top-k token ids, concatenated: [B, sum of k] (node t's token is
         column tree.flat_source[t])."""
-        return torch.cat([self.head_topk(model, d, self.heads[d].infer(h, backends), plan.topk, backends)
-                          for d, plan in enumerate(tree.plans)], dim=1)
+        return self.guesses(model, h, tree, backends, with_probs=False)[0]
+
+    def guesses(self, model, h: torch.Tensor, tree: Tree, backends, with_probs: bool = True):
+        """candidates() and, with_probs, each candidate's probability under its head (fp32 [B, sum of k]; else None)."""
+        out = [self.head_guesses(model, d, self.heads[d].infer(h, backends), plan.topk, backends, with_probs)
+               for d, plan in enumerate(tree.plans)]
+        return torch.cat([x for x, _ in out], dim=1), torch.cat([p for _, p in out], dim=1) if with_probs else None
 
     def _draft(self, model, h: torch.Tensor, root: torch.Tensor, tree: Tree, backends) -> torch.Tensor:
         """h [B, H], root [B] -> tree tokens [B, T] (node 0 = root)."""
@@ -36,26 +41,36 @@ class MedusaDrafter(HeadDrafter):
         return tokens
 
     def propose(self, state: HeadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
+        """The signal for the adaptive budget: each node's probability under its depth's head (the root's: 1)."""
         tree = state.tree
         if state.draft_temperature > 0:
-            cand, draft_probs = self.sampled_candidates(state, tree)
+            cand, draft_probs, conf = self.sampled_candidates(state, tree)
         else:
-            cand, draft_probs = self.candidates(state.model, state.h, tree, state.backends), None
+            (cand, conf), draft_probs = self.guesses(state.model, state.h, tree, state.backends), None
         tokens, positions = ops.tree_inputs(root, cand, tree.flat_source, tree.depths, seqlens,
                                             backend=state.backends["tree_inputs"])
-        return Proposal(tokens, tree, positions, draft_probs)
+        conf = conf[:, tree.flat_source]
+        conf[:, 0] = 1.0
+        return Proposal(tokens, tree, positions, draft_probs, signal=confidence_class(conf))
 
-    def sampled_candidates(self, state: HeadState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
+    def outline(self, state: HeadState, batch: int):
+        """Drafter.outline: the static tree, every node's class PENDING_SIGNAL (its head's probability decides it)."""
+        parents = state.tree.host_parents()
+        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
+
+    def sampled_candidates(self, state: HeadState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every depth's k i.i.d. draws from its head's q, concatenated: [B, sum of k] (laid out as
-        candidates()), and draft_probs fp32 [B, T, V]: row t = q of node t's depth (row 0, the root: 0)."""
+        candidates()), draft_probs fp32 [B, T, V]: row t = q of node t's depth (row 0, the root: 0), and each
+        draw's q [B, sum of k]."""
         B, V = state.h.shape[0], self.vocab_size
         q = state.h.new_zeros(B, tree.depth + 1, V, dtype=torch.float32)  # [B, D+1, V]: q of depth d's nodes
-        draws = []
+        draws, conf = [], []
         for d, plan in enumerate(tree.plans):
             x, q_d = self.head_draws(state.model, d, self.heads[d].infer(state.h, state.backends), plan.topk, state)
             draws.append(x)  # [B, k]
+            conf.append(q_d.gather(-1, x))
             q[:, d + 1] = q_d  # [B, V]
-        return torch.cat(draws, dim=1), q[:, tree.depths]
+        return torch.cat(draws, dim=1), q[:, tree.depths], torch.cat(conf, dim=1)
 
     # ---- the original Medusa format and vLLM's --------------------------------------------------------
     @staticmethod

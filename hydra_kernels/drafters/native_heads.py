@@ -1,5 +1,6 @@
 """One depth of Hydra's greedy drafting in one native call (csrc/hydra_head_cpu.cpp): each parent node's first-block
-input cat(h, E(path)), the ResBlock, the LM-head rows of the draft vocabulary, its top-k guesses as token ids.
+input cat(h, E(path)), the ResBlock, the LM-head rows of the draft vocabulary, its top-k guesses as token ids and
+their probabilities.
 
 Where it applies: top-k drafts (not sampled ones) of a head that is its first block alone (num_layers 1, the shipped
 Hydra heads) ranking with the base model's tied LM-head rows, on the CPU kernels (the run's BackendPlan packs the
@@ -9,7 +10,8 @@ token embedding. Elsewhere native_head_topk returns None and HydraDrafter keeps 
 Why: with 4096 draft-vocabulary rows the kernels of a depth take ~0.13 ms and the module path around them about as
 long again (csrc/hydra_head_cpu.cpp); a drafted step of the default drafter runs one depth per head.
 
-Exactness: the same functions as the module path, so the same guesses bit for bit (tests/test_hydra_head_native.py).
+Exactness: the same functions as the module path, so the same guesses and probabilities bit for bit
+(tests/test_hydra_head_native.py).
 A draft's guesses never change what generate() emits (the base model verifies), only how fast.
 """
 from __future__ import annotations
@@ -25,10 +27,11 @@ HYDRA_HEAD_TOPK = extension_op("hydra_head_topk")
 
 
 def native_head_topk(drafter, model, head: int, h: torch.Tensor, path_tokens: torch.Tensor, k: int,
-                     backends) -> torch.Tensor | None:
-    """Head `head`'s k best guesses as token ids [B, n, k] (best first) for the n parents given by their paths
-    path_tokens int64 [B, n, head + 1] (root first), from h fp32 [B, H]: what HydraDrafter.first_block then
-    head_topk return, in one native call; None where it does not apply (see the module docstring)."""
+                     backends) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Head `head`'s k best guesses as token ids [B, n, k] (best first) and their probabilities fp32 [B, n, k] for
+    the n parents given by their paths path_tokens int64 [B, n, head + 1] (root first), from h fp32 [B, H]: what
+    HydraDrafter.first_block then head_guesses return, in one native call; None where it does not apply (see the
+    module docstring)."""
     if (HYDRA_HEAD_TOPK is None or not backends.packed_linear or not h.is_cpu or h.dtype is not torch.float32
             or torch.is_grad_enabled() or drafter.shared_lm_head is not None):
         return None

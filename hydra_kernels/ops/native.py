@@ -85,8 +85,8 @@ def _register() -> bool:
 
     @torch.library.register_fake("hydra_kernels::hydra_head_topk")
     def _(h, paths, embed, embed_kind, embed_rows, w_lin, lin_kind, b_lin, w_res, res_kind, b_res, lm, lm_kind, vocab,
-          vocab_ids, k):  # each parent's k guesses as token ids
-        return paths.new_empty(paths.shape[0], paths.shape[1], k)
+          vocab_ids, k):  # each parent's k guesses as token ids, and their probabilities
+        return paths.new_empty(paths.shape[0], paths.shape[1], k), h.new_empty(paths.shape[0], paths.shape[1], k)
 
     @torch.library.register_fake("hydra_kernels::plain_greedy_step")
     def _(tokens, embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
