@@ -34,8 +34,8 @@ prompt that copies earns long n-gram chains and one that does not earns none.
 
 Step costs are measured (`StepCosts`): each step's wall time (loop iteration to loop iteration, so
 host work counts; the step ends with the loop's one host read, so the time is the device's too) is fitted
-online as a + sum of the parts' drafting costs + b * (T - 1) by decayed ridge regression, the previous
-run's fit (same model, batch size, device, threads) its prior.
+online as a + sum of the parts' drafting costs + c [T > 1] + b * (T - 1) by decayed ridge regression, the
+previous run's fit (same model, batch size, device, threads) its prior.
 
 Exactness: greedy acceptance emits the base model's tokens for any tree, so greedy output is plain
 greedy decoding's whatever the policy does. For rejection sampling, the policy's choice of tree at a
@@ -206,13 +206,25 @@ def _shrink(accepted: torch.Tensor, tested: torch.Tensor, prior: torch.Tensor, w
 
 
 class StepCosts:
-    """A step's wall time without its drafting (ms) ~ a + b (T - 1), T the verified nodes per sequence,
-    fitted by decayed ridge regression toward a prior (the previous run's fit, else a guess scaled by the
-    first plain steps). One observation counts at most twice its prediction plus 2 ms: a one-time cost (a
-    first call's warm-up, a page fault) must not teach the policy that rows are dear for the rest of a run."""
+    """A step's wall time without its drafting (ms) ~ a + c [T > 1] + b (T - 1), T the verified nodes per
+    sequence: a a plain step, c what any drafted step pays beyond its rows (the tree step's kernels and the loop's
+    work around a verified tree), b a node's rows. Fitted by decayed ridge regression toward a prior (the previous
+    run's fit, else a guess scaled by the first plain steps, c = 0). One observation counts at most twice its
+    prediction plus 2 ms: a one-time cost (a first call's warm-up, a page fault) must not teach the policy that
+    rows are dear for the rest of a run.
+
+    Why c: a + b (T - 1) alone put the first node's surcharge into both a and b. EPYC VM, 2026-11-29, the shipped
+    combined drafter at batch 1, medians of the loop's timed steps by width: MT-Bench 6.04 / 7.83 / 9.08 / 10.43 ms
+    for T = 1-4 (the first node 1.8 ms, the next ones 1.3), fitted a = 6.91 (a plain step 14% dearer than measured),
+    b = 1.37; 2k-token prompts 12.35 / 13.87 / 15.58 / 17.67, fitted a = 12.87, b = 2.07."""
 
     PLAIN_STEPS_TO_SCALE = 3  # the guess follows the fastest of the first plain steps (the first may catch up
     # a drafter's layer over the whole prompt: EAGLE's, Amphista's skip_step)
+    # the prior's weight on a, b, c, times `weight`: b and c only a tenth, since the timed widths separate them
+    # poorly (c [T > 1] and b (T - 1) move together), so a ridge of equal weights traded one for the other (a 1.5 ms
+    # surcharge fitted at 1.15 from exact timings of widths 1, 2, 3, 5: tests/test_adaptive.py); where no drafted
+    # step was timed the prior stands whatever its weight
+    PRIOR_SCALE = (1.0, 0.1, 0.1)
 
     def __init__(self, memory: dict, key, device_type: str, batch: int = 1):
         self.memory, self.key = memory, key
@@ -223,43 +235,59 @@ class StepCosts:
         # 7.2 ms batch-1 step, 0.15; at batch 4 a node ~4.4 ms beside 11.7, at 16 ~18 beside 35: so 0.15 * batch,
         # at most a whole step, errs high where it errs); ~0 on a GPU (a step is memory-bound well past 16 rows)
         self.row_share = min(1.0, 0.15 * batch) if device_type == "cpu" else 0.005
-        self.prior = list(prior) if prior is not None else [10.0, 10.0 * self.row_share]
         self.weight = 3.0 if prior is not None else 1.0
-        self.A = [[self.weight, 0.0], [0.0, self.weight]]
-        self.r = [self.weight * p for p in self.prior]
-        self.coef = list(self.prior)
+        self._reset(list(prior) + [0.0] * (3 - len(prior)) if prior is not None else [10.0, 10.0 * self.row_share, 0.0])
         self.plain_seen, self.wide_seen = 0, False
 
+    def _reset(self, prior: list[float]) -> None:
+        """The fit back to its prior [a, b, c] (the ridge's normal equations A theta = r over theta = (a, b, c))."""
+        self.prior = prior
+        self.A = [[self.weight * self.PRIOR_SCALE[i] if i == j else 0.0 for j in range(3)] for i in range(3)]
+        self.r = [self.weight * s * x for s, x in zip(self.PRIOR_SCALE, prior)]
+        self.coef, self.spec = prior[:2], prior[2]  # coef: [a, b]; spec: c
+
     def predict(self, width: int) -> float:
-        return max(self.coef[0] + self.coef[1] * (width - 1), 1e-3)
+        return max(self.coef[0] + (self.spec + self.coef[1] * (width - 1) if width > 1 else 0.0), 1e-3)
+
+    def rows(self, nodes: float) -> float:
+        """What `nodes` verified nodes per sequence (a part's mean: a fraction where it keeps some steps none) add to a
+        plain step: their rows, and the drafted step's surcharge c for up to one of them."""
+        return max(self.coef[1], 0.0) * nodes + max(self.spec, 0.0) * min(1.0, nodes)
 
     def observe(self, width: int, ms: float) -> None:
         if not self.known and width == 1 and self.plain_seen < self.PLAIN_STEPS_TO_SCALE:
             self.plain_seen += 1
             if self.plain_seen == 1 or ms < self.prior[0]:  # the guess scaled to the fastest plain step yet
-                self.prior = [ms, ms * self.row_share]
-                self.A = [[self.weight, 0.0], [0.0, self.weight]]
-                self.r = [self.weight * p for p in self.prior]
-                self.coef = list(self.prior)
+                self._reset([ms, ms * self.row_share, 0.0])
                 return
         self.wide_seen = self.wide_seen or width > 1
         ms = min(ms, 2.0 * self.predict(width) + 2.0)
-        x = (1.0, float(width - 1))
-        for i in range(2):
-            for j in range(2):  # decay toward the prior, not toward zero
-                self.A[i][j] = DECAY * self.A[i][j] + (1 - DECAY) * (self.weight if i == j else 0.0) + x[i] * x[j]
-            self.r[i] = DECAY * self.r[i] + (1 - DECAY) * self.weight * self.prior[i] + x[i] * ms
-        det = self.A[0][0] * self.A[1][1] - self.A[0][1] * self.A[1][0]
-        self.coef = [(self.A[1][1] * self.r[0] - self.A[0][1] * self.r[1]) / det,
-                     (self.A[0][0] * self.r[1] - self.A[1][0] * self.r[0]) / det]
+        x = (1.0, float(width - 1), 1.0 if width > 1 else 0.0)
+        for i in range(3):
+            for j in range(3):  # decay toward the prior, not toward zero
+                self.A[i][j] = (DECAY * self.A[i][j] + x[i] * x[j]
+                                + (1 - DECAY) * (self.weight * self.PRIOR_SCALE[i] if i == j else 0.0))
+            self.r[i] = DECAY * self.r[i] + (1 - DECAY) * self.weight * self.PRIOR_SCALE[i] * self.prior[i] + x[i] * ms
+        a, b, c = _solve3(self.A, self.r)
+        self.coef, self.spec = [a, b], c
 
     def remember(self) -> None:
-        """The next run's prior: the fit, its row cost only where a wide step was timed (a row cost never
-        observed stays a guess, not a learned value)."""
+        """The next run's prior: the fit, its row and drafted-step costs only where a wide step was timed (a cost
+        never observed stays a guess, not a learned value)."""
         if self.known or self.wide_seen:
-            self.memory[self.key] = tuple(self.coef)
+            self.memory[self.key] = (*self.coef, self.spec)
         elif self.plain_seen:
-            self.memory[self.key] = (self.coef[0], self.coef[0] * self.row_share)
+            self.memory[self.key] = (self.coef[0], self.coef[0] * self.row_share, 0.0)
+
+
+def _solve3(A: list[list[float]], r: list[float]) -> list[float]:
+    """x with A x = r, A 3 x 3 symmetric positive definite (the ridge's normal equations): Cramer's rule on the host
+    (a few dozen float ops; a tensor solve's dispatch would cost more)."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(A)
+    return [det([[r[i] if j == k else A[i][j] for j in range(3)] for i in range(3)]) / d for k in range(3)]
 
 
 class PartGate:
@@ -588,7 +616,7 @@ class AdaptiveBudget:
             if ran:
                 g = self.gates[p]
                 if not g.open:  # a trial: what it took, its rows included (a refused check: the check alone)
-                    g.record_trial(part_ms[p] + own + max(self.costs.coef[1], 0.0) * rows[p])
+                    g.record_trial(part_ms[p] + own + self.costs.rows(rows[p]))
                 cost = gate_ms[p] if gate_ms is not None and gate_ms[p] else part_ms[p] + own
                 g.record(earned[p], rows[p], cost, self.costs.predict(1))
         for p, ran in enumerate(parts):
@@ -598,7 +626,7 @@ class AdaptiveBudget:
             others = [q for q, r in enumerate(parts) if r and q != p]
             tokens_without = n_seq + sum(self.gates[q].gain for q in others)
             time_without = self.costs.predict(1) + sum(self.gates[q].cost for q in others)
-            its_time = g.cost + max(self.costs.coef[1], 0.0) * g.nodes
+            its_time = g.cost + self.costs.rows(g.nodes)
             # a trial's price is what its trials took (most are checks refused before drafting: ~0.2-0.3 ms where
             # the n-gram's drafted steps cost ~1.2 ms at batch 1); before any, its drafting
             trial = g.trial if g.trial is not None else g.cost

@@ -654,7 +654,29 @@ def test_step_costs_follow_the_fastest_first_plain_step_and_keep_row_costs_only_
         c2.observe(4, 16.0)  # 2 ms a node
     assert c2.coef[1] == pytest.approx(2.0, rel=0.1)
     c2.remember()
-    assert mem["k"][1] == pytest.approx(c2.coef[1])
+    assert mem["k"][1] == pytest.approx(c2.coef[1]) and mem["k"][2] == pytest.approx(c2.spec)
+
+
+def test_step_costs_tell_a_drafted_steps_surcharge_from_its_rows():
+    """a + c [T > 1] + b (T - 1): timed steps of widths 1, 2, 3 and 5 (a 6 ms plain step, 1.5 ms for any drafted
+    step, 1.2 ms a node) are fitted so: the plain step is not priced at the drafted steps' surcharge, a node not at
+    the first node's. Before any drafted step c is 0; the next run starts from this fit."""
+    mem = {}
+    c = adaptive.StepCosts(mem, "k", "cpu")
+    for _ in range(3):
+        c.observe(1, 6.0)
+    assert c.spec == 0.0 and c.predict(1) == pytest.approx(6.0)
+    truth = lambda w: 6.0 + (1.5 + 1.2 * (w - 1) if w > 1 else 0.0)  # noqa: E731
+    for _ in range(40):
+        for w in (1, 2, 1, 3, 1, 5):
+            c.observe(w, truth(w))
+    assert c.coef == pytest.approx([6.0, 1.2], rel=0.05) and c.spec == pytest.approx(1.5, rel=0.1)  # a ridge: shrunk a little
+    assert [c.predict(w) for w in range(1, 7)] == pytest.approx([truth(w) for w in range(1, 7)], rel=0.02)
+    assert c.rows(0.0) == 0.0 and c.rows(0.5) == pytest.approx(0.5 * (c.coef[1] + c.spec))
+    assert c.rows(2.0) == pytest.approx(2 * c.coef[1] + c.spec)
+    c.remember()
+    c2 = adaptive.StepCosts(mem, "k", "cpu")
+    assert c2.known and [c2.predict(w) for w in (1, 2, 4)] == pytest.approx([c.predict(w) for w in (1, 2, 4)])
 
 
 def test_a_deeper_node_starts_from_its_part_and_signals_rate_at_the_other_depths():
