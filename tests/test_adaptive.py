@@ -453,6 +453,44 @@ def test_head_drafters_report_their_guesses_confidence_classes(model, name, temp
     assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 3, prop.signal  # guesses of several classes
 
 
+@pytest.mark.parametrize("name", ["eagle-static", "eagle-dynamic"])
+def test_eagle_reports_its_guesses_confidence_classes(model, name, monkeypatch):  # noqa: F811
+    """EAGLE's Proposal.signal: a node's class is that of its probability under the layer at its parent; checked at
+    the root's children against the layer's first log-probabilities (draft_log_probs at the root's feature), the
+    root's class that of p = 1; a static tree's outline leaves every class pending."""
+    from hydra_kernels.drafters.protocol import confidence_class
+
+    d, tree = make(model, name)
+    assert d.draft_vocab is None  # columns are token ids
+    first = []
+    real = d.draft_log_probs
+    # the layer's features scaled: its guesses then fall in several classes, not all below 0.1
+    monkeypatch.setattr(d, "draft_log_probs", lambda m, y: first.append(real(m, y * 4)) or first[-1])
+    props = []
+    propose = d.propose
+
+    def recorded(state, root, seqlens):  # each proposal with the layer's log-probabilities it ranked
+        first.clear()
+        props.append((propose(state, root, seqlens), list(first)))
+        return props[-1][0]
+
+    monkeypatch.setattr(d, "propose", recorded)
+    generate(model, PROMPTS[:2], drafter=d, tree=tree, max_new_tokens=2, eos_token_id=[], backend="reference")
+    prop, calls = props[0]
+    lp_root = calls[0].reshape(2, -1)  # [B, V]: the layer at the root
+    parents = prop.tree.parents if isinstance(prop.tree, hk.tree.TreeBatch) else prop.tree.parents.expand(2, -1)
+    assert (prop.signal[:, 0] == len(hk.drafters.protocol.CONFIDENCE_EDGES)).all()
+    checked = 0
+    for b in range(2):
+        for j in range(1, prop.tokens.shape[1]):
+            if int(parents[b, j]) == 0:
+                want = confidence_class(lp_root[b, prop.tokens[b, j]].exp())
+                assert int(prop.signal[b, j]) == int(want), (b, j)
+                checked += 1
+    assert checked >= 2
+    assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 2
+
+
 @pytest.mark.parametrize("classes, rates, prior, drafted, width", [
     ([7, 6, 1], {6: 0.9, 1: 0.05}, 0.3, True, 2),  # checked at its best class (6), the confident guess kept, the next cut
     ([7, 6, 6], {6: 0.9, 1: 0.05}, 0.3, True, 3),

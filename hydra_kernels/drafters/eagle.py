@@ -42,7 +42,7 @@ from . import backlog
 from .backlog import Backlog, rooted
 from .eagle_layer import Eagle3Layer, EagleLayer
 from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
-from .protocol import Drafter, Proposal
+from .protocol import PENDING_SIGNAL, Drafter, Proposal, confidence_class
 
 
 @dataclass(frozen=True)
@@ -343,11 +343,21 @@ class EagleDrafter(Drafter):
         return state.tree if state.dynamic is None else None  # a dynamic tree is chosen by its drafting
 
     def propose(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
+        """The signal for the adaptive budget: each node's probability under the layer at its parent (the root's: 1)."""
         y_root = self._chunk(state, root)  # [B, H]: the predicted feature at the root
         if state.dynamic is not None:
-            tokens, parents = self._dynamic(state, y_root, root)
-            return Proposal(tokens, TreeBatch(parents, max_depth=state.dynamic.depth))
-        return Proposal(self._static(state, y_root, root), state.tree)
+            tokens, parents, lp = self._dynamic(state, y_root, root)
+            return Proposal(tokens, TreeBatch(parents, max_depth=state.dynamic.depth), signal=confidence_class(lp.exp()))
+        tokens, lp = self._static(state, y_root, root)
+        return Proposal(tokens, state.tree, signal=confidence_class(lp.exp()))
+
+    def outline(self, state: EagleState, batch: int):
+        """Drafter.outline: a static tree's, every node's class PENDING_SIGNAL (the layer's probability decides it);
+        None for a dynamic tree (its drafting chooses it)."""
+        if state.dynamic is not None:
+            return None
+        parents = state.tree.host_parents()
+        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
 
     # ---- drafting ---------------------------------------------------------------------------------
     def _chunk(self, state: EagleState, root: torch.Tensor) -> torch.Tensor:
@@ -426,13 +436,14 @@ class EagleDrafter(Drafter):
         return index if self.draft_vocab is None else self.draft_vocab[index]
 
     def _dynamic(self, state: EagleState, y_root: torch.Tensor, root: torch.Tensor):
-        """EAGLE-2: -> tokens [B, T], parents [B, T] of each sequence's confidence-ranked tree."""
+        """EAGLE-2: -> tokens [B, T], parents [B, T] of each sequence's confidence-ranked tree, each node's log-probability
+        at its parent [B, T] (the root's: 0)."""
         d, model = state.dynamic, state.model
         K, T = d.top_k, d.total_tokens
         B, dev = root.shape[0], root.device
         bidx = torch.arange(B, device=dev)[:, None]
         lp, idx = self.draft_log_probs(model, y_root).topk(K, dim=-1)  # [B, K]
-        cand_tok, cand_score = [self.token_ids(idx)], [lp]
+        cand_tok, cand_score, cand_lp = [self.token_ids(idx)], [lp], [lp]
         cand_parent = [torch.full((B, K), -1, dtype=torch.long, device=dev)]  # -1: the root
         front_tok, front_score = cand_tok[0], lp  # [B, K] the nodes expanded next
         front_feat = y_root[:, None, :].expand(B, K, -1)  # their parents' predicted features
@@ -448,6 +459,7 @@ class EagleDrafter(Drafter):
             score = (front_score[:, :, None] + lp).flatten(1)  # [B, K*K] cumulative
             cand_tok.append(self.token_ids(idx).flatten(1))
             cand_score.append(score)
+            cand_lp.append(lp.flatten(1))
             cand_parent.append(front_id[:, :, None].expand(B, K, K).flatten(1))
             best = score.topk(K, dim=-1).indices  # [B, K] the next depth's frontier
             par = best // K  # which frontier node each descends from
@@ -457,7 +469,7 @@ class EagleDrafter(Drafter):
             front_anc = front_anc[bidx, par]
             front_id = n_cand + best
             n_cand += K * K
-        tok, score, parent = (torch.cat(x, dim=1) for x in (cand_tok, cand_score, cand_parent))  # [B, C]
+        tok, score, parent, cond = (torch.cat(x, dim=1) for x in (cand_tok, cand_score, cand_parent, cand_lp))  # [B, C]
         # the best T-1 by cumulative log-prob; a stable sort keeps a parent (earlier index, score >= the
         # child's) ahead of its children, so the chosen set is closed under parents
         order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, : T - 1]
@@ -468,14 +480,16 @@ class EagleDrafter(Drafter):
         parents = torch.where(cp < 0, torch.zeros_like(cp), node_of.gather(1, cp.clamp(min=0)))
         tokens = torch.cat((root[:, None], tok.gather(1, chosen)), dim=1)
         parents = torch.cat((torch.full((B, 1), -1, dtype=torch.long, device=dev), parents), dim=1)
-        return tokens, parents
+        return tokens, parents, torch.cat((cond.new_zeros(B, 1), cond.gather(1, chosen)), dim=1)
 
     def _static(self, state: EagleState, y_root: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """The tokens [B, T] of the static tree: each parent's children are its draft top-k by rank."""
+        """The tokens [B, T] of the static tree (each parent's children are its draft top-k by rank) and each node's
+        log-probability at its parent [B, T] (the root's: 0)."""
         tree, model = state.tree, state.model
         B, T, dev = root.shape[0], tree.num_nodes, root.device
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
         tokens[:, 0] = root
+        lps = torch.zeros(B, T, dtype=torch.float32, device=dev)
         feats = y_root.new_zeros(B, T, y_root.shape[-1])  # each node's predicted feature (its children's input)
         feats[:, 0] = y_root
         anc = tree.mask[:, 1:]  # [T, T-1]: node i sees the rows (j - 1) of its non-root ancestors and itself
@@ -485,9 +499,10 @@ class EagleDrafter(Drafter):
                 y = self._run_nodes(state, tokens[:, nodes], feats[:, tree.parents[nodes]], depth - 1,
                                     (nodes - 1).expand(B, -1), anc[nodes].expand(B, -1, -1))
                 feats[:, nodes] = y
-            idx = self.draft_log_probs(model, feats[:, plan.parents]).topk(plan.topk, dim=-1).indices  # [B, p, k]
+            lp, idx = self.draft_log_probs(model, feats[:, plan.parents]).topk(plan.topk, dim=-1)  # [B, p, k]
             tokens[:, plan.children] = self.token_ids(idx[:, plan.child_slot, plan.child_rank])
-        return tokens
+            lps[:, plan.children] = lp[:, plan.child_slot, plan.child_rank].float()
+        return tokens, lps
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, path, dtype: torch.dtype | None = None) -> None:
