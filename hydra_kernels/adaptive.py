@@ -89,6 +89,9 @@ PROBE_SHARE = 0.01
 # ~1.14x were refused) and 0.98x where 1.15 ran 0.98x; at batch 4, 1.08 ran 0.95x where 1.15 ran 0.98x
 MARGIN = 1.15
 MARGIN_BATCH_1 = 1.08
+# a run starts on new text: a part the last run held back is tried within this many steps, whatever wait it had left
+# (PartGate.new_text)
+NEW_TEXT_TRIAL = 4
 # a part whose work grows with the nodes it drafts (a head per depth: Drafter.size_part) drafts as many nodes
 # as its last drafted step kept (at least one), and its whole draft every EXPLORE_EVERY-th run, where the
 # deeper nodes' rates are learned (EPYC VM, 2026-11-28: the shipped chain's second head cost ~0.45 ms a step
@@ -301,6 +304,19 @@ class PartGate:
         self.cost = 0.0  # ms its drafting took (decayed mean)
         self.trial = None  # ms a trial took (decayed mean over the steps it ran while held back, its rows included)
         self.open, self.wait, self.left = True, 1, 0
+        self.fresh = False  # the next record starts the gain afresh (new_text)
+
+    def new_text(self) -> None:
+        """A new run (its prompts' text): what the part earned on the last run's text is not evidence about this one,
+        so its first step here sets its gain (record), a held-back part is tried within NEW_TEXT_TRIAL steps, and its
+        backoff restarts (waits of 2, 4, 8 ... steps: a few trials a run, ~1 ms each at batch 1); its cost (the
+        machine's, not the text's) is kept. EPYC VM, 2026-11-29, editing prompts at batch 1: a prompt that copied its
+        text (the table's 3 nodes a step: 2.6 tokens a step) ran 27 plain steps before drafting: its first trial's
+        tokens averaged into the last prompt's 0.0 (0.3 weight), and one trial that earned nothing doubled the last
+        prompt's 16-step wait."""
+        self.fresh = True
+        self.left = min(self.left, NEW_TEXT_TRIAL)
+        self.wait = 1
 
     def due(self) -> bool:
         if self.open:
@@ -310,8 +326,10 @@ class PartGate:
 
     def record(self, gain: float, nodes: float, cost: float, cap: float = math.inf) -> None:
         first = self.gain is None
-        self.gain = gain if first else 0.7 * self.gain + 0.3 * gain
-        self.nodes = nodes if first else 0.7 * self.nodes + 0.3 * nodes
+        new = first or self.fresh
+        self.fresh = False
+        self.gain = gain if new else 0.7 * self.gain + 0.3 * gain
+        self.nodes = nodes if new else 0.7 * self.nodes + 0.3 * nodes
         # a one-time cost (the first call's warm-up) counts at most twice the mean plus 1 ms (the first
         # record: at most `cap`, a plain step's time)
         self.cost = min(cost, cap) if first else 0.7 * self.cost + 0.3 * min(cost, 2.0 * self.cost + 1.0)
@@ -350,6 +368,8 @@ class AdaptiveBudget:
                                batch)
         self.gate_key = ("gates", batch, device.type)
         self.gates = [copy.copy(g) for g in self.memory.get(self.gate_key, ())] or [PartGate() for _ in self.parts]
+        for g in self.gates:
+            g.new_text()
         self.clock = clock
         self.first = not self.costs.known  # without an earlier run's costs the first step is plain: it times a
         self.host_s = 0.0  # the policy's own host time

@@ -646,6 +646,32 @@ def test_learning_and_the_gate():
     assert gate.wait == 3  # the cap
 
 
+def test_a_new_runs_text_gets_fresh_gates():
+    """A gate remembered from the last run (its part held back on that text, a long wait left, a long backoff, a low
+    gain) is tried within NEW_TEXT_TRIAL steps of a new run, its backoff restarted, and its first record there sets the
+    gain instead of averaging into the last text's; its cost (the machine's) is averaged as before."""
+    gate = adaptive.PartGate()
+    gate.record(0.0, 1.0, 2.0)
+    for _ in range(5):
+        gate.judge(False)
+    assert gate.wait == 32 and gate.left == 32
+    d = OneChainDrafter()
+    adaptive.memory(d, "memory")[("gates", 1, "cpu")] = [gate]
+    p = AdaptiveBudget(d, 1, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+    g = p.gates[0]
+    assert g is not gate and gate.wait == 32  # a copy: the memory keeps the last run's gate
+    waited = 1
+    while not g.due():
+        waited += 1
+    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == 1
+    g.record(1.5, 1.0, 4.0)
+    assert g.gain == 1.5 and g.cost == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
+    g.record(0.5, 1.0, 2.0)
+    assert g.gain == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)  # then the running mean, as before
+    g.judge(False)
+    assert g.wait == 2  # the ramp from its start
+
+
 def test_budget_argument():
     """'adaptive' is accepted with or without a tree; None keeps the table / full tree; a bad string names
     the choices."""
