@@ -648,7 +648,7 @@ def test_learning_and_the_gate():
 
 def test_a_new_runs_text_gets_fresh_gates():
     """A gate remembered from the last run (its part held back on that text, a long wait left, a long backoff, a low
-    gain) is tried within NEW_TEXT_TRIAL steps of a new run, its backoff restarted, and its first record there sets the
+    gain) is tried within NEW_TEXT_TRIAL steps of a new run, its backoff cut to that, and its first record there sets the
     gain instead of averaging into the last text's; its cost (the machine's) is averaged as before."""
     gate = adaptive.PartGate()
     gate.record(0.0, 1.0, 2.0)
@@ -663,13 +663,13 @@ def test_a_new_runs_text_gets_fresh_gates():
     waited = 1
     while not g.due():
         waited += 1
-    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == 1
+    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == adaptive.NEW_TEXT_TRIAL
     g.record(1.5, 1.0, 4.0)
     assert g.gain == 1.5 and g.cost == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
     g.record(0.5, 1.0, 2.0)
     assert g.gain == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)  # then the running mean, as before
     g.judge(False)
-    assert g.wait == 2  # the ramp from its start
+    assert g.wait == 2 * adaptive.NEW_TEXT_TRIAL  # the ramp from there, not from the last run's 32
 
 
 def test_budget_argument():
