@@ -145,30 +145,35 @@ class Calibration:
         """rates() of keys {b: [T] keys of sequence b} computed on the host, as floats: for the pre-check of a
         draft not drafted yet, where a few dozen keys are read and the tensor ops' dispatch would cost more
         than the arithmetic. The counts' pending decay f enters as (accepted * f + w * prior) / (tested * f + w)."""
+        run = self.host_run_rates(k for ks in keys.values() for k in ks)  # the sequences share most keys
+        tested, accepted, prior, seq_tested, seq_accepted, t_sum, a_sum, seq_t_sum, seq_a_sum = self.host
+        return {b: [self._shrunk(seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b], k, run[k], SEQ_PRIOR_WEIGHT)
+                    for k in ks] for b, ks in keys.items()}
+
+    def host_run_rates(self, keys) -> dict[int, float]:
+        """The run's rate of each key (host_rates' prior of every sequence's): {key: rate}."""
         D, S = MAX_DEPTH_KEY, SIGNALS
         if self.host is None:  # the counts, and their sums over depth per (part, signal) [..., P * S]
             by_depth = lambda t: t.view(*t.shape[:-1], self.P, D, S).sum(-2).flatten(-2)  # noqa: E731
             self.host = [t.tolist() for t in (self.tested, self.accepted, self.prior, self.seq_tested,
                                               self.seq_accepted, by_depth(self.tested), by_depth(self.accepted),
                                               by_depth(self.seq_tested), by_depth(self.seq_accepted))]
-        tested, accepted, prior, seq_tested, seq_accepted, t_sum, a_sum, seq_t_sum, seq_a_sum = self.host
+        tested, accepted, prior, _, _, t_sum, a_sum, _, _ = self.host
+        run = {}
+        for k in keys:
+            if k not in run:
+                run[k] = self._shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT)
+        return run
+
+    def _shrunk(self, acc, tst, acc_sum, tst_sum, k: int, q: float, w: float) -> float:
+        """_shrink's rate of key k from host counts (q: its prior), the pending decay applied."""
+        D, S = MAX_DEPTH_KEY, SIGNALS
+        ps = (k // (D * S)) * S + k % S  # k's (part, signal)
+        if tst_sum[ps] == 0.0:  # no counts at any depth (most keys of most sequences): the prior itself
+            return q
         f = DECAY ** self.pending
-
-        def shrunk(acc, tst, acc_sum, tst_sum, k, q, w):  # _shrink's rate of key k (q: its prior); f: the decay
-            ps = (k // (D * S)) * S + k % S  # k's (part, signal)
-            if tst_sum[ps] == 0.0:  # no counts at any depth (most keys of most sequences): the prior itself
-                return q
-            pooled = (((acc_sum[ps] - acc[k]) * f + POOL_PRIOR_WEIGHT * q)
-                      / ((tst_sum[ps] - tst[k]) * f + POOL_PRIOR_WEIGHT))
-            return (acc[k] * f + w * pooled) / (tst[k] * f + w)
-
-        run = {}  # key -> the run's rate (the sequences share most keys)
-        for ks in keys.values():
-            for k in ks:
-                if k not in run:
-                    run[k] = shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT)
-        return {b: [shrunk(seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b], k, run[k], SEQ_PRIOR_WEIGHT)
-                    for k in ks] for b, ks in keys.items()}
+        pooled = (((acc_sum[ps] - acc[k]) * f + POOL_PRIOR_WEIGHT * q) / ((tst_sum[ps] - tst[k]) * f + POOL_PRIOR_WEIGHT))
+        return (acc[k] * f + w * pooled) / (tst[k] * f + w)
 
     def decay(self) -> None:
         """Every step, verified or not: counts fade, so a key that stops being verified drifts back to its
@@ -497,7 +502,8 @@ class AdaptiveBudget:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys and rates, P (a product down the
         path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). A node whose
-        class drafting decides (PENDING_SIGNAL: a head's guess) is taken at the best rate of its (part, depth)'s classes:
+        class drafting decides (PENDING_SIGNAL: a head's guess) is taken at its (part, depth)'s best class (by the run's
+        rates, so one choice serves every sequence: at batch 16 a choice per sequence and node read 8x the keys):
         the check then skips a draft only where not even its best class would pay (whether the part pays on the whole
         is its gate's judgment), and the cut after drafting ranks the drafted classes (EPYC VM, 2026-11-29, 2k-token
         prompts, batch 1: taken at the most confident class, whose rate stayed the prior 0.4 where guesses that
@@ -505,34 +511,33 @@ class AdaptiveBudget:
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
         prefix is a subtree; its keys, a pending node's its best class's)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
-        # per active sequence (a finished one's nodes count for nothing): the keys whose rates are read (a pending
-        # node's every class), and each node's span of them
-        req, spans, pending = {}, {}, False
+        keys, best, pending = {}, {}, False  # active sequences only: a finished one's nodes count for nothing
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
             if not a:
                 continue
             depth = [0] * len(parents)
             for j in range(1, len(parents)):
                 depth[j] = depth[parents[j]] + 1
-            ks, sp = [], []
+            ks = []
             for g, d, x in zip(groups, depth, signal):
                 base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
-                sp.append((len(ks), SIGNALS if x == PENDING_SIGNAL else 1))
-                ks.extend(range(base, base + SIGNALS) if x == PENDING_SIGNAL else (base + min(max(x, 0), SIGNALS - 1),))
-            pending = pending or len(ks) > len(parents)
-            req[b], spans[b] = ks, sp
+                if x == PENDING_SIGNAL:  # its (part, depth)'s best class by the run's rates, shared by the sequences
+                    if base not in best:
+                        run = self.calib.host_run_rates(range(base, base + SIGNALS))
+                        best[base] = max(run, key=run.__getitem__)
+                    ks.append(best[base])
+                else:
+                    ks.append(base + min(max(x, 0), SIGNALS - 1))
+            keys[b] = ks
+        pending = bool(best)
         expected, ranked = [0.0] * T0, {}
-        for b, rates in self.calib.host_rates(req).items():
-            parents, keys, r = shape[b][0], [], []
-            for i0, n in spans[b]:  # a pending node: its best class
-                i = max(range(i0, i0 + n), key=rates.__getitem__)
-                keys.append(req[b][i])
-                r.append(rates[i])
+        for b, r in self.calib.host_rates(keys).items():
+            parents = shape[b][0]
             P = [1.0]
             for j in range(1, len(parents)):
                 P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
             order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
-            ranked[b] = (order, keys)
+            ranked[b] = (order, keys[b])
             for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
         return expected, T0, ranked, pending
