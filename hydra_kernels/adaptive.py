@@ -59,7 +59,7 @@ import time
 import torch
 
 from .drafters.protocol import CONFIDENCE_EDGES, PENDING_SIGNAL, Proposal
-from .tree import Tree, TreeBatch
+from .tree import Tree, TreeBatch, sibling_ranks
 
 MAX_DEPTH_KEY = 8  # depths >= 8 share a calibration key
 SIGNALS = 8  # signal classes per (part, depth)
@@ -215,8 +215,8 @@ def _shrink(accepted: torch.Tensor, tested: torch.Tensor, prior: torch.Tensor, w
 
 class StepCosts:
     """A step's wall time without its drafting (ms) ~ a + c [T > 1] + b (T - 1), T the verified nodes per
-    sequence: a a plain step, c what any drafted step pays beyond its rows (the tree step's kernels and the loop's
-    work around a verified tree), b a node's rows. Fitted by decayed ridge regression toward a prior (the previous
+    sequence; a: a plain step, c: what any drafted step pays beyond its rows (the tree step's kernels and the loop's
+    work around a verified tree), b: a node's rows. Fitted by decayed ridge regression toward a prior (the previous
     run's fit, else a guess scaled by the first plain steps, c = 0). One observation counts at most twice its
     prediction plus 2 ms: a one-time cost (a first call's warm-up, a page fault) must not teach the policy that
     rows are dear for the rest of a run.
@@ -255,12 +255,14 @@ class StepCosts:
         self.coef, self.spec = prior[:2], prior[2]  # coef: [a, b]; spec: c
 
     def predict(self, width: int) -> float:
-        return max(self.coef[0] + (self.spec + self.coef[1] * (width - 1) if width > 1 else 0.0), 1e-3)
+        """A step of `width` nodes: never cheaper than a plain step, nor than a narrower one (a fit from few widths
+        may give c < 0 or b < 0)."""
+        return max(self.coef[0], 1e-3) + (self.rows(width - 1) if width > 1 else 0.0)
 
     def rows(self, nodes: float) -> float:
         """What `nodes` verified nodes per sequence (a part's mean: a fraction where it keeps some steps none) add to a
         plain step: their rows, and the drafted step's surcharge c for up to one of them."""
-        return max(self.coef[1], 0.0) * nodes + max(self.spec, 0.0) * min(1.0, nodes)
+        return max(0.0, max(self.coef[1], 0.0) * nodes + self.spec * min(1.0, nodes))
 
     def observe(self, width: int, ms: float) -> None:
         if not self.known and width == 1 and self.plain_seen < self.PLAIN_STEPS_TO_SCALE:
@@ -454,8 +456,9 @@ class AdaptiveBudget:
             self._charge(parts, part_ms, 1, None, active.to(torch.float32), t1)
             return None
         if host is not None and host[1] == T0:  # the outline's tree (Drafter.outline's contract): cut on the host
-            if host[3] and prop.signal is not None:  # the drafted nodes' classes, where the outline had them pending
-                shape = [(par, grp, sig[:len(par)]) for (par, grp, _), sig in zip(shape, prop.signal.tolist())]
+            if host[3]:  # the drafted nodes' classes, where the outline had them pending (none: sibling ranks)
+                sigs = prop.signal.tolist() if prop.signal is not None else [sibling_ranks(par) for par, _, _ in shape]
+                shape = [(par, grp, sig[:len(par)]) for (par, grp, _), sig in zip(shape, sigs)]
                 host = self._host_expected(shape, act_host)
             return self._host_cut(prop, shape, host, parts, part_ms, active, t1)
         dev = tokens.device

@@ -420,30 +420,46 @@ def test_confidence_classes_bucket_probabilities_by_their_edges():
 
 
 @pytest.mark.parametrize("name", ["medusa", "hydra"])
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_head_drafters_report_their_guesses_confidence_classes(model, name, temperature):  # noqa: F811
-    """Proposal.signal of Medusa's and Hydra's proposals: each node's class is that of its guess's probability under
-    the head that drafted it at its parent (softmax of the head's logits, HeadDrafter.logits, over the draft vocabulary;
-    for sampled drafts the draw's q), the root's that of p = 1. Fresh random h, batch 2, the 10-node tree."""
+def test_head_drafters_report_their_guesses_confidence_classes(model, name):  # noqa: F811
+    """Proposal.signal of Medusa's and Hydra's top-k proposals once the adaptive budget asks (set_parts): each node's
+    class is that of its guess's probability under the head that drafted it at its parent (softmax of the head's
+    logits, HeadDrafter.logits, over the draft vocabulary), the root's that of p = 1, and the outline leaves every
+    class pending. Not asked (a pinned budget): no signal. Sampled drafts: never a signal (a class of the drawn token
+    would let the policy's cut depend on the draw, and rejection acceptance needs the kept token to follow q), sibling
+    ranks in the outline. Fresh random h, batch 2, the 10-node tree."""
     from hydra_kernels.drafters.protocol import confidence_class
 
     d, tree = make(model, name)
-    d.draft_temperature = temperature
+    assert d.draft_vocab is None  # columns are token ids
     backends = model.backend_plan("reference")
     tree = tree.to(model.device)
-    state = d.start(model, 2, 64, tree, backends)
-    d.use_generator(state, torch.Generator().manual_seed(3))
     # scaled: the random heads' guesses then fall in several classes, not all below 0.1
-    state.h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 4
-    assert d.draft_vocab is None  # columns are token ids
+    h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(4)) * 4
+    root, seqlens = torch.tensor([3, 7]), torch.tensor([5, 9], dtype=torch.int32)
+
+    def started(temperature):
+        d.draft_temperature = temperature
+        state = d.start(model, 2, 64, tree, backends)
+        d.use_generator(state, torch.Generator().manual_seed(3))
+        state.h = h
+        return state
+
     with torch.no_grad():
-        prop = d.propose(state, torch.tensor([3, 7]), torch.tensor([5, 9], dtype=torch.int32))
+        assert d.propose(started(0.0), root, seqlens).signal is None  # nobody asked: not paid for
+        sampled = started(0.8)
+        d.set_parts(sampled, (True,))
+        assert d.propose(sampled, root, seqlens).signal is None
+        assert d.outline(sampled, 2)[0][2] == tree.host_sibling_ranks()
+        state = started(0.0)
+        d.set_parts(state, (True,))
+        assert d.outline(state, 2)[0][2] == [hk.drafters.protocol.PENDING_SIGNAL] * tree.num_nodes
+        prop = d.propose(state, root, seqlens)
         want = torch.ones(2, tree.num_nodes)
         for j in range(1, tree.num_nodes):
             head = int(tree.depths[j]) - 1
             path = prop.tokens[:, tree.ancestors[int(tree.parents[j]), :head + 1]]  # the parent's path, root first
-            x = state.h if name == "medusa" else torch.cat([state.h, model.tok_embeddings(path).flatten(1)], dim=-1)
-            q = (d.logits(model, head, x).float() / (temperature or 1.0)).softmax(-1)  # [2, V]
+            x = h if name == "medusa" else torch.cat([h, model.tok_embeddings(path).flatten(1)], dim=-1)
+            q = d.logits(model, head, x).float().softmax(-1)  # [2, V]
             want[:, j] = q.gather(1, prop.tokens[:, j:j + 1])[:, 0]
     assert prop.signal is not None and prop.signal.shape == (2, tree.num_nodes)
     edges = torch.tensor(hk.drafters.protocol.CONFIDENCE_EDGES)
@@ -489,6 +505,13 @@ def test_eagle_reports_its_guesses_confidence_classes(model, name, monkeypatch):
                 checked += 1
     assert checked >= 2
     assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 2
+    state = d.start(model, 2, 64, d.resolve_tree(tree, "cpu"),
+                    model.backend_plan("reference"))
+    outline = d.outline(state, 2)
+    if name == "eagle-static":  # every class pending: the layer's probability decides it
+        assert outline[0][2] == [hk.drafters.protocol.PENDING_SIGNAL] * tree.num_nodes
+    else:
+        assert outline is None  # a dynamic tree: its drafting chooses the shape
 
 
 @pytest.mark.parametrize("classes, rates, prior, drafted, width", [

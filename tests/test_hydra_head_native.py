@@ -68,7 +68,9 @@ def test_native_depth_drafts_the_module_paths_guesses(name, draft_vocab, B, monk
             calls = native_calls(monkeypatch)
             got = d.draft(model, h, root, tree)
             assert len(calls) == tree.depth  # every depth in one call
+            n_calls = len(calls)
             _, _, got_conf = d._tokens(model, h, root, tree, backends)  # each node's probability: the policy's signal
+            assert len(calls) == n_calls + tree.depth  # natively
             module_path(monkeypatch)
             want = d.draft(model, h, root, tree)
             _, _, want_conf = d._tokens(model, h, root, tree, backends)

@@ -130,6 +130,7 @@ class CombinedDrafter(Drafter):
 
     def set_parts(self, state: CombinedState, parts: tuple[bool, ...]) -> None:
         state.use_ngram, state.use_heads = parts
+        self.heads.set_parts(state.heads, (True,))  # the adaptive budget: the heads report their guesses' classes
 
     def size_part(self, state: CombinedState, part: int, nodes: int | None) -> None:
         if part == self.parts.index("heads") and nodes != state.heads_limit:  # the n-gram lookup costs per step, not per node
@@ -187,12 +188,12 @@ class CombinedDrafter(Drafter):
         C = max(len(p) for p in ng_parents) - 1  # most n-gram nodes (root excluded)
         dev = state.device
         if Th not in state.heads_lists:  # once per tree size and run
-            state.heads_lists[Th] = (hp.tree.host_parents(), hp.tree.host_sibling_ranks())
+            ranks = hp.tree.host_sibling_ranks()
+            state.heads_lists[Th] = (hp.tree.host_parents(), torch.tensor(ranks, dtype=torch.long, device=dev))
         heads_parents, heads_ranks = state.heads_lists[Th]
         # for the adaptive budget, a heads node's signal: its head's confidence class where the heads report it
         # (Proposal.signal), else its sibling rank (what the policy takes for a proposal without one)
-        heads_signal = hp.signal if hp.signal is not None else \
-            torch.tensor(heads_ranks, dtype=torch.long, device=dev).expand(B, Th)
+        heads_signal = hp.signal if hp.signal is not None else heads_ranks.expand(B, Th)
         if C == 0 and N >= Th:  # no n-gram draft anywhere and room for the heads' tree: theirs as it is
             groups = torch.ones(B, Th, dtype=torch.long, device=dev)
             return hp._replace(groups=groups, signal=heads_signal)

@@ -37,7 +37,7 @@ from ..tree import Tree, as_tree, default_tree, run_subtree
 from .config import DrafterConfig
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids
 from .prefix import PrefixLayer
-from .protocol import Drafter
+from .protocol import PENDING_SIGNAL, Drafter
 
 
 def _draft_linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
@@ -113,6 +113,7 @@ class HeadState:
     subtrees: dict = field(default_factory=dict)
     budget: int | None = None  # set_budget's node count (None: the full tree); size_part bounds within it
     draft_temperature: float = 0.0  # the drafter's at start(): 0 = top-k drafts, > 0 = sampled drafts
+    confidence: bool = False  # proposals carry their guesses' confidence classes (set_parts: the adaptive budget asks)
     generator: torch.Generator | None = None  # the draws of sampled drafts (use_generator)
 
 
@@ -230,6 +231,27 @@ class HeadDrafter(Drafter):
     def static_tree(self, state: HeadState) -> Tree:
         return state.tree
 
+    def set_parts(self, state: HeadState, parts: tuple[bool, ...]) -> None:
+        """Only the adaptive budget calls it: from here proposals of top-k drafts carry each guess's confidence class
+        (Proposal.signal), which it learns from (the probabilities cost a softmax over the draft vocabulary a depth,
+        and on the fused GPU kernel's path the logits themselves: not paid where no policy reads them)."""
+        state.confidence = True
+
+    def reports_confidence(self, state: HeadState) -> bool:
+        """Do this run's proposals carry confidence classes? Top-k drafts where the adaptive budget asked. Never
+        sampled drafts: a class would be a function of the token drawn, and a policy that keeps or cuts a node by it
+        would bias rejection acceptance's min(1, p / q), which needs the kept token to follow q (sibling ranks
+        then, the policy's default)."""
+        return state.confidence and state.draft_temperature == 0
+
+    def outline(self, state: HeadState, batch: int):
+        """Drafter.outline: the static tree; every node's class PENDING_SIGNAL where the proposal will report
+        confidence classes (its head's probability decides it; the root's is that of p = 1), else sibling ranks."""
+        if not self.reports_confidence(state):
+            return super().outline(state, batch)
+        parents = state.tree.host_parents()
+        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
+
     def after_prefill(self, state: HeadState, hidden, lengths) -> None:
         if self.prefix is None:
             state.h = _at(hidden, lengths.long() - 1)
@@ -304,7 +326,7 @@ class HeadDrafter(Drafter):
             idx = ops.lm_head_topk(hidden, self.tied_lm_weight(model), k, backend=backends["lm_head_topk"])[1]
         probs = None
         if with_probs:
-            if logits is None:  # the fused kernel wrote none: the draft vocabulary's logits (small) for the softmax
+            if logits is None:  # the fused kernel wrote none: the logits of the draft vocabulary (all of it where none)
                 logits = F.linear(hidden, self.tied_lm_weight(model))
             probs = logits.float().softmax(dim=-1).gather(-1, idx)
         return self.token_ids(idx), probs

@@ -17,7 +17,7 @@ from ..tree import Tree
 from .draft_heads import HeadDrafter, HeadState
 from .medusa import MedusaDrafter
 from .native_heads import native_head_topk
-from .protocol import PENDING_SIGNAL, Proposal, confidence_class
+from .protocol import Proposal, confidence_class
 
 
 class HydraDrafter(HeadDrafter):
@@ -47,12 +47,14 @@ class HydraDrafter(HeadDrafter):
         r takes draw r of k i.i.d. draws from the head's q at its parent, and draft_probs fp32 [B, T, V]
         holds that q in the child's row (the root's: 0); else top-k drafts and draft_probs None. conf fp32
         [B, T]: each node's probability under its head at its parent (the root's: 1), the adaptive budget's
-        signal (Proposal.signal, confidence_class)."""
+        signal (Proposal.signal, confidence_class); None where the run's proposals report none
+        (HeadDrafter.reports_confidence; state None: a draft outside a run, reported)."""
         B = h.shape[0]
         tokens = torch.zeros(B, tree.num_nodes, dtype=torch.long, device=h.device)
         tokens[:, 0] = root
-        conf = torch.ones(B, tree.num_nodes, dtype=torch.float32, device=h.device)
         sampled = state is not None and state.draft_temperature > 0
+        want = state is None or self.reports_confidence(state)  # conf: None where no policy reads it
+        conf = torch.ones(B, tree.num_nodes, dtype=torch.float32, device=h.device) if want else None
         probs = h.new_zeros(B, tree.num_nodes, self.vocab_size, dtype=torch.float32) if sampled else None
         for d, plan in enumerate(tree.plans):
             path = tree.ancestors[plan.parents, : d + 1]  # [n_parents, d+1] node ids, root first
@@ -62,24 +64,20 @@ class HydraDrafter(HeadDrafter):
                 if sampled:
                     ids, q = self.head_draws(model, d, hidden, plan.topk, state)  # [B, n_parents, k], [B, n_parents, V]
                     probs[:, plan.children] = q[:, plan.child_slot]
-                    top = (ids, q.gather(-1, ids))
+                    top = (ids, None)
                 else:
-                    top = self.head_guesses(model, d, hidden, plan.topk, backends)  # [B, n_parents, k] twice
+                    top = self.head_guesses(model, d, hidden, plan.topk, backends, want)  # [B, n_parents, k] twice
             # else the depth in one native call (drafters/native_heads.py): the same guesses
             ids, p = top
             tokens[:, plan.children] = ids[:, plan.child_slot, plan.child_rank]
-            conf[:, plan.children] = p[:, plan.child_slot, plan.child_rank]
+            if conf is not None:
+                conf[:, plan.children] = p[:, plan.child_slot, plan.child_rank]
         return tokens, probs, conf
 
     def propose(self, state: HeadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         tokens, draft_probs, conf = self._tokens(state.model, state.h, root, state.tree, state.backends, state)
-        return Proposal(tokens, state.tree, draft_probs=draft_probs, signal=confidence_class(conf))
-
-    def outline(self, state: HeadState, batch: int):
-        """Drafter.outline: the static tree, every node's class PENDING_SIGNAL (its head's probability decides it;
-        the root's is that of p = 1)."""
-        parents = state.tree.host_parents()
-        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
+        return Proposal(tokens, state.tree, draft_probs=draft_probs,
+                        signal=None if conf is None else confidence_class(conf))
 
     # ---- the original Hydra format ----------------------------------------------------------------
     @staticmethod

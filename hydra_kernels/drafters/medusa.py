@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..tree import Tree
 from .draft_heads import HeadDrafter, HeadState
-from .protocol import PENDING_SIGNAL, Proposal, confidence_class
+from .protocol import Proposal, confidence_class
 
 
 class MedusaDrafter(HeadDrafter):
@@ -41,36 +41,33 @@ class MedusaDrafter(HeadDrafter):
         return tokens
 
     def propose(self, state: HeadState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
-        """The signal for the adaptive budget: each node's probability under its depth's head (the root's: 1)."""
+        """The signal for the adaptive budget (where HeadDrafter.reports_confidence): each node's probability under
+        its depth's head (the root's: 1)."""
         tree = state.tree
+        conf = None
         if state.draft_temperature > 0:
-            cand, draft_probs, conf = self.sampled_candidates(state, tree)
+            cand, draft_probs = self.sampled_candidates(state, tree)
         else:
-            (cand, conf), draft_probs = self.guesses(state.model, state.h, tree, state.backends), None
+            (cand, conf), draft_probs = self.guesses(state.model, state.h, tree, state.backends,
+                                                     self.reports_confidence(state)), None
         tokens, positions = ops.tree_inputs(root, cand, tree.flat_source, tree.depths, seqlens,
                                             backend=state.backends["tree_inputs"])
-        conf = conf[:, tree.flat_source]
-        conf[:, 0] = 1.0
-        return Proposal(tokens, tree, positions, draft_probs, signal=confidence_class(conf))
+        if conf is not None:
+            conf = conf[:, tree.flat_source]
+            conf[:, 0] = 1.0
+        return Proposal(tokens, tree, positions, draft_probs, signal=None if conf is None else confidence_class(conf))
 
-    def outline(self, state: HeadState, batch: int):
-        """Drafter.outline: the static tree, every node's class PENDING_SIGNAL (its head's probability decides it)."""
-        parents = state.tree.host_parents()
-        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
-
-    def sampled_candidates(self, state: HeadState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def sampled_candidates(self, state: HeadState, tree: Tree) -> tuple[torch.Tensor, torch.Tensor]:
         """Every depth's k i.i.d. draws from its head's q, concatenated: [B, sum of k] (laid out as
-        candidates()), draft_probs fp32 [B, T, V]: row t = q of node t's depth (row 0, the root: 0), and each
-        draw's q [B, sum of k]."""
+        candidates()), and draft_probs fp32 [B, T, V]: row t = q of node t's depth (row 0, the root: 0)."""
         B, V = state.h.shape[0], self.vocab_size
         q = state.h.new_zeros(B, tree.depth + 1, V, dtype=torch.float32)  # [B, D+1, V]: q of depth d's nodes
-        draws, conf = [], []
+        draws = []
         for d, plan in enumerate(tree.plans):
             x, q_d = self.head_draws(state.model, d, self.heads[d].infer(state.h, state.backends), plan.topk, state)
             draws.append(x)  # [B, k]
-            conf.append(q_d.gather(-1, x))
             q[:, d + 1] = q_d  # [B, V]
-        return torch.cat(draws, dim=1), q[:, tree.depths], torch.cat(conf, dim=1)
+        return torch.cat(draws, dim=1), q[:, tree.depths]
 
     # ---- the original Medusa format and vLLM's --------------------------------------------------------
     @staticmethod

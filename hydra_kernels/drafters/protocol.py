@@ -67,10 +67,15 @@ CONFIDENCE_EDGES = (0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9)
 PENDING_SIGNAL = -1
 
 
+_EDGES: dict = {}  # (device, dtype) -> CONFIDENCE_EDGES as a tensor: made once (on a GPU a host copy is a sync)
+
+
 def confidence_class(p: torch.Tensor) -> torch.Tensor:
     """Probabilities [...] -> confidence classes int64 [...] in [0, len(CONFIDENCE_EDGES)] (see CONFIDENCE_EDGES)."""
-    edges = torch.tensor(CONFIDENCE_EDGES, dtype=p.dtype, device=p.device)
-    return torch.bucketize(p, edges, right=True)
+    key = (p.device, p.dtype)
+    if key not in _EDGES:
+        _EDGES[key] = torch.tensor(CONFIDENCE_EDGES, dtype=p.dtype, device=p.device)
+    return torch.bucketize(p, _EDGES[key], right=True)
 
 
 class Drafter(nn.Module):
