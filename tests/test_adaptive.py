@@ -514,6 +514,32 @@ def test_eagle_reports_its_guesses_confidence_classes(model, name, monkeypatch):
         assert outline is None  # a dynamic tree: its drafting chooses the shape
 
 
+def test_mlp_speculator_reports_its_tokens_confidence_classes(model):  # noqa: F811
+    """MLPSpeculator's Proposal.signal: each trie node's class is that of its token's probability at its prefix (the
+    stage's log-softmax; the per-token log-probabilities sum to the suffix's score), the root's that of p = 1; a
+    node shared by several candidates gets the one value they share. Fresh random h, batch 2."""
+    from hydra_kernels.drafters.protocol import confidence_class
+
+    d, _ = make(model, "mlp_speculator")
+    state = d.start(model, 2, 64, d.resolve_tree(None, "cpu"), None)
+    state.h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 4
+    root = torch.tensor([3, 7])
+    with torch.no_grad():
+        cand, scores, lps = d.scored_candidates(state.h, root, state.n_candidates, model)
+        prop = d.propose(state, root, torch.tensor([5, 9], dtype=torch.int32))
+    assert torch.allclose(lps.sum(-1), scores, atol=1e-5)
+    assert torch.equal(cand, d.candidates(state.h, root, state.n_candidates, model)[0])
+    paths = hk.drafters.mlp_speculator.candidate_trie(root, cand)[1]
+    assert (prop.signal[:, 0] == len(hk.drafters.protocol.CONFIDENCE_EDGES)).all()
+    for b in range(2):
+        for c in range(cand.shape[1]):
+            for i in range(cand.shape[2]):
+                node = int(paths[b, c, i + 1])
+                if node < prop.signal.shape[1]:
+                    assert int(prop.signal[b, node]) == int(confidence_class(lps[b, c, i].exp())), (b, c, i)
+    assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 2
+
+
 @pytest.mark.parametrize("classes, rates, prior, drafted, width", [
     ([7, 6, 1], {6: 0.9, 1: 0.05}, 0.3, True, 2),  # checked at its best class (6), the confident guess kept, the next cut
     ([7, 6, 6], {6: 0.9, 1: 0.05}, 0.3, True, 3),

@@ -55,7 +55,7 @@ from ..model.packed_linear import Linear
 from ..tree import Tree, TreeBatch
 from .checkpoint import read_weights, save_ours
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
-from .protocol import Drafter, Proposal
+from .protocol import Drafter, Proposal, confidence_class
 
 EPS = 1e-6  # fms LayerNormParameterized's default, used by the speculator's norms
 PREFIX = "speculator."  # the HF wrapper's attribute: fms-extras' hub checkpoints name weights with it
@@ -275,6 +275,11 @@ class MLPSpeculatorDrafter(Drafter):
         """fms' generate_suffixes: h [B, emb_dim], root [B] -> (the best n suffixes [B, n, P] (token ids,
         best first; n: the config's n_candidates when None), their summed log-probabilities [B, n] fp32).
         model: the base model (tie_base only)."""
+        return self.scored_candidates(h, root, n, model)[:2]
+
+    def scored_candidates(self, h: torch.Tensor, root: torch.Tensor, n: int | None = None, model=None):
+        """candidates() and each suffix token's own log-probability at its prefix [B, n, P] fp32 (they sum to the
+        suffix's score): the adaptive budget's confidence signal."""
         cfg = self.config
         n = cfg.n_candidates if n is None else n
         B = h.shape[0]
@@ -282,6 +287,7 @@ class MLPSpeculatorDrafter(Drafter):
         prev = root.long()[:, None]  # [B, K] each prefix's last token
         scores = torch.zeros(B, 1, dtype=torch.float32, device=h.device)
         toks = torch.zeros(B, 1, 0, dtype=torch.long, device=h.device)
+        lps = torch.zeros(B, 1, 0, dtype=torch.float32, device=h.device)
         for i, k in enumerate(cfg.top_k_tokens_per_head):
             state = self.stage(i, state, prev, model)  # [B, K, inner]
             lp, idx = F.log_softmax(self.stage_logits(i, state, model).float(), dim=-1).topk(k, dim=-1)  # [B, K, k]
@@ -289,10 +295,12 @@ class MLPSpeculatorDrafter(Drafter):
             ids = self.token_ids(idx)
             scores = (scores[:, :, None] + lp).reshape(B, K * k)  # suffix (parent, rank) at parent * k + rank
             toks = torch.cat([toks[:, :, None, :].expand(B, K, k, i), ids[..., None]], dim=3).reshape(B, K * k, i + 1)
+            lps = torch.cat([lps[:, :, None, :].expand(B, K, k, i), lp[..., None]], dim=3).reshape(B, K * k, i + 1)
             state = state[:, :, None, :].expand(B, K, k, state.shape[-1]).reshape(B, K * k, -1)
             prev = ids.reshape(B, K * k)
         best = scores.topk(n, dim=1).indices  # [B, n], best first
-        return toks.gather(1, best[..., None].expand(-1, -1, cfg.n_predict)), scores.gather(1, best)
+        pick = best[..., None].expand(-1, -1, cfg.n_predict)
+        return toks.gather(1, pick), scores.gather(1, best), lps.gather(1, pick)
 
     # ---- the protocol --------------------------------------------------------------------------------
     def check_model(self, model) -> None:
@@ -355,9 +363,14 @@ class MLPSpeculatorDrafter(Drafter):
         state.n_candidates = None if c == self.config.n_candidates else c
 
     def propose(self, state: SpeculatorState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
-        cand, _ = self.candidates(state.h, root, state.n_candidates, state.model)
+        """The signal for the adaptive budget: each node's probability at its parent (the root's: 1); candidates that
+        share a prefix share its nodes, and their tokens' probabilities there are the same."""
+        cand, _, lps = self.scored_candidates(state.h, root, state.n_candidates, state.model)
         tokens, paths, T = candidate_trie(root, cand, trim=self.trim_cpu_trees and state.device.type == "cpu")
-        return Proposal(tokens, TreeBatch.from_paths(paths, T))
+        B = cand.shape[0]
+        conf = torch.ones(B, paths.shape[1] * (paths.shape[2] - 1) + 1, dtype=torch.float32, device=cand.device)
+        conf.scatter_(1, paths[:, :, 1:].reshape(B, -1), lps.exp().reshape(B, -1))
+        return Proposal(tokens, TreeBatch.from_paths(paths, T), signal=confidence_class(conf[:, :T]))
 
     # ---- our format ----------------------------------------------------------------------------------
     @classmethod

@@ -75,7 +75,7 @@ def confidence_class(p: torch.Tensor) -> torch.Tensor:
     key = (p.device, p.dtype)
     if key not in _EDGES:
         _EDGES[key] = torch.tensor(CONFIDENCE_EDGES, dtype=p.dtype, device=p.device)
-    return torch.bucketize(p, _EDGES[key], right=True)
+    return torch.bucketize(p.contiguous(), _EDGES[key], right=True)
 
 
 class Drafter(nn.Module):
