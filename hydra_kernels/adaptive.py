@@ -146,34 +146,30 @@ class Calibration:
         draft not drafted yet, where a few dozen keys are read and the tensor ops' dispatch would cost more
         than the arithmetic. The counts' pending decay f enters as (accepted * f + w * prior) / (tested * f + w)."""
         run = self.host_run_rates(k for ks in keys.values() for k in ks)  # the sequences share most keys
-        tested, accepted, prior, seq_tested, seq_accepted, t_sum, a_sum, seq_t_sum, seq_a_sum = self.host
-        return {b: [self._shrunk(seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b], k, run[k], SEQ_PRIOR_WEIGHT)
+        _, _, _, seq_tested, seq_accepted, _, _, seq_t_sum, seq_a_sum = self._host_counts()
+        f = DECAY ** self.pending
+        return {b: [_shrunk(seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b], k, run[k], SEQ_PRIOR_WEIGHT, f)
                     for k in ks] for b, ks in keys.items()}
 
     def host_run_rates(self, keys) -> dict[int, float]:
         """The run's rate of each key (host_rates' prior of every sequence's): {key: rate}."""
-        D, S = MAX_DEPTH_KEY, SIGNALS
-        if self.host is None:  # the counts, and their sums over depth per (part, signal) [..., P * S]
-            by_depth = lambda t: t.view(*t.shape[:-1], self.P, D, S).sum(-2).flatten(-2)  # noqa: E731
-            self.host = [t.tolist() for t in (self.tested, self.accepted, self.prior, self.seq_tested,
-                                              self.seq_accepted, by_depth(self.tested), by_depth(self.accepted),
-                                              by_depth(self.seq_tested), by_depth(self.seq_accepted))]
-        tested, accepted, prior, _, _, t_sum, a_sum, _, _ = self.host
+        tested, accepted, prior, _, _, t_sum, a_sum, _, _ = self._host_counts()
+        f = DECAY ** self.pending
         run = {}
         for k in keys:
             if k not in run:
-                run[k] = self._shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT)
+                run[k] = _shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT, f)
         return run
 
-    def _shrunk(self, acc, tst, acc_sum, tst_sum, k: int, q: float, w: float) -> float:
-        """_shrink's rate of key k from host counts (q: its prior), the pending decay applied."""
-        D, S = MAX_DEPTH_KEY, SIGNALS
-        ps = (k // (D * S)) * S + k % S  # k's (part, signal)
-        if tst_sum[ps] == 0.0:  # no counts at any depth (most keys of most sequences): the prior itself
-            return q
-        f = DECAY ** self.pending
-        pooled = (((acc_sum[ps] - acc[k]) * f + POOL_PRIOR_WEIGHT * q) / ((tst_sum[ps] - tst[k]) * f + POOL_PRIOR_WEIGHT))
-        return (acc[k] * f + w * pooled) / (tst[k] * f + w)
+    def _host_counts(self) -> list:
+        """Host copies of the counts and the prior, and the counts' sums over depth per (part, signal) [..., P * S],
+        kept until the counts next change."""
+        if self.host is None:
+            by_depth = lambda t: t.view(*t.shape[:-1], self.P, MAX_DEPTH_KEY, SIGNALS).sum(-2).flatten(-2)  # noqa: E731
+            self.host = [t.tolist() for t in (self.tested, self.accepted, self.prior, self.seq_tested,
+                                              self.seq_accepted, by_depth(self.tested), by_depth(self.accepted),
+                                              by_depth(self.seq_tested), by_depth(self.seq_accepted))]
+        return self.host
 
     def decay(self) -> None:
         """Every step, verified or not: counts fade, so a key that stops being verified drifts back to its
@@ -201,6 +197,15 @@ class Calibration:
         """This run's rates become the next run's prior (same drafter)."""
         self._settle()
         self.memory["rates"] = _shrink(self.accepted, self.tested, self.prior, RUN_PRIOR_WEIGHT, self.P).cpu()
+
+
+def _shrunk(acc, tst, acc_sum, tst_sum, k: int, q: float, w: float, f: float) -> float:
+    """_shrink's rate of key k from host counts (q: its prior; f: the counts' pending decay)."""
+    ps = (k // (MAX_DEPTH_KEY * SIGNALS)) * SIGNALS + k % SIGNALS  # k's (part, signal)
+    if tst_sum[ps] == 0.0:  # no counts at any depth (most keys of most sequences): the prior itself
+        return q
+    pooled = ((acc_sum[ps] - acc[k]) * f + POOL_PRIOR_WEIGHT * q) / ((tst_sum[ps] - tst[k]) * f + POOL_PRIOR_WEIGHT)
+    return (acc[k] * f + w * pooled) / (tst[k] * f + w)
 
 
 def _shrink(accepted: torch.Tensor, tested: torch.Tensor, prior: torch.Tensor, weight: float, parts: int):
@@ -514,7 +519,7 @@ class AdaptiveBudget:
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
         prefix is a subtree; its keys, a pending node's its best class's)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
-        keys, best, pending = {}, {}, False  # active sequences only: a finished one's nodes count for nothing
+        keys, best = {}, {}  # active sequences only: a finished one's nodes count for nothing
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
             if not a:
                 continue
@@ -532,7 +537,6 @@ class AdaptiveBudget:
                 else:
                     ks.append(base + min(max(x, 0), SIGNALS - 1))
             keys[b] = ks
-        pending = bool(best)
         expected, ranked = [0.0] * T0, {}
         for b, r in self.calib.host_rates(keys).items():
             parents = shape[b][0]
@@ -543,7 +547,7 @@ class AdaptiveBudget:
             ranked[b] = (order, keys[b])
             for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
-        return expected, T0, ranked, pending
+        return expected, T0, ranked, bool(best)
 
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
                   t1: float) -> Proposal | None:

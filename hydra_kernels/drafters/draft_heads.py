@@ -37,7 +37,7 @@ from ..tree import Tree, as_tree, default_tree, run_subtree
 from .config import DrafterConfig
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids
 from .prefix import PrefixLayer
-from .protocol import PENDING_SIGNAL, Drafter
+from .protocol import Drafter, pending_outline
 
 
 def _draft_linear(in_features: int, out_features: int, bias: bool = True) -> Linear:
@@ -247,10 +247,7 @@ class HeadDrafter(Drafter):
     def outline(self, state: HeadState, batch: int):
         """Drafter.outline: the static tree; every node's class PENDING_SIGNAL where the proposal will report
         confidence classes (its head's probability decides it; the root's is that of p = 1), else sibling ranks."""
-        if not self.reports_confidence(state):
-            return super().outline(state, batch)
-        parents = state.tree.host_parents()
-        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
+        return pending_outline(state.tree, batch) if self.reports_confidence(state) else super().outline(state, batch)
 
     def after_prefill(self, state: HeadState, hidden, lengths) -> None:
         if self.prefix is None:

@@ -42,7 +42,7 @@ from . import backlog
 from .backlog import Backlog, rooted
 from .eagle_layer import Eagle3Layer, EagleLayer
 from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
-from .protocol import PENDING_SIGNAL, Drafter, Proposal, confidence_class
+from .protocol import Drafter, Proposal, confidence_class, pending_outline
 
 
 @dataclass(frozen=True)
@@ -354,10 +354,7 @@ class EagleDrafter(Drafter):
     def outline(self, state: EagleState, batch: int):
         """Drafter.outline: a static tree's, every node's class PENDING_SIGNAL (the layer's probability decides it);
         None for a dynamic tree (its drafting chooses it)."""
-        if state.dynamic is not None:
-            return None
-        parents = state.tree.host_parents()
-        return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
+        return None if state.dynamic is not None else pending_outline(state.tree, batch)
 
     # ---- drafting ---------------------------------------------------------------------------------
     def _chunk(self, state: EagleState, root: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,12 @@ PENDING_SIGNAL = -1
 _EDGES: dict = {}  # (device, dtype) -> CONFIDENCE_EDGES as a tensor: made once (on a GPU a host copy is a sync)
 
 
+def pending_outline(tree: Tree, batch: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """Drafter.outline of a one-part static tree whose every class its drafting decides (PENDING_SIGNAL)."""
+    parents = tree.host_parents()
+    return [(parents, [0] * len(parents), [PENDING_SIGNAL] * len(parents))] * batch
+
+
 def confidence_class(p: torch.Tensor) -> torch.Tensor:
     """Probabilities [...] -> confidence classes int64 [...] in [0, len(CONFIDENCE_EDGES)] (see CONFIDENCE_EDGES)."""
     key = (p.device, p.dtype)
