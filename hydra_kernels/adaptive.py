@@ -3,9 +3,9 @@ budget="adaptive"; budget.py keeps the pinned and table rules).
 
 Per step, two decisions:
 1. Before proposing, which of the drafter's parts run (Drafter.parts: the combined drafter's "ngram" and
-   "heads", one "draft" part elsewhere). A part runs while what it earned (its accepted tokens per step,
-   an average over the recent steps it ran) beats what it costs (its measured drafting time and the rows
-   its nodes took) at the current throughput; a part held back is tried again after a wait doubled by
+   "heads", one "draft" part elsewhere). A part runs while what it earned (the tokens its kept nodes were
+   expected to earn, the sum of their P below, per step: an average over the recent steps it ran) beats what
+   it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held back is tried again after a wait doubled by
    each step that does not pay and halved by each that does (2, 4, 8 ... steps), at most MAX_WAIT, and no
    more rarely than lets its trials cost PROBE_SHARE of the time. No part running is a plain step
    (Drafter.skip_step), with no drafting cost. A running part whose work grows with its nodes
@@ -24,7 +24,8 @@ Per step, two decisions:
    confidence only its drafting gives (a head's guess) is taken there at its best class's rate, and the cut
    after drafting ranks the classes the guesses got: a head's unconfident guess costs its drafting, not a row.
 
-Conditional acceptance rates are learned during the run (`Calibration`): keyed by (part, depth, signal),
+Conditional acceptance rates are learned during the run (`Calibration`), from each verified node whose parent
+was right (under greedy acceptance every branch's: _correct_nodes; else the accepted path's): keyed by (part, depth, signal),
 signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
 the class of a head's probability of its guess (protocol.confidence_class); the sibling rank where a
 drafter reports none), counted per sequence and over
@@ -407,7 +408,7 @@ class AdaptiveBudget:
 
     def plain_step(self) -> None:
         """No part drafted this step."""
-        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None, None, None)
+        self.step = (tuple(False for _ in self.parts), [0.0] * len(self.parts), 1, None, None, None, None, None)
 
     # ---- proposing ---------------------------------------------------------------------------------
     def propose(self, drafter, state, root: torch.Tensor, seqlens: torch.Tensor, active: torch.Tensor,
@@ -481,10 +482,12 @@ class AdaptiveBudget:
         best = self._best_width(expected, T0, sum(part_ms))  # the drafting, paid already, by every width alike
         if best == T0:
             out, vp = prop, (keys, depths, valid, parents, groups)
+            kept_P = P
         elif best > 1:
             sel = order[:, :best].sort(dim=1).values  # kept node ids, in tree order
             out = _cut(prop, parents, depths, mask, valid, sel)
             vp = (keys.gather(1, sel), depths.gather(1, sel), out.tree.valid, out.tree.parents, groups.gather(1, sel))
+            kept_P = P.gather(1, sel)
         else:
             out, vp = None, None
         for p, run in enumerate(parts):  # what each part kept, most of any active sequence (size_part's next bound)
@@ -492,7 +495,12 @@ class AdaptiveBudget:
                 _, depths_kept, valid_kept, _, groups_kept = vp or (None,) * 5
                 self.keep[p] = 0 if vp is None else \
                     int((((groups_kept == p) & valid_kept & (depths_kept > 0)).sum(1) * (act > 0)).max())
-        self._charge(parts, part_ms, best, vp, act, t1)
+        expect = None
+        if vp is not None:  # each part's expected tokens: the P of its kept nodes, summed over the active sequences
+            _, depths_kept, valid_kept, _, groups_kept = vp
+            drafted_P = kept_P * (valid_kept & (depths_kept > 0)) * act[:, None]
+            expect = [float((drafted_P * (groups_kept == p)).sum()) if r else 0.0 for p, r in enumerate(parts)]
+        self._charge(parts, part_ms, best, vp, act, t1, expect=expect)
         return out
 
     def _best_width(self, expected: list[float], T0: int, drafted: float) -> int:
@@ -517,7 +525,7 @@ class AdaptiveBudget:
         prompts, batch 1: taken at the most confident class, whose rate stayed the prior 0.4 where guesses that
         confident were rare, the check refused heads whose p in [0.45, 0.6) were accepted 0.83 of the time).
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
-        prefix is a subtree; its keys, a pending node's its best class's)}, whether a node was pending)."""
+        prefix is a subtree; its keys, a pending node's its best class's; P per node)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
         keys, best = {}, {}  # active sequences only: a finished one's nodes count for nothing
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
@@ -544,7 +552,7 @@ class AdaptiveBudget:
             for j in range(1, len(parents)):
                 P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
             order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
-            ranked[b] = (order, keys[b])
+            ranked[b] = (order, keys[b], P)
             for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
         return expected, T0, ranked, bool(best)
@@ -591,27 +599,39 @@ class AdaptiveBudget:
         parents, depths, valid, _ = _per_sequence(out.tree, B, dev)
         keys_t = torch.tensor(keys, dtype=torch.long, device=dev)
         groups_t = torch.tensor(groups, dtype=torch.long, device=dev)
-        self._charge(parts, part_ms, best, (keys_t, depths, valid, parents, groups_t), act, t1)
+        expect = [0.0] * len(parts)  # each part's expected tokens: the P of its kept nodes, over the active sequences
+        for b, ids in enumerate(kept):
+            if b in ranked:
+                for j in ids[1:]:
+                    expect[shape[b][1][j]] += ranked[b][2][j]
+        self._charge(parts, part_ms, best, (keys_t, depths, valid, parents, groups_t), act, t1, expect=expect)
         return out
 
     def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None,
-                n_seq: float | None = None) -> None:
+                n_seq: float | None = None, expect: list[float] | None = None) -> None:
         """Set the step in flight. The policy's own work on the proposal since t1 is part of what drafting cost
         (a trial that drafts nothing still pays it): charged to the parts that ran, so their gates weigh a
         trial's whole price (gate_ms: what the gates record instead, where it differs; see propose). act: the
-        active sequences [B] float, or None where n_seq (their count, a host float) is given."""
+        active sequences [B] float, or None where n_seq (their count, a host float) is given. expect: per part, the
+        sum of P over its kept nodes and the active sequences (None: nothing verified), what its gate records as
+        earned: the step's one draw of them (0, 1 or 2 tokens where P says 0.9) varied so much that gates closed on
+        parts that paid (EPYC VM, 2026-11-29, 2k-token prompts at batch 1: see test_adaptive.py)."""
         own_ms = (self.clock() - t1) * 1e3
         ran = max(sum(parts), 1)
         part_ms = [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)]
-        self.step = (parts, part_ms, width, vp, act, gate_ms, n_seq)
+        self.step = (parts, part_ms, width, vp, act, gate_ms, n_seq, expect)
         self.host_s += own_ms / 1e3
 
     # ---- after the step ---------------------------------------------------------------------------
-    def observe(self, accept_indices: torch.Tensor | None) -> None:
+    def observe(self, accept_indices: torch.Tensor | None, tokens: torch.Tensor | None = None,
+                target: torch.Tensor | None = None) -> None:
         """accept_indices [B, D+1]: the verified tree's node ids along the accepted path (-1 past it; None
-        for a plain step), after the step's host read. Times the step, learns the rates, judges the parts."""
+        for a plain step), after the step's host read. Times the step, learns the rates, judges the parts.
+        tokens [B, T], target [B, T]: the verified tree's tokens and, under greedy acceptance, the base argmax after
+        each node: the rates then learn from every verified node whose parent was right (_correct_nodes), not
+        only from the accepted path."""
         t0 = self.clock()
-        parts, part_ms, width, vp, act, gate_ms, n_seq = self.step
+        parts, part_ms, width, vp, act, gate_ms, n_seq, expect = self.step
         if self.last_t is not None:
             self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
         self.first = False
@@ -630,14 +650,18 @@ class AdaptiveBudget:
             on_path.scatter_(1, torch.where(accept_indices >= 0, accept_indices, T), 1.0)
             on_path = on_path[:, :T] * act[:, None]  # a sequence finished before the step accepts nothing
             drafted = valid & (depths > 0)
-            tested = on_path.gather(1, parents.clamp(min=0)) * drafted
-            accepted = on_path * drafted
-            self.calib.update(keys, tested, accepted)
+            accepted = on_path * drafted  # what the parts earned: the accepted path's nodes
+            # what the rates learn: each node whose parent was right, and whether it was (greedy: every branch; else
+            # the accepted path, the only nodes a sampled acceptance judges)
+            right = on_path if target is None else _correct_nodes(tokens, target, parents, depths, valid) * act[:, None]
+            self.calib.update(keys, right.gather(1, parents.clamp(min=0)) * drafted, right * drafted)
             n_active = max(n_seq, 1.0)
             for p, ran in enumerate(parts):  # what each part earned: accepted nodes, and rows per sequence
                 if ran:
                     mine = (groups == p) & drafted & (act[:, None] > 0)  # a finished sequence's nodes count for nothing
                     earned[p], rows[p] = float((accepted * mine).sum()), float(mine.sum()) / n_active
+            if expect is not None:  # the gates weigh what the kept nodes were expected to earn (see _charge)
+                earned = list(expect)
         # a part pays while (tokens without it + its gain) / (time without it + its cost) beats the rate
         # without it, i.e. gain * time_without > its_time * tokens_without
         # a part's measured cost includes the policy's learning from its step so far (observe is not in the
@@ -682,6 +706,24 @@ def _per_sequence(tree: Tree | TreeBatch, B: int, dev) -> tuple[torch.Tensor, ..
     T = tree.num_nodes
     return (tree.parents.to(dev).expand(B, T), tree.depths.to(dev).expand(B, T),
             torch.ones(B, T, dtype=torch.bool, device=dev), tree.mask.to(dev).expand(B, T, T))
+
+
+def _correct_nodes(tokens: torch.Tensor, target: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                   valid: torch.Tensor) -> torch.Tensor:
+    """Under greedy acceptance, the verified nodes on the base model's own continuation: node j is right when its
+    token is the base argmax after its parent (target [B, T]) and its parent is right (the root is). tokens, parents,
+    depths, valid [B, T] -> float [B, T] (1: right).
+
+    Why not the accepted path alone: where two siblings carry the same token (the n-gram's and a head's guess), the path
+    takes one and the other looked rejected, and the nodes under a right branch the path did not take looked untried
+    (EPYC VM, 2026-11-29, 2k-token prompts, gates open: the n-gram's 1-token matches were learned at 0.18 where 0.31 of
+    them were right at depth 1 and 0.4-0.8 of their deeper nodes given a right parent)."""
+    par = parents.clamp(min=0)
+    match = ((tokens == target.gather(1, par)) | (depths == 0)) & valid  # a padding node is not right
+    right = match
+    for _ in range(int(depths.max())):  # one level of ancestors a pass
+        right = match & right.gather(1, par)
+    return right.to(torch.float32)
 
 
 def sibling_rank(parents: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     native = native_plain_step(model, cache, backends) if greedy and capture is None and runner is None else None
     # and greedy verify steps (model/tree_step.py), where the same holds
     native_tree = native_tree_step(model, cache, backends) if native is not None else None
-    last_accept = [None]  # the last verified step's accept_indices [B, D+1] (the adaptive budget learns from them)
+    # the last verified step's accept_indices [B, D+1], its tokens [B, T] and (greedy) the base argmax after each node
+    # [B, T] (else None): the adaptive budget learns from them
+    last_accept = [None]
 
     def _verify_and_emit(prop: Proposal, nodes: int, context: int) -> torch.Tensor:
         """Verify `prop` (nodes: its step's node budget), commit, emit; returns the next root."""
@@ -161,7 +163,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             shapes = [(tr.num_nodes, tr.depth)] * B
         record_step(stats, shapes, [r[-1] for r in rows])
         _emit_step(drafter, state, rows, target, host_seqlens, emitter, active)
-        last_accept[0] = v.accept_indices
+        last_accept[0] = (v.accept_indices, tokens, target if greedy else None)
         return root
 
     cap = max(drafter.budget_levels(tree))  # the drafter's own bound (the combined drafter's node_budget)
@@ -206,7 +208,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                 prop = drafter.propose(state, root, cache.seqlens)
             root = _verify_and_emit(prop, nodes, context)
             if policy is not None:
-                policy.observe(last_accept[0])
+                policy.observe(*(last_accept[0] or (None,)))
     finally:
         if policy is not None:
             policy.finish()

@@ -370,7 +370,7 @@ def test_the_host_cut_keeps_what_the_tensor_cut_keeps(seed, monkeypatch):
         # and the tensors' exp(sum of logs) round apart and may keep either one
         T = max(len(x) for x, _, _ in d.lists)
         _, _, ranked, _ = base._host_expected(d.outline(None, B), active.tolist())
-        rates = base.calib.host_rates({b: keys for b, (_, keys) in ranked.items()})
+        rates = base.calib.host_rates({b: keys for b, (_, keys, _) in ranked.items()})
         for b in ranked:
             parents = d.lists[b][0]
             P = [1.0]
@@ -810,3 +810,54 @@ def test_a_deeper_node_starts_from_its_part_and_signals_rate_at_the_other_depths
         {b: pytest.approx(r[b].tolist()) for b in range(2)}
     c.remember()  # the next run's prior: this run's rates
     assert c.memory["rates"][deeper[0, 0]] == pytest.approx(run)
+
+
+def test_under_greedy_acceptance_every_right_branch_is_learned():
+    """The rates learn each verified node whose parent was right, and whether it was (its token the base argmax after its
+    parent), on every branch: a duplicate sibling the accepted path did not take is right too, and so are the nodes under
+    it. Sampled acceptance (no target) learns the accepted path alone."""
+    # sequence 0: root; 1 and 2 carry the same token (5), 3 another (7); 4 under 1, 5 under 2, 6 under 4
+    # sequence 1: root, 1 (right), 2 under 1 (wrong), then padding
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 2, 4], [-1, 0, 1, 0, 0, 0, 0]])
+    depths = torch.tensor([[0, 1, 1, 1, 2, 2, 3], [0, 1, 2, 0, 0, 0, 0]])
+    valid = torch.tensor([[True] * 7, [True, True, True, False, False, False, False]])
+    tokens = torch.tensor([[0, 5, 5, 7, 8, 9, 3], [0, 6, 2, 0, 0, 0, 0]])
+    target = torch.tensor([[5, 8, 9, 1, 4, 2, 2], [6, 3, 1, 1, 1, 1, 1]])  # the base argmax after each node
+    right = adaptive._correct_nodes(tokens, target, parents, depths, valid)
+    assert right.tolist() == [[1, 1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]]
+
+    def observed(with_target: bool):
+        p = learned_policy(0.5, 1.0, batch=2)
+        p.calib.tested.zero_(), p.calib.accepted.zero_()
+        keys = torch.arange(7).expand(2, 7) + torch.tensor([[0], [7]])  # a key per node and sequence
+        groups = torch.zeros(2, 7, dtype=torch.long)
+        p.step = ((True,), [0.0], 7, (keys, depths, valid, parents, groups), torch.ones(2), None, None, None)
+        accept = torch.tensor([[0, 1, 4], [0, 1, -1]])  # the path takes 1 then 4 (a tie with 2 then 5)
+        p.observe(accept, tokens, target if with_target else None)
+        p.calib._settle()
+        return p.calib.tested[:14].view(2, 7).tolist(), p.calib.accepted[:14].view(2, 7).tolist()
+
+    tested, accepted = observed(True)
+    assert tested == [[0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0]]
+    assert accepted == [[0, 1, 1, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0]]
+    tested, accepted = observed(False)  # the accepted path only: 2 looks rejected, 5 and 6 untried
+    assert tested == [[0, 1, 1, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0, 0]]
+    assert accepted == [[0, 1, 0, 0, 1, 0, 0], [0, 1, 0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("outlined", [False, True])
+def test_a_gate_judges_its_part_by_the_expected_tokens_of_the_nodes_it_kept(outlined):
+    """What a part earned, for its gate, is the sum of P over its kept nodes (the calibrated chance each is accepted),
+    not the step's one draw of them: 0 or 1 or 2 tokens where P says 0.9, a variance that closed parts that paid
+    (EPYC VM, 2026-11-29, 2k-token prompts at batch 1: the adaptive budget 1.03x plain against the table's 1.23x; with
+    the gates on expected tokens 1.15x)."""
+    d = OutlinedChainDrafter() if outlined else OneChainDrafter()
+    p = learned_policy(0.5, 1.0, batch=1, drafter=d)
+    out = p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
+    w = out.tree.num_nodes
+    rate = float(p.calib.rates(torch.zeros(1, 1, dtype=torch.long)))
+    expect = sum(rate**k for k in range(1, w))
+    assert w == 3 and p.step[-1] == pytest.approx([expect], rel=1e-5)
+    p.observe(torch.tensor([[0, -1, -1]]), out.tokens, out.tokens + 1)  # nothing accepted this time
+    assert p.gates[0].gain == pytest.approx(expect, rel=1e-5) and p.gates[0].nodes == pytest.approx(2.0)
+
