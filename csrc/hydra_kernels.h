@@ -33,3 +33,8 @@ void hk_tree_inputs_cuda(const int64_t* root, const int64_t* candidates, int64_t
 #endif
 
 #define HK_MAX_ACCEPT 32
+
+// The extension's interface version (torch.ops.hydra_kernels.abi_version()): raised whenever an op's schema or
+// meaning changes, with hydra_kernels/ops/backend.py NATIVE_ABI. A build from older sources then reports a number the
+// Python side does not expect, and is not used (a warning says to rebuild) instead of failing inside generate().
+#define HK_ABI_VERSION 2

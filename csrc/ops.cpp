@@ -148,6 +148,8 @@ std::tuple<at::Tensor, at::Tensor> tree_inputs_cpu(const at::Tensor& root, const
   return {tokens, positions};
 }
 
+int64_t abi_version() { return HK_ABI_VERSION; }
+
 }  // namespace
 
 TORCH_LIBRARY(hydra_kernels, m) {
@@ -155,6 +157,7 @@ TORCH_LIBRARY(hydra_kernels, m) {
   m.def("greedy_verify(Tensor target_tokens, Tensor tree_tokens, Tensor paths) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("tree_inputs(Tensor root, Tensor candidates, Tensor node_source, Tensor depths, Tensor cache_seqlens)"
         " -> (Tensor, Tensor)");
+  m.def("abi_version() -> int", &abi_version);  // no tensor argument: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) {

@@ -69,3 +69,21 @@ def test_built_extension_raises_instead_of_crashing():
     assert subprocess.run([sys.executable, "-c", check, so]).returncode == 0
     wrong = check.replace('"accept_indices"', '"a message it never says"')
     assert subprocess.run([sys.executable, "-c", wrong, so]).returncode == 3
+
+
+def test_the_interface_version_is_one_number_and_a_build_from_other_sources_is_not_used(monkeypatch):
+    """csrc/hydra_kernels.h HK_ABI_VERSION and ops/backend.py NATIVE_ABI agree; the built extension reports it; a build
+    whose number differs (from older sources, not rebuilt after a pull) is refused with a warning that says to rebuild,
+    so the portable paths run where its ops' old schemas would have failed inside generate()."""
+    from hydra_kernels.ops import backend
+
+    header = re.search(r"#define HK_ABI_VERSION (\d+)", (CSRC / "hydra_kernels.h").read_text())
+    assert header and int(header.group(1)) == backend.NATIVE_ABI
+    if not list((ROOT / "hydra_kernels").glob("_C*.so")):
+        pytest.skip("the extension is not built here")
+    import torch
+
+    assert backend._check_native() and int(torch.ops.hydra_kernels.abi_version()) == backend.NATIVE_ABI
+    monkeypatch.setattr(backend, "NATIVE_ABI", backend.NATIVE_ABI + 1)
+    with pytest.warns(RuntimeWarning, match=r"built from other sources .* Rebuild it"):
+        assert backend._check_native() is False

@@ -8,6 +8,7 @@ only some device types for an op (e.g. native tree_attention is a CPU kernel; Tr
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -61,10 +62,34 @@ def has_impl(op: str, backend: str, device: torch.device | None = None) -> bool:
     return device is None or covered is None or device.type in covered
 
 
+# the compiled extension's interface these sources call (csrc/hydra_kernels.h HK_ABI_VERSION; raised with it)
+NATIVE_ABI = 2
+_NATIVE: list[bool] = []  # native_available's answer, once found
+
+
 def native_available() -> bool:
+    """hydra_kernels._C imports and was built from sources of this interface (NATIVE_ABI). A build from older sources
+    (pulled, not rebuilt: its ops' schemas may differ, e.g. hydra_head_topk gained an output) is not used: a warning
+    says once to rebuild, and the portable paths run, slower, where it would have failed inside generate()."""
+    if not _NATIVE:
+        _NATIVE.append(_check_native())
+    return _NATIVE[0]
+
+
+def _check_native() -> bool:
     try:
-        import hydra_kernels._C  # noqa: F401
+        import hydra_kernels._C
     except ImportError:
+        return False
+    try:
+        built = int(torch.ops.hydra_kernels.abi_version())
+    except (AttributeError, RuntimeError):  # built before the extension reported its interface
+        built = None
+    if built != NATIVE_ABI:
+        warnings.warn(f"hydra_kernels: the compiled extension {hydra_kernels._C.__file__} was built from other sources "
+                      f"(interface {built}, these sources need {NATIVE_ABI}); it is not used, and the portable paths "
+                      f"run instead (slower). Rebuild it: pip install -e . (or python setup.py build_ext --inplace)",
+                      RuntimeWarning, stacklevel=3)
         return False
     return True
 
