@@ -5,18 +5,21 @@ Per step, two decisions:
 1. Before proposing, which of the drafter's parts run (Drafter.parts: the combined drafter's "ngram" and
    "heads", one "draft" part elsewhere). A part runs while what it earned (the tokens its kept nodes were
    expected to earn, the sum of their P below, per step: an average over the recent steps it ran) beats what
-   it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held back is tried again after a wait doubled by
-   each step that does not pay and halved by each that does (2, 4, 8 ... steps), at most MAX_WAIT, and no
-   more rarely than lets its trials cost PROBE_SHARE of the time. No part running is a plain step
+   it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held
+   back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
+   4, 8 ... steps), at most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time. No part running is a plain step
    (Drafter.skip_step), with no drafting cost. A running part whose work grows with its nodes
    (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time (EXPLORE_EVERY).
 2. After proposing, how many nodes each sequence verifies: every node j gets P(j) = the probability
-   that the whole path root..j is accepted, the product of its ancestors' conditional acceptance rates;
+   that the whole path root..j is right, the product of its ancestors' conditional rates (each: the chance
+   a node is right given its parent was, learned below);
    each sequence keeps its T best nodes (P never grows down a path and ties keep the lower index, so the
    best T nodes always hold every kept node's parent: a valid subtree) and T maximises
        E(T) / cost(T),  E(T) = sum over active sequences of (1 + the sum of their T - 1 best P),
    since a step's expected emitted tokens are 1 + the sum over drafted nodes of P(node) (each accepted
-   node is one token; siblings are disjoint events). T = 1 is a plain step. The padded TreeBatch makes
+   node is one token; siblings are disjoint events where their tokens differ: two siblings with one token,
+   the n-gram's and a head's same guess, are one event counted twice, which the combined drafter does not
+   merge yet). T = 1 is a plain step. The padded TreeBatch makes
    every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
    Where the drafter knows its draft's shape before drafting (Drafter.outline: the n-gram lookups, a static
    tree), the same choice is made first on the host from that shape (the drafting cost its parts' recent
@@ -25,8 +28,8 @@ Per step, two decisions:
    after drafting ranks the classes the guesses got: a head's unconfident guess costs its drafting, not a row.
 
 Conditional acceptance rates are learned during the run (`Calibration`), from each verified node whose parent
-was right (under greedy acceptance every branch's: _correct_nodes; else the accepted path's): keyed by (part, depth, signal),
-signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
+was right (under greedy acceptance every branch's: _correct_nodes; else the accepted path's), keyed by
+(part, depth, signal), signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
 the class of a head's probability of its guess (protocol.confidence_class); the sibling rank where a
 drafter reports none), counted per sequence and over
 the run (decayed counts; the run's rates are the prior of each sequence's, the previous run's the prior
@@ -47,7 +50,7 @@ harness). What the policy changes is which random numbers a step consumes: a see
 but, unlike a pinned budget, not token-for-token reproducible (the measured times steer it).
 
 Host reads: the policy reads small device tensors (the expected tokens per width, the cut tree's depth and
-leaf count, each part's accepted and kept counts): free on the CPU, where it is measured; on a GPU each is a sync
+leaf count, each part's expected tokens and kept counts, the verified tree's depth): free on the CPU, where it is measured; on a GPU each is a sync
 the one-host-read loop does not have (generate() runs the adaptive budget in the eager loop there).
 """
 from __future__ import annotations
@@ -312,7 +315,7 @@ class PartGate:
     the judge's max_wait; see judge)."""
 
     def __init__(self):
-        self.gain = None  # tokens per step its nodes earned (decayed mean over the steps it ran)
+        self.gain = None  # tokens per step its kept nodes were expected to earn (decayed mean over the steps it ran)
         self.nodes = 0.0  # rows per sequence its kept nodes took (decayed mean)
         self.cost = 0.0  # ms its drafting took (decayed mean)
         self.trial = None  # ms a trial took (decayed mean over the steps it ran while held back, its rows included)
@@ -320,7 +323,8 @@ class PartGate:
         self.fresh = False  # the next record starts the gain afresh (new_text)
 
     def new_text(self) -> None:
-        """A new run (its prompts' text): what the part earned on the last run's text is not evidence about this one,
+        """A new run (its prompts' text): what the part earned on the last run's text (its kept nodes' expected tokens,
+        priced by that text's rates) is not evidence about this one,
         so its first step here sets its gain (record), a held-back part is tried within NEW_TEXT_TRIAL steps, and its
         backoff goes back to at most NEW_TEXT_TRIAL (then 8, 16 ... steps: a trial or two more a run, ~1 ms each at
         batch 1); its cost (the machine's, not the text's) is kept. EPYC VM, 2026-11-29, editing prompts at batch 1: a
@@ -353,7 +357,7 @@ class PartGate:
 
     def judge(self, pays: bool, max_wait: int = MAX_WAIT) -> None:
         """`wait` is the part's backoff: doubled by each step that does not pay, halved by each that does.
-        So a trial that earns one lucky token opens the part for a step and leaves the backoff where it was
+        So a trial that pays once (a confident guess) opens the part for a step and leaves the backoff where it was
         (16 -> 8 -> 16), where a reset to 1 would restart the ramp 2, 4, 8, 16: four more trials, ~0.5 of a
         plain step each at batch 1 (EPYC VM, 2026-11-28: ~5% of a 64-token MT-Bench answer). A burst that
         pays for several steps brings it down to 1, and the part is tried again 2 steps after the burst."""
@@ -614,8 +618,8 @@ class AdaptiveBudget:
         trial's whole price (gate_ms: what the gates record instead, where it differs; see propose). act: the
         active sequences [B] float, or None where n_seq (their count, a host float) is given. expect: per part, the
         sum of P over its kept nodes and the active sequences (None: nothing verified), what its gate records as
-        earned: the step's one draw of them (0, 1 or 2 tokens where P says 0.9) varied so much that gates closed on
-        parts that paid (EPYC VM, 2026-11-29, 2k-token prompts at batch 1: see test_adaptive.py)."""
+        earned instead of the step's one draw of them, whose spread (0, 1 or 2 tokens where P says 0.9) closed gates on
+        parts that paid. What the draws teach reaches the gates through the rates."""
         own_ms = (self.clock() - t1) * 1e3
         ran = max(sum(parts), 1)
         part_ms = [m + own_ms / ran if r else m for m, r in zip(part_ms, parts)]
@@ -650,18 +654,17 @@ class AdaptiveBudget:
             on_path.scatter_(1, torch.where(accept_indices >= 0, accept_indices, T), 1.0)
             on_path = on_path[:, :T] * act[:, None]  # a sequence finished before the step accepts nothing
             drafted = valid & (depths > 0)
-            accepted = on_path * drafted  # what the parts earned: the accepted path's nodes
             # what the rates learn: each node whose parent was right, and whether it was (greedy: every branch; else
             # the accepted path, the only nodes a sampled acceptance judges)
             right = on_path if target is None else _correct_nodes(tokens, target, parents, depths, valid) * act[:, None]
             self.calib.update(keys, right.gather(1, parents.clamp(min=0)) * drafted, right * drafted)
             n_active = max(n_seq, 1.0)
-            for p, ran in enumerate(parts):  # what each part earned: accepted nodes, and rows per sequence
+            if expect is not None:  # what each part earned: its kept nodes' expected tokens (see _charge)
+                earned = list(expect)
+            for p, ran in enumerate(parts):  # and the rows per sequence its nodes took
                 if ran:
                     mine = (groups == p) & drafted & (act[:, None] > 0)  # a finished sequence's nodes count for nothing
-                    earned[p], rows[p] = float((accepted * mine).sum()), float(mine.sum()) / n_active
-            if expect is not None:  # the gates weigh what the kept nodes were expected to earn (see _charge)
-                earned = list(expect)
+                    rows[p] = float(mine.sum()) / n_active
         # a part pays while (tokens without it + its gain) / (time without it + its cost) beats the rate
         # without it, i.e. gain * time_without > its_time * tokens_without
         # a part's measured cost includes the policy's learning from its step so far (observe is not in the

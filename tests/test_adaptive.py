@@ -817,12 +817,13 @@ def test_under_greedy_acceptance_every_right_branch_is_learned():
     parent), on every branch: a duplicate sibling the accepted path did not take is right too, and so are the nodes under
     it. Sampled acceptance (no target) learns the accepted path alone."""
     # sequence 0: root; 1 and 2 carry the same token (5), 3 another (7); 4 under 1, 5 under 2, 6 under 4
-    # sequence 1: root, 1 (right), 2 under 1 (wrong), then padding
-    parents = torch.tensor([[-1, 0, 0, 0, 1, 2, 4], [-1, 0, 1, 0, 0, 0, 0]])
-    depths = torch.tensor([[0, 1, 1, 1, 2, 2, 3], [0, 1, 2, 0, 0, 0, 0]])
-    valid = torch.tensor([[True] * 7, [True, True, True, False, False, False, False]])
-    tokens = torch.tensor([[0, 5, 5, 7, 8, 9, 3], [0, 6, 2, 0, 0, 0, 0]])
-    target = torch.tensor([[5, 8, 9, 1, 4, 2, 2], [6, 3, 1, 1, 1, 1, 1]])  # the base argmax after each node
+    # sequence 1: root, 1 (right), 2 under 1 (wrong), 3 under 2 (the argmax after 2, but under a wrong node), padding
+    # (as TreeBatch pads: parent -1, depth 0, not valid)
+    parents = torch.tensor([[-1, 0, 0, 0, 1, 2, 4], [-1, 0, 1, 2, -1, -1, -1]])
+    depths = torch.tensor([[0, 1, 1, 1, 2, 2, 3], [0, 1, 2, 3, 0, 0, 0]])
+    valid = torch.tensor([[True] * 7, [True, True, True, True, False, False, False]])
+    tokens = torch.tensor([[0, 5, 5, 7, 8, 9, 3], [0, 6, 2, 4, 0, 0, 0]])
+    target = torch.tensor([[5, 8, 9, 1, 4, 2, 2], [6, 3, 4, 1, 1, 1, 1]])  # the base argmax after each node
     right = adaptive._correct_nodes(tokens, target, parents, depths, valid)
     assert right.tolist() == [[1, 1, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0]]
 
@@ -840,24 +841,27 @@ def test_under_greedy_acceptance_every_right_branch_is_learned():
     tested, accepted = observed(True)
     assert tested == [[0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0, 0]]
     assert accepted == [[0, 1, 1, 0, 1, 1, 0], [0, 1, 0, 0, 0, 0, 0]]
-    tested, accepted = observed(False)  # the accepted path only: 2 looks rejected, 5 and 6 untried
+    tested, accepted = observed(False)  # the accepted path only: 2 looks rejected, 5 untried
     assert tested == [[0, 1, 1, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0, 0]]
     assert accepted == [[0, 1, 0, 0, 1, 0, 0], [0, 1, 0, 0, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("rate, row_ms, width", [(0.5, 1.0, 3), (0.9, 0.5, 5)])  # cut; verified whole
 @pytest.mark.parametrize("outlined", [False, True])
-def test_a_gate_judges_its_part_by_the_expected_tokens_of_the_nodes_it_kept(outlined):
+def test_a_gate_judges_its_part_by_the_expected_tokens_of_the_nodes_it_kept(outlined, rate, row_ms, width):
     """What a part earned, for its gate, is the sum of P over its kept nodes (the calibrated chance each is accepted),
     not the step's one draw of them: 0 or 1 or 2 tokens where P says 0.9, a variance that closed parts that paid
     (EPYC VM, 2026-11-29, 2k-token prompts at batch 1: the adaptive budget 1.03x plain against the table's 1.23x; with
     the gates on expected tokens 1.15x)."""
     d = OutlinedChainDrafter() if outlined else OneChainDrafter()
-    p = learned_policy(0.5, 1.0, batch=1, drafter=d)
-    out = p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
+    p = learned_policy(rate, row_ms, batch=2, drafter=d)
+    active = torch.tensor([1, 0])  # the second sequence finished: its nodes count for nothing
+    out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, active, (True,))
     w = out.tree.num_nodes
-    rate = float(p.calib.rates(torch.zeros(1, 1, dtype=torch.long)))
-    expect = sum(rate**k for k in range(1, w))
-    assert w == 3 and p.step[-1] == pytest.approx([expect], rel=1e-5)
-    p.observe(torch.tensor([[0, -1, -1]]), out.tokens, out.tokens + 1)  # nothing accepted this time
-    assert p.gates[0].gain == pytest.approx(expect, rel=1e-5) and p.gates[0].nodes == pytest.approx(2.0)
+    r = float(p.calib.rates(torch.zeros(1, 1, dtype=torch.long)))
+    expect = sum(r**k for k in range(1, w))
+    assert w == width and p.step[-1] == pytest.approx([expect], rel=1e-5)
+    nothing = torch.tensor([[0] + [-1] * (w - 1)] * 2)  # nothing accepted this time
+    p.observe(nothing, out.tokens, out.tokens + 1)
+    assert p.gates[0].gain == pytest.approx(expect, rel=1e-5) and p.gates[0].nodes == pytest.approx(w - 1)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .backend import native_available
+
 # Above this many rows MKL's blocked sgemm is as fast (the weights are reused enough to be compute-bound).
 # Measured 2026-11-23 on the 2-core dev CPU (throwaway script, both paths interleaved, min of 5, under load:
 # ratios only), 30 layers of 576 -> 1536, ms packed vs MKL input-major:
@@ -24,11 +26,9 @@ def packed_linear_available() -> bool:
     """The native kernel is built and has its AVX-512 path on this CPU (elsewhere: F.linear)."""
     global _AVAILABLE
     if _AVAILABLE is None:
-        try:
-            import hydra_kernels._C  # noqa: F401
-
-            _AVAILABLE = bool(torch.ops.hydra_kernels.packed_linear_is_fast())
-        except (ImportError, AttributeError, RuntimeError):
+        try:  # native_available: built, and from sources of this interface (a stale build is refused there)
+            _AVAILABLE = native_available() and bool(torch.ops.hydra_kernels.packed_linear_is_fast())
+        except (AttributeError, RuntimeError):
             _AVAILABLE = False
     return _AVAILABLE
 

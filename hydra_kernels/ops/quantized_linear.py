@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import native_available
 from .packed_linear import LazyOp
 
 # ISA codes of the kernel's `isa` argument (tests force each path; 0 lets the kernel pick the fastest)
@@ -26,11 +27,11 @@ ISA_AUTO, ISA_PORTABLE, ISA_AVX2, ISA_AVX512 = 0, 1, 2, 3
 def extension_isa(op: str) -> int:
     """The ISA code the extension's op `op` (a kernel's *_isa op) reports for this CPU, once a process; 0 without the
     extension."""
+    if not native_available():  # not built, or built from sources of another interface (refused there)
+        return 0
     try:
-        import hydra_kernels._C  # noqa: F401
-
         return int(getattr(torch.ops.hydra_kernels, op)())
-    except (ImportError, AttributeError, RuntimeError):
+    except (AttributeError, RuntimeError):
         return 0
 
 
