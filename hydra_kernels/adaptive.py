@@ -7,9 +7,10 @@ Per step, two decisions:
    expected to earn, the sum of their P below, per step: an average over the recent steps it ran) beats what
    it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
-   4, 8 ... steps), at most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time. No part running is a plain step
-   (Drafter.skip_step), with no drafting cost. A running part whose work grows with its nodes
-   (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time (EXPLORE_EVERY).
+   4, 8 ... steps), at most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time.
+   No part running is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work
+   grows with its nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time
+   (EXPLORE_EVERY).
 2. After proposing, how many nodes each sequence verifies: every node j gets P(j) = the probability
    that the whole path root..j is right, the product of its ancestors' conditional rates (each: the chance
    a node is right given its parent was, learned below);
@@ -29,9 +30,9 @@ Per step, two decisions:
 
 Conditional acceptance rates are learned during the run (`Calibration`), from each verified node whose parent
 was right (under greedy acceptance every branch's: _correct_nodes; else the accepted path's), keyed by
-(part, depth, signal), signal being the drafter's own confidence class of the node (Proposal.signal: the n-gram match length,
-the class of a head's probability of its guess (protocol.confidence_class); the sibling rank where a
-drafter reports none), counted per sequence and over
+(part, depth, signal), signal being the drafter's own confidence class of the node (Proposal.signal: the
+n-gram match length, the class of a head's probability of its guess (protocol.confidence_class); the
+sibling rank where a drafter reports none), counted per sequence and over
 the run (decayed counts; the run's rates are the prior of each sequence's, the previous run's the prior
 of the run's; a key not verified yet starts from what its part and signal earned at the other depths), so a
 prompt that copies earns long n-gram chains and one that does not earns none.
@@ -50,8 +51,9 @@ harness). What the policy changes is which random numbers a step consumes: a see
 but, unlike a pinned budget, not token-for-token reproducible (the measured times steer it).
 
 Host reads: the policy reads small device tensors (the expected tokens per width, the cut tree's depth and
-leaf count, each part's expected tokens and kept counts, the verified tree's depth): free on the CPU, where it is measured; on a GPU each is a sync
-the one-host-read loop does not have (generate() runs the adaptive budget in the eager loop there).
+leaf count, each part's expected tokens and kept counts, the verified tree's depth): free on the CPU, where
+it is measured; on a GPU each is a sync the one-host-read loop does not have (generate() runs the adaptive
+budget in the eager loop there).
 """
 from __future__ import annotations
 
@@ -494,16 +496,19 @@ class AdaptiveBudget:
             kept_P = P.gather(1, sel)
         else:
             out, vp = None, None
-        for p, run in enumerate(parts):  # what each part kept, most of any active sequence (size_part's next bound)
-            if run:
-                _, depths_kept, valid_kept, _, groups_kept = vp or (None,) * 5
-                self.keep[p] = 0 if vp is None else \
-                    int((((groups_kept == p) & valid_kept & (depths_kept > 0)).sum(1) * (act > 0)).max())
         expect = None
-        if vp is not None:  # each part's expected tokens: the P of its kept nodes, summed over the active sequences
+        if vp is None:
+            self.keep = [0 if r else k for k, r in zip(self.keep, parts)]
+        else:
             _, depths_kept, valid_kept, _, groups_kept = vp
-            drafted_P = kept_P * (valid_kept & (depths_kept > 0)) * act[:, None]
-            expect = [float((drafted_P * (groups_kept == p)).sum()) if r else 0.0 for p, r in enumerate(parts)]
+            drafted = valid_kept & (depths_kept > 0)
+            drafted_P = kept_P * drafted * act[:, None]
+            expect = [0.0] * len(parts)  # each part's expected tokens: its kept nodes' P, over the active sequences
+            for p, run in enumerate(parts):
+                if run:  # and what it kept, most of any active sequence (size_part's next bound)
+                    mine = groups_kept == p
+                    self.keep[p] = int(((mine & drafted).sum(1) * (act > 0)).max())
+                    expect[p] = float((drafted_P * mine).sum())
         self._charge(parts, part_ms, best, vp, act, t1, expect=expect)
         return out
 
@@ -649,14 +654,17 @@ class AdaptiveBudget:
             n_seq = float(act.sum()) if act is not None else float(self.batch)
         if vp is not None and accept_indices is not None:
             keys, depths, valid, parents, groups = vp
-            B, T = keys.shape
-            on_path = torch.zeros(B, T + 1, device=keys.device)
-            on_path.scatter_(1, torch.where(accept_indices >= 0, accept_indices, T), 1.0)
-            on_path = on_path[:, :T] * act[:, None]  # a sequence finished before the step accepts nothing
-            drafted = valid & (depths > 0)
             # what the rates learn: each node whose parent was right, and whether it was (greedy: every branch; else
             # the accepted path, the only nodes a sampled acceptance judges)
-            right = on_path if target is None else _correct_nodes(tokens, target, parents, depths, valid) * act[:, None]
+            if target is None:
+                B, T = keys.shape
+                right = torch.zeros(B, T + 1, device=keys.device)
+                right.scatter_(1, torch.where(accept_indices >= 0, accept_indices, T), 1.0)
+                right = right[:, :T]
+            else:
+                right = _correct_nodes(tokens, target, parents, depths, valid)
+            right = right * act[:, None]  # a sequence finished before the step accepts nothing
+            drafted = valid & (depths > 0)
             self.calib.update(keys, right.gather(1, parents.clamp(min=0)) * drafted, right * drafted)
             n_active = max(n_seq, 1.0)
             if expect is not None:  # what each part earned: its kept nodes' expected tokens (see _charge)
