@@ -204,3 +204,23 @@ def test_bench_int8_agreement_runs(tmp_path):
     assert [r["prompt"] for r in rows] == [0, "all"] and rows[-1]["positions"] == 8
     assert 0.5 <= rows[-1]["top1_agreement"] <= 1 and 0 <= rows[-1]["kl_mean"] < 0.1
     assert len(_rows(tmp_path / "int8_agreement.csv")) == 2
+
+
+def test_replay_adaptive_runs_and_replays_alike(tmp_path):
+    """The adaptive budget's decisions on a modelled clock: every output identical to plain decoding, a variant's
+    constants set for its runs only, everything the replay patched restored, and the replay deterministic (a second
+    run gives the same figures: no wall time reaches the policy). A constant adaptive.py lacks is refused."""
+    from hydra_kernels import adaptive
+
+    observe, margin = adaptive.AdaptiveBudget.observe, adaptive.MARGIN_BATCH_1
+    argv = ["--prompts", "2", "--rounds", "2", "--new-tokens", "8", "--noise", "0.1",
+            "--variants", "table", "adaptive", "wide:MARGIN_BATCH_1=0.5", "--out", str(tmp_path)]
+    first = _run_returning("replay_adaptive", argv)
+    assert [r["variant"] for r in first] == ["table", "adaptive", "wide:MARGIN_BATCH_1=0.5"]
+    assert all(r["identical"] == "4/4" and r["modelled_ratio_min"] <= r["modelled_ratio_geomean"]
+               <= r["modelled_ratio_max"] for r in first)
+    assert adaptive.AdaptiveBudget.observe is observe and adaptive.MARGIN_BATCH_1 == margin
+    assert _run_returning("replay_adaptive", argv) == first
+    assert len(_rows(tmp_path / "replay_adaptive_short_mtbench.csv")) == 3
+    with pytest.raises(SystemExit, match="MARGIN_BATCH_2"):
+        _run("replay_adaptive", ["--variants", "x:MARGIN_BATCH_2=1.0"])
