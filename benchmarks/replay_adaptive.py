@@ -10,12 +10,15 @@ costs only:
   factor (--noise; the same draws for every variant at a given round and prompt: common random numbers) with a 1.5x
   spike 2% of the time (a page fault, the other core busy);
 - the heads' drafting: h0 + h1 per drafted node (--heads-ms); an n-gram lookup per sequence (--lookup-ms); the
-  policy's own work per drafted or checked step (--policy-ms).
+  policy's own work per drafted or checked step (--policy-ms), inside its proposing, where the policy charges its own
+  work to the parts that ran (so it counts in their gates' costs and their trials' price, as on the machine).
 A decoder's modelled time is what its steps cost on that clock; plain decoding's is its steps x a (the same noise). So
 the figures are ratios to plain under the cost model, not tokens per second: they rank policy variants (a real A/B
-says whether a ranking holds on the machine), and the defaults are EPYC VM medians of 2026-11-29 (the loop's timed
-steps by width: short prompts 6.0 / 7.8 / 9.1 / 10.4 ms for w = 1-4, 2048-token prompts 11.2 / 13.3
-/ 15.0 / 16.5; the heads ~0.8 ms for their 2 nodes; the policy ~0.45 ms of host work per drafted step).
+says whether a ranking holds on the machine). The defaults follow EPYC VM medians of 2026-11-29: the loop's timed
+steps by width, short prompts 6.0 / 7.8 / 9.1 / 10.4 ms for w = 1-4 (modelled: the same), 2048-token prompts 11.2 /
+13.3 / 15.0 / 16.5 / 18.6 / 21.5 for w = 1-6 (modelled 11.2 / 13.5 / 15.4 / 17.3 / 19.2 / 21.1); the heads ~0.8 ms for
+their 2 nodes at 2k (modelled 0.81; 0.6 at short prompts); the policy ~0.45 ms of host work per drafted step. The
+table's steps are costed at the widths GenerateOutput.step_nodes records (its budget's).
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...], CONST a module constant of hydra_kernels/adaptive.py set for
 that variant's runs (e.g. old-margin:MARGIN_BATCH_1=1.08); "table" is budget="auto" (the drafter's budget table),
@@ -96,10 +99,10 @@ def modelled(model, drafter, clock: ModelledClock, step: StepModel, heads_ms, lo
         saved.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    heads_cls, budget_cls = type(drafter.heads), adaptive.AdaptiveBudget
+    heads_cls, budget_cls, drafter_cls = type(drafter.heads), adaptive.AdaptiveBudget, type(drafter)
     index_cls, model_cls = ngram.NgramIndex, type(model)
-    propose_heads, lookup, init, observe, propose = (heads_cls.propose, index_cls.lookup, budget_cls.__init__,
-                                                     budget_cls.observe, budget_cls.propose)
+    propose_heads, lookup, init, observe, set_parts = (heads_cls.propose, index_cls.lookup, budget_cls.__init__,
+                                                       budget_cls.observe, drafter_cls.set_parts)
     prefill, memo = model_cls.prefill, {}
 
     def heads_propose(self, state, root, seqlens):
@@ -118,9 +121,9 @@ def modelled(model, drafter, clock: ModelledClock, step: StepModel, heads_ms, lo
         clock.advance(clock.noisy(step(self.step[2])))
         return observe(self, *a, **k)
 
-    def budget_propose(self, *a, **k):
+    def drafter_set_parts(self, *a, **k):  # the policy's first call in its proposing, after it reads its start time
         clock.advance(policy_ms)
-        return propose(self, *a, **k)
+        return set_parts(self, *a, **k)
 
     def memo_prefill(self, tokens, lengths, cache, **k):
         key = (tokens.cpu().numpy().tobytes(), tuple(tokens.shape), tuple(cache.kv.shape), repr(sorted(k.items())))
@@ -138,7 +141,7 @@ def modelled(model, drafter, clock: ModelledClock, step: StepModel, heads_ms, lo
     patch(combined, "time", types.SimpleNamespace(perf_counter=clock))
     for owner, name, value in ((heads_cls, "propose", heads_propose), (index_cls, "lookup", index_lookup),
                                (budget_cls, "__init__", budget_init), (budget_cls, "observe", budget_observe),
-                               (budget_cls, "propose", budget_propose), (model_cls, "prefill", memo_prefill)):
+                               (drafter_cls, "set_parts", drafter_set_parts), (model_cls, "prefill", memo_prefill)):
         patch(owner, name, value)
     try:
         yield

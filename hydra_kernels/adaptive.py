@@ -93,9 +93,10 @@ PROBE_SHARE = 0.01
 # rows cost least and the fit errs least: EPYC VM, 2026-11-28, MT-Bench, 64-128 tokens, the shipped combined
 # drafter: 1.08 at batch 1 ran 1.09x plain where 1.15 ran 1.03x (the heads' one-node drafts predicted at
 # ~1.14x were refused) and 0.98x where 1.15 ran 0.98x; at batch 4, 1.08 ran 0.95x where 1.15 ran 0.98x. EPYC VM,
-# 2026-11-29, batch 1, no margin (1.0) against 1.08, with the gates' rows fix (_pays): 2k-token prompts 1.143x plain
-# against 0.980x (the table 1.143x), MT-Bench 0.993x against 0.996x, editing 1.188x against 1.183x (in-process A/Bs,
-# 8 / 16 / 12 prompts, 3 rounds); benchmarks/replay_adaptive.py ranked them alike on its modelled clock (results
+# 2026-11-29, batch 1: no margin (1.0) with the gates' rows fix (_pays) against ed70ef4 (1.08, the gates without the
+# others' rows): the bench's 2k point 1.04-1.11x plain against 0.99-1.00x (the table 1.13-1.30x), MT-Bench 0.993x
+# against 0.996x, editing 1.188x against 1.183x (in-process A/Bs); in modelled runs (benchmarks/replay_adaptive.py's first form)
+# either change alone lost somewhere (margin 1.0 on editing, the rows fix on MT-Bench), both together nowhere (results
 # README, "2026-11-29 (16:48 session)"). The margin had kept 2k prompts' second and third n-gram nodes out, each
 # predicted a little above plain's rate and accepted more often than predicted
 MARGIN = 1.15
@@ -703,9 +704,11 @@ class AdaptiveBudget:
         self.host_s += self.last_t - t0
 
     def _pays(self, p: int, parts: tuple[bool, ...], n_seq: float) -> bool:
-        """Whether part p, beside the other parts that ran, pays (its gate's judgment, from the gates' recent means):
-        the step's rate with it beats the rate without it by the margin,
-            gain / its_time > margin * tokens_without / time_without,
+        """Whether part p, beside the other parts that ran, pays (its gate's judgment, from the gates' recent means): its
+        own rate beats the step's rate without it by the margin,
+            gain / its_time > margin * tokens_without / time_without
+        (at margin 1: the step's rate with it, (tokens_without + gain) / (time_without + its_time), beats the rate
+        without it),
         tokens_without = n_seq + the others' gains; time_without = a plain step + the others' drafting + their nodes'
         rows; its_time = its drafting + the rows its nodes add to the others' (the drafted step's surcharge c paid
         once). EPYC VM, 2026-11-29: priced without the others' rows, the rate without a part looked higher than it

@@ -3,7 +3,9 @@ they run end to end, check every peer against the reference, and write their CSV
 import csv
 import math
 import os
+import random
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,10 +208,11 @@ def test_bench_int8_agreement_runs(tmp_path):
     assert len(_rows(tmp_path / "int8_agreement.csv")) == 2
 
 
-def test_replay_adaptive_runs_and_replays_alike(tmp_path):
+def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
     """The adaptive budget's decisions on a modelled clock: every output identical to plain decoding, a variant's
-    constants set for its runs only, everything the replay patched restored, and the replay deterministic (a second
-    run gives the same figures: no wall time reaches the policy). A constant adaptive.py lacks is refused."""
+    constants set for its runs only, everything the replay patched restored, and the replay deterministic: a second run
+    under a wall clock that jumps at random gives the same figures (no wall time reaches the policy). A constant
+    adaptive.py lacks is refused."""
     from hydra_kernels import adaptive
 
     observe, margin = adaptive.AdaptiveBudget.observe, adaptive.MARGIN_BATCH_1
@@ -220,7 +223,17 @@ def test_replay_adaptive_runs_and_replays_alike(tmp_path):
     assert all(r["identical"] == "4/4" and r["modelled_ratio_min"] <= r["modelled_ratio_geomean"]
                <= r["modelled_ratio_max"] for r in first)
     assert adaptive.AdaptiveBudget.observe is observe and adaptive.MARGIN_BATCH_1 == margin
+    # again with a wall clock that jumps at random: the figures do not move (only the modelled clock steers the policy)
+    jumps = random.Random(7)
+    wall = [0.0]
+
+    def chaotic():
+        wall[0] += jumps.expovariate(1.0) * 0.05
+        return wall[0]
+
+    monkeypatch.setattr(time, "perf_counter", chaotic)
     assert _run_returning("replay_adaptive", argv) == first
+    monkeypatch.undo()
     assert len(_rows(tmp_path / "replay_adaptive_short_mtbench.csv")) == 3
     with pytest.raises(SystemExit, match="MARGIN_BATCH_2"):
         _run("replay_adaptive", ["--variants", "x:MARGIN_BATCH_2=1.0"])
