@@ -114,8 +114,8 @@ def modelled(model, drafter, clock: ModelledClock, step: StepModel, heads_ms, lo
         clock.advance(lookup_ms)
         return lookup(self, *a)
 
-    def budget_init(self, *a, clock=None, **k):  # noqa: ARG001 - the modelled clock replaces the caller's
-        init(self, *a, clock=modelled_clock, **k)
+    def budget_init(self, *a, **k):  # the modelled clock replaces the caller's
+        init(self, *a, **{**k, "clock": clock})
 
     def budget_observe(self, *a, **k):  # the step verified self.step[2] nodes per sequence: its cost first
         clock.advance(clock.noisy(step(self.step[2])))
@@ -137,7 +137,6 @@ def modelled(model, drafter, clock: ModelledClock, step: StepModel, heads_ms, lo
         memo[key] = (cache.kv[:, :, :, :L].clone(), cache.seqlens.clone(), out)
         return out
 
-    modelled_clock = clock
     patch(combined, "time", types.SimpleNamespace(perf_counter=clock))
     for owner, name, value in ((heads_cls, "propose", heads_propose), (index_cls, "lookup", index_lookup),
                                (budget_cls, "__init__", budget_init), (budget_cls, "observe", budget_observe),
@@ -172,9 +171,9 @@ def replay(model, drafter, prompts: list[list[int]], variants: list[str], rounds
     ratios = {name: [] for name, _ in parsed}
     per_step = {name: ([], []) for name, _ in parsed}
     identical = {name: 0 for name, _ in parsed}
+    plains = [generate(model, [p], max_new_tokens=new_tokens, eos_token_id=[]) for p in prompts]  # the same each round
     for r in tqdm(range(rounds), desc="rounds"):
-        for i, p in enumerate(prompts):
-            plain = generate(model, [p], max_new_tokens=new_tokens, eos_token_id=[])
+        for i, (p, plain) in enumerate(zip(prompts, plains)):
             clock.reseed(r * 100003 + i)  # plain decoding's steps on the same noise as every variant's
             plain_ms = sum(clock.noisy(step(1)) for _ in range(plain.num_steps))
             for name, consts in parsed:

@@ -95,9 +95,9 @@ PROBE_SHARE = 0.01
 # ~1.14x were refused) and 0.98x where 1.15 ran 0.98x; at batch 4, 1.08 ran 0.95x where 1.15 ran 0.98x. EPYC VM,
 # 2026-11-29, batch 1: no margin (1.0) with the gates' rows fix (_pays) against ed70ef4 (1.08, the gates without the
 # others' rows): the bench's 2k point 1.04-1.11x plain against 0.99-1.00x (the table 1.13-1.30x), MT-Bench 0.993x
-# against 0.996x, editing 1.188x against 1.183x (in-process A/Bs); in modelled runs (benchmarks/replay_adaptive.py's first form)
-# either change alone lost somewhere (margin 1.0 on editing, the rows fix on MT-Bench), both together nowhere (results
-# README, "2026-11-29 (16:48 session)"). The margin had kept 2k prompts' second and third n-gram nodes out, each
+# against 0.996x, editing 1.188x against 1.183x (in-process A/Bs); in modelled runs (benchmarks/replay_adaptive.py's
+# first form) either change alone lost somewhere (margin 1.0 on editing, the rows fix on MT-Bench), both together
+# nowhere (results README, "2026-11-29 (16:48 session)"). The margin had kept 2k prompts' second and third n-gram nodes out, each
 # predicted a little above plain's rate and accepted more often than predicted
 MARGIN = 1.15
 MARGIN_BATCH_1 = 1.0
