@@ -115,7 +115,7 @@ def test_pack_writes_what_unpack_and_the_printed_calls_read(carry, tmp_path, mon
         printed = capsys.readouterr().out
         assert (d / "part0" / carry.PART_NAME.format(0)).read_bytes() == blob
         assert (d / "part1" / carry.PART_NAME.format(1)).read_bytes() == b""
-        replies = json.loads((d / "rest" / "sharegpt-replies.json").read_text())
+        replies = json.loads(gzip.decompress((d / "rest" / "sharegpt-replies.json.gz").read_bytes()))
         assert len(replies["sequences"]) == 3 and len(json.loads((d / "rest" / "draft_vocab.json").read_text())) == 256
         assert (d / "rest" / "site" / "gguf" / "__init__.py").is_file() and list((d / "rest" / "site").glob("gguf-*.dist-info"))
         carry.main(["unpack", "--dir", str(d)])
@@ -127,7 +127,7 @@ def test_pack_writes_what_unpack_and_the_printed_calls_read(carry, tmp_path, mon
             carry.main(args)
         with pytest.raises(SystemExit, match="outside the repository"):
             carry.main(args[:-1] + [str(tmp_path / "carry")])
-        assert json.loads((d / "rest" / "self-data.json").read_text())["sequences"][1] == [7, 8, 9, 10]
+        assert carry.read_answers(d / "rest" / "self-data.json.gz")["sequences"][1] == [7, 8, 9, 10]
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({"sequences": [[1, 2]]}))
         with pytest.raises(SystemExit, match="not python/self_data.py's JSON"):

@@ -1,6 +1,7 @@
 """Training and evaluation text: the truncated ShareGPT JSON, the role mapping, the stable split,
 rendering with the real chat template; the hidden-state cache and the draft vocabulary."""
 import copy
+import gzip
 import json
 
 import pytest
@@ -141,7 +142,9 @@ def test_sharegpt_replies_start_at_the_first_reply_and_skip_answered_prompts(smo
     assert all(1 < len(s) - n <= 40 for n, s in zip(got["prompt_lengths"], got["sequences"]))
     skipped = tdata.sharegpt_reply_data(tok, 3, exclude_prompts=prompts[:2], max_prompt_tokens=120, max_reply_tokens=40)
     assert skipped["sequences"] == got["sequences"][2:5]
-    a, b = _write(tmp_path / "a.json", json.dumps(got)), _write(tmp_path / "b.json", json.dumps(skipped))
+    a = _write(tmp_path / "a.json", json.dumps(got))
+    b = tmp_path / "b.json.gz"  # gzipped, as python/gpu_carry.py packs them: read the same
+    b.write_bytes(gzip.compress(json.dumps(skipped).encode()))
     seqs, starts = tdata.self_data_sequences([a, b], max_tokens=30)
     one, one_starts = tdata.self_data_sequences(a, max_tokens=30)
     assert seqs == one + one[2:] and starts == one_starts + one_starts[2:]

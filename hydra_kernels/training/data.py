@@ -6,6 +6,7 @@ and reading stops at the first incomplete one. Neither package is imported (foun
 """
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import zlib
@@ -160,13 +161,21 @@ def long_context_prompts(tokenizer, n: int, tokens: int, question: str) -> list[
     raise ValueError(f"the held-out ShareGPT split holds fewer than {n} prompts of {tokens} tokens")
 
 
+def read_self_data(path) -> dict:
+    """python/self_data.py's JSON, plain or gzipped (a name ending .gz), parsed. Gzip makes token-id JSON ~4x
+    smaller: what lets the answers and ShareGPT replies travel to a GPU beside the model (python/gpu_carry.py)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
 def self_data_sequences(paths, max_tokens: int = 512) -> tuple[list[list[int]], list[int]]:
-    """python/self_data.py's JSON (one path, or several concatenated in order) -> (sequences: chat prompt + at
-    most max_tokens answer tokens, starts: per sequence the first position to train on, prompt length - 1, so
-    only the answer tokens are targets). Answers shorter than 2 tokens are skipped."""
+    """python/self_data.py's JSON, plain or .gz (one path, or several concatenated in order) -> (sequences: chat
+    prompt + at most max_tokens answer tokens, starts: per sequence the first position to train on, prompt
+    length - 1, so only the answer tokens are targets). Answers shorter than 2 tokens are skipped."""
     seqs, starts = [], []
     for path in [paths] if isinstance(paths, (str, Path)) else paths:
-        data = json.loads(Path(path).read_text())
+        data = read_self_data(path)
         for n, s in zip(data["prompt_lengths"], data["sequences"]):
             if len(s) > n + 1:
                 seqs.append(s[: n + max_tokens])
