@@ -697,8 +697,10 @@ def test_learning_and_the_gate():
 
 def test_a_new_runs_text_gets_fresh_gates():
     """A gate remembered from the last run (its part held back on that text, a long wait left, a long backoff, a low
-    gain) is tried within NEW_TEXT_TRIAL steps of a new run, its backoff cut to that, and its first record there sets the
-    gain instead of averaging into the last text's; its cost (the machine's) is averaged as before."""
+    gain) is tried within NEW_TEXT_TRIAL steps of a new run, and its first record there sets the gain instead of
+    averaging into the last text's; its cost (the machine's) is averaged as before, and its backoff kept: a trial there
+    that does not pay waits twice the last run's wait, not a ramp restarted at NEW_TEXT_TRIAL (four whole drafting
+    passes in a 64-token answer for a dear part)."""
     gate = adaptive.PartGate()
     gate.record(0.0, 1.0, 2.0)
     for _ in range(5):
@@ -712,13 +714,15 @@ def test_a_new_runs_text_gets_fresh_gates():
     waited = 1
     while not g.due():
         waited += 1
-    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == adaptive.NEW_TEXT_TRIAL
+    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == 32
     g.record(1.5, 1.0, 4.0)
     assert g.gain == 1.5 and g.cost == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
     g.record(0.5, 1.0, 2.0)
     assert g.gain == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)  # then the running mean, as before
     g.judge(False)
-    assert g.wait == 2 * adaptive.NEW_TEXT_TRIAL  # the ramp from there, not from the last run's 32
+    assert g.wait == 64 and g.left == 64  # the last run's backoff doubled (MAX_WAIT), not a ramp restarted at 4
+    g.judge(True)
+    assert g.open and g.wait == 32  # a step that pays halves it
 
 
 def test_budget_argument():
