@@ -173,12 +173,19 @@ def test_catching_up_after_plain_steps_drafts_what_proposing_drafts(model, name,
     assert torch.equal(a.tokens, b.tokens)
 
 
-@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "lookahead"])  # lookahead: both hooks do nothing (its
-def test_after_plain_step_leaves_the_state_after_step_leaves(model, name):  # state is the text and each step's argmax)
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "lookahead"]  # lookahead: both hooks do nothing (its
+                         + ["eagle-static-flush", "amphista-flush"])  # state is the text and each step's argmax)
+def test_after_plain_step_leaves_the_state_after_step_leaves(model, name, monkeypatch):
     """Drafter.after_plain_step(state, hidden [B, H], root [B]) is after_step of a one-token step with every sequence
-    active, for every family (the heads and the MLPSpeculator keep `hidden` itself; n-gram and lookahead nothing; the
-    rest the default): the same committed script driven through both, plain steps (skip_step) in between, drafts the
-    same proposals step by step."""
+    active, for every family (the heads and the MLPSpeculator keep `hidden` itself; EAGLE and Amphista hold it in their
+    backlog, stacked with the next plain steps' rows; n-gram and lookahead nothing; the rest the default): the same
+    committed script driven through both, plain steps (skip_step) in between, drafts the same proposals step by step.
+    "-flush": the backlog's bound at 2 positions, so held rows are also run by skip_step, not only by a draft."""
+    if name.endswith("-flush"):
+        from hydra_kernels.drafters import backlog
+
+        monkeypatch.setattr(backlog, "BACKLOG_ROWS", 2)
+        name = name[: -len("-flush")]
     d, tree = make(model, name)
     plan = model.backend_plan("reference")
     bound = d.resolve_tree(tree, "cpu")
@@ -209,6 +216,43 @@ def test_after_plain_step_leaves_the_state_after_step_leaves(model, name):  # st
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+def test_held_plain_rows_make_the_chunks_that_one_position_chunks_make(monkeypatch):
+    """drafters/backlog.Backlog: lean plain steps' rows (hold_row, then skip with the step's root), stacked at take(),
+    make the chunks that the same steps' one-position pending chunks (rooted, add) make: joined with a drafted step's
+    ragged chunk before them and the next draft's after them, and run by skip once BACKLOG_ROWS positions wait."""
+    from hydra_kernels.drafters import backlog
+
+    monkeypatch.setattr(backlog, "BACKLOG_ROWS", 5)
+    g = torch.Generator().manual_seed(4)
+    B, H = 3, 5
+
+    def chunk(n):  # a pending chunk of n[b] valid positions, its last token a placeholder (rooted sets it)
+        P = max(n)
+        return torch.randn(B, P, H, generator=g), torch.randint(0, 50, (B, P), generator=g), torch.tensor(n)
+
+    drafted, last = chunk([2, 1, 3]), chunk([1, 2, 1])
+    rows = [(torch.randn(B, H, generator=g), torch.randint(0, 50, (B,), generator=g)) for _ in range(6)]
+    ones = torch.ones(B, dtype=torch.long)
+    old, new = backlog.Backlog(), backlog.Backlog()
+    got_old, got_new = [], []
+    for bl, got in ((old, got_old), (new, got_new)):
+        got += bl.skip(*drafted, rows[0][1], first=False)  # a drafted step's chunk, then plain steps
+    for h, root in rows[1:]:
+        got_old += old.skip(h[:, None], h.new_zeros(B, 1, dtype=torch.long), ones, root, first=False)
+        new.hold_row(h)
+        got_new += new.skip(None, None, None, root, first=False)
+    assert len(got_old) == len(got_new) == 1 and old.rows == new.rows == 3  # 3 + 2 positions run, 3 rows wait
+    root = torch.randint(0, 50, (B,), generator=g)
+    got_old += old.take(backlog.rooted(*last, root))
+    got_new += new.take(new.pending(*last, root))
+    new.hold_row(rows[0][0])
+    got_new += new.take(new.pending(*last, root))
+    got_old += old.take(backlog.rooted(rows[0][0][:, None], last[1][:, :1], ones, root))
+    assert len(got_old) == len(got_new) == 3
+    for a, b in zip(got_old, got_new):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def test_budget_levels_and_set_budget_draft_the_subtree(model):

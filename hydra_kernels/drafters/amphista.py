@@ -52,7 +52,7 @@ from ..model.packed_linear import MAX_PACKED_ROWS, Linear
 from ..model.rope import RopeCache
 from ..tree import Tree, as_tree, default_tree, run_subtree
 from . import backlog
-from .backlog import Backlog, rooted
+from .backlog import Backlog
 from .checkpoint import save_ours
 from .draft_heads import ResBlock
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
@@ -261,7 +261,7 @@ class AmphistaDrafter(Drafter):
         """Run the plain steps' backlog and the pending positions (the last valid one's next token: the root)
         through the adaptation layers into their buffers, as one causal chunk -> each stage's output at each
         sequence's last position [B, H]; the positions are committed (the buffers' seqlens move by their count)."""
-        for chunk in state.backlog.take(rooted(state.pend_h, state.pend_tok, state.pend_n, root)):
+        for chunk in state.backlog.take(state.backlog.pending(state.pend_h, state.pend_tok, state.pend_n, root)):
             out = self._run_chunk(state, *chunk)  # the prompts' chunk first where it waits, then the rest
         return out
 
@@ -372,6 +372,7 @@ class AmphistaDrafter(Drafter):
     def after_prefill(self, state: AmphistaState, hidden, lengths) -> None:
         state.pend_h, state.pend_n = hidden, lengths.long()
         state.pend_tok = None  # filled from the prompts' tokens (observe_tokens)
+        state.backlog.drop_row()
 
     def observe_tokens(self, state: AmphistaState, new_tokens: list[list[int]], step_argmax=None) -> None:
         if not state.prefill_tokens:
@@ -385,6 +386,10 @@ class AmphistaDrafter(Drafter):
     def after_step(self, state: AmphistaState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         state.pend_h, state.pend_n = accepted_hidden, accept_lengths.long()
         state.pend_tok = torch.cat((accepted_tokens[:, 1:], accepted_tokens[:, :1]), dim=1)  # last: root, at propose
+        state.backlog.drop_row()
+
+    def after_plain_step(self, state, hidden, root) -> None:
+        state.backlog.hold_row(hidden)  # the step's one position: kept by reference, paired with its root at skip_step
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         return tuple(range(1, tree.num_nodes + 1))  # any subtree (Tree.subtree)
@@ -395,9 +400,8 @@ class AmphistaDrafter(Drafter):
     def skip_step(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
         """A plain step: the pending positions wait in the backlog (drafters/backlog.py), run with the next
         draft's chunk or once BACKLOG_ROWS wait (the prompts' chunk too: it then runs first)."""
-        if state.backlog.add(rooted(state.pend_h, state.pend_tok, state.pend_n, root), state.first_pass):
-            for chunk in state.backlog.take():
-                self._run_chunk(state, *chunk)
+        for chunk in state.backlog.skip(state.pend_h, state.pend_tok, state.pend_n, root, state.first_pass):
+            self._run_chunk(state, *chunk)
 
     def static_tree(self, state: AmphistaState) -> Tree:
         return state.tree

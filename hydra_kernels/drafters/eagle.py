@@ -39,7 +39,7 @@ from ..ops.packed_linear import pack_linear_weight, packed_linear
 from ..tree import Tree, TreeBatch, as_tree, run_subtree
 from ..weight_cache import DerivedCache
 from . import backlog
-from .backlog import Backlog, rooted
+from .backlog import Backlog
 from .eagle_layer import Eagle3Layer, EagleLayer
 from .fit import DRAFT_PACK_DTYPE, check_device_dtype, draft_vocab_ids, pack_draft_linears
 from .protocol import Drafter, Proposal, confidence_class, pending_outline
@@ -302,6 +302,7 @@ class EagleDrafter(Drafter):
     def after_prefill(self, state: EagleState, hidden, lengths) -> None:
         state.pend_h, state.pend_n = hidden, lengths.long()
         state.pend_tok = None  # filled from the prompts' tokens (observe_tokens)
+        state.backlog.drop_row()
 
     def observe_tokens(self, state: EagleState, new_tokens: list[list[int]], step_argmax=None) -> None:
         if state.prefill_tokens:  # prompt + root: the prefill chunk's next tokens are text[1:]
@@ -319,6 +320,10 @@ class EagleDrafter(Drafter):
     def after_step(self, state: EagleState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         state.pend_h, state.pend_n = accepted_hidden, accept_lengths.long()
         state.pend_tok = torch.cat((accepted_tokens[:, 1:], accepted_tokens[:, :1]), dim=1)  # last: root, at propose
+        state.backlog.drop_row()
+
+    def after_plain_step(self, state, hidden, root) -> None:
+        state.backlog.hold_row(hidden)  # the step's one position: kept by reference, paired with its root at skip_step
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         return tuple(range(1, tree.num_nodes + 1))
@@ -335,9 +340,8 @@ class EagleDrafter(Drafter):
     def skip_step(self, state: EagleState, root: torch.Tensor, seqlens: torch.Tensor) -> None:
         """A plain step: the pending positions wait in the backlog (drafters/backlog.py), run with the next
         draft's chunk or once BACKLOG_ROWS wait (the prompts' chunk too: it then runs first)."""
-        if state.backlog.add(rooted(state.pend_h, state.pend_tok, state.pend_n, root), state.first_pass):
-            for chunk in state.backlog.take():
-                self._run_chunk(state, *chunk)
+        for chunk in state.backlog.skip(state.pend_h, state.pend_tok, state.pend_n, root, state.first_pass):
+            self._run_chunk(state, *chunk)
 
     def static_tree(self, state: EagleState) -> Tree | None:
         return state.tree if state.dynamic is None else None  # a dynamic tree is chosen by its drafting
@@ -361,7 +365,7 @@ class EagleDrafter(Drafter):
         """Run the plain steps' backlog and the pending positions (committed by the base model since the last
         draft; the last one's next token: the root) into the layer's buffer; returns the last one's output [B, H]
         per sequence and commits the positions."""
-        for chunk in state.backlog.take(rooted(state.pend_h, state.pend_tok, state.pend_n, root)):
+        for chunk in state.backlog.take(state.backlog.pending(state.pend_h, state.pend_tok, state.pend_n, root)):
             out = self._run_chunk(state, *chunk)  # the prompts' chunk first where it waits, then the rest
         return out
 
