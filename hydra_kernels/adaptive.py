@@ -86,6 +86,11 @@ MAX_WAIT = 64  # most steps a held-back part waits before it is tried again
 # before drafting) is tried every few steps and catches the text's copy bursts; a dear one (the heads) waits up to
 # MAX_WAIT
 PROBE_SHARE = 0.01
+# and a trial that does not pay waits at least until its price is this share of the plain steps in between (the
+# backoff's ramp starts there, then doubles): a dear part (MLPSpeculator's three stages or Amphista's layers, a trial
+# about a plain step's price at batch 1) waits ~10 steps where the ramp's 2, 4, 8 ... spent ~5% of a fresh run's first
+# 60 steps on trials; a cheap one (the n-gram lookup, the heads at batch 1: under a fifth of a plain step) keeps 2
+RAMP_SHARE = 0.1
 # a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
 # factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
 # rows at once, so marginal gains are left alone (EPYC VM, 2026-11-27: without it the policy ran 0.89-0.90x
@@ -369,16 +374,17 @@ class PartGate:
     def record_trial(self, ms: float) -> None:
         self.trial = ms if self.trial is None else 0.7 * self.trial + 0.3 * min(ms, 2.0 * self.trial + 1.0)
 
-    def judge(self, pays: bool, max_wait: int = MAX_WAIT) -> None:
+    def judge(self, pays: bool, max_wait: int = MAX_WAIT, min_wait: int = 2) -> None:
         """`wait` is the part's backoff: doubled by each step that does not pay, halved by each that does.
         So a trial that pays once (a confident guess) opens the part for a step and leaves the backoff where it was
         (16 -> 8 -> 16), where a reset to 1 would restart the ramp 2, 4, 8, 16: four more trials, ~0.5 of a
         plain step each at batch 1 (EPYC VM, 2026-11-28: ~5% of a 64-token MT-Bench answer). A burst that
-        pays for several steps brings it down to 1, and the part is tried again 2 steps after the burst."""
+        pays for several steps brings it down to 1, and the part is tried again 2 steps after the burst. min_wait: the
+        shortest wait after a step that does not pay (RAMP_SHARE: a dear trial's)."""
         if pays:
             self.open, self.wait = True, max(1, self.wait // 2)
         else:
-            self.wait = min(max(2, 2 * self.wait), max_wait)
+            self.wait = min(max(min_wait, 2 * self.wait), max_wait)
             self.open, self.left = False, self.wait
 
 
@@ -703,9 +709,10 @@ class AdaptiveBudget:
                 g = self.gates[p]
                 # a trial's price is what its trials took (most are checks refused before drafting: ~0.2-0.3 ms where
                 # the n-gram's drafted steps cost ~1.2 ms at batch 1); before any, its drafting
-                trial = g.trial if g.trial is not None else g.cost
-                max_wait = min(MAX_WAIT, max(2, math.ceil(trial / (PROBE_SHARE * self.costs.predict(1)))))
-                g.judge(self._pays(p, parts, n_seq), max_wait)
+                trial, plain = (g.trial if g.trial is not None else g.cost), self.costs.predict(1)
+                max_wait = min(MAX_WAIT, max(2, math.ceil(trial / (PROBE_SHARE * plain))))
+                min_wait = min(max_wait, max(2, math.ceil(trial / (RAMP_SHARE * plain))))
+                g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
         self.last_t = self.clock()
         self.host_s += self.last_t - t0
 

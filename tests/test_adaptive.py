@@ -223,7 +223,7 @@ def test_the_policy_drafts_only_what_pays(rate, row_ms, width):
 def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
     """A draft the outline shows would be cut is not drafted; its part's gate records a trial that earned
     nothing at the part's known drafting cost (not the check's): its trial schedule stays the one a drafted
-    trial would set."""
+    trial would set, its first wait the floor that price sets (RAMP_SHARE)."""
     d = OutlinedChainDrafter()
     p = learned_policy(0.05, 2.0, drafter=d)  # the draft would be cut to the root
     g = p.gates[0]
@@ -233,6 +233,9 @@ def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
     p.observe(None)
     assert g.cost == pytest.approx(3.0) and g.gain == pytest.approx(0.7)  # the mean gain: 0.7 * 1 + 0.3 * 0
     assert not g.open
+    # its wait starts at the ramp's floor for a 3 ms trial beside a 10 ms plain step: ceil(3 / (RAMP_SHARE * 10)) = 3,
+    # not the ramp's 2
+    assert p.costs.predict(1) == pytest.approx(10.0) and g.wait == g.left == 3
 
 
 def test_a_held_back_parts_trials_set_how_often_it_is_tried():
@@ -693,6 +696,12 @@ def test_learning_and_the_gate():
     assert gate.wait == 2 and not gate.due() and gate.due()
     gate.judge(False, max_wait=3)
     assert gate.wait == 3  # the cap
+    gate.judge(True)
+    gate.judge(True)
+    gate.judge(False, max_wait=64, min_wait=10)
+    assert gate.wait == 10  # a dear trial's ramp starts at its floor (RAMP_SHARE), then doubles
+    gate.judge(False, max_wait=64, min_wait=10)
+    assert gate.wait == 20
 
 
 def test_a_new_runs_text_gets_fresh_gates():
