@@ -7,7 +7,9 @@ Per step, two decisions:
    expected to earn, the sum of their P below, per step: an average over the recent steps it ran) beats what
    it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
-   4, 8 ... steps), at most MAX_WAIT, and no more rarely than lets its trials cost PROBE_SHARE of the time.
+   4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT, and no more rarely than lets
+   its trials cost PROBE_SHARE of the time; the wait carries over to the next run, whose new text brings the next
+   trial forward (PartGate.new_text).
    No part running is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work
    grows with its nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time
    (EXPLORE_EVERY).
@@ -86,10 +88,12 @@ MAX_WAIT = 64  # most steps a held-back part waits before it is tried again
 # before drafting) is tried every few steps and catches the text's copy bursts; a dear one (the heads) waits up to
 # MAX_WAIT
 PROBE_SHARE = 0.01
-# and a trial that does not pay waits at least until its price is this share of the plain steps in between (the
-# backoff's ramp starts there, then doubles): a dear part (MLPSpeculator's three stages or Amphista's layers, a trial
+# and after a step that does not pay (a trial, or an open part's first step after a burst) a part waits at least until
+# its drafting's price is this share of the plain steps in between (the backoff's ramp starts there, then doubles; a new
+# run's text restarts it there too: PartGate.new_text): a dear part (MLPSpeculator's three stages or Amphista's layers,
 # about a plain step's price at batch 1) waits ~10 steps where the ramp's 2, 4, 8 ... spent ~5% of a fresh run's first
-# 60 steps on trials; a cheap one (the n-gram lookup, the heads at batch 1: under a fifth of a plain step) keeps 2
+# 60 steps on trials; a cheap one (the n-gram lookup, the heads at batch 1: under a fifth of a plain step) keeps 2. Its
+# drafting alone, not the trial's rows, which cheap parts pay as well
 RAMP_SHARE = 0.1
 # a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
 # factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
@@ -324,8 +328,8 @@ def _solve3(A: list[list[float]], r: list[float]) -> list[float]:
 
 class PartGate:
     """Whether a drafter part runs next step: while its recent gain pays for its cost, else after a wait
-    that doubles each time a trial does not pay and halves each time a step pays (2, 4, 8, ... steps, at most
-    the judge's max_wait; see judge)."""
+    that doubles each time a trial does not pay and halves each time a step pays (2, 4, 8, ... steps, from the
+    judge's min_wait, at most its max_wait; see judge)."""
 
     def __init__(self):
         self.gain = None  # tokens per step its kept nodes were expected to earn (decayed mean over the steps it ran)
@@ -333,27 +337,30 @@ class PartGate:
         self.cost = 0.0  # ms its drafting took (decayed mean)
         self.trial = None  # ms a trial took (decayed mean over the steps it ran while held back, its rows included)
         self.open, self.wait, self.left = True, 1, 0
+        self.floor = 2  # the shortest wait after a step that does not pay (judge's last min_wait)
         self.fresh = False  # the next record starts the gain afresh (new_text)
 
     def new_text(self) -> None:
         """A new run (its prompts' text): what the part earned on the last run's text (its kept nodes' expected tokens,
         priced by that text's rates) is not evidence about this one,
-        so its first step here sets its gain (record) and a held-back part is tried within NEW_TEXT_TRIAL steps; its
-        backoff (wait) and its cost (the machine's, not the text's) are kept. EPYC VM, 2026-11-29, editing prompts at
-        batch 1: a prompt that copied its text (the table's 3 nodes a step: 2.6 tokens a step) ran 27 plain steps before
-        drafting: its first trial's tokens averaged into the last prompt's 0.0 (0.3 weight), and one trial that earned
-        nothing doubled the last prompt's 16-step wait.
+        so its first step here sets its gain (record), a held-back part is tried within NEW_TEXT_TRIAL steps, and its
+        backoff goes back to at most NEW_TEXT_TRIAL, or to its ramp's floor where its drafting is dear (floor: judge's
+        last min_wait, RAMP_SHARE); its cost (the machine's, not the text's) is kept. EPYC VM, 2026-11-29, editing
+        prompts at batch 1: a prompt that copied its text (the table's 3 nodes a step: 2.6 tokens a step) ran 27 plain
+        steps before drafting: its first trial's tokens averaged into the last prompt's 0.0 (0.3 weight), and one trial
+        that earned nothing doubled the last prompt's 16-step wait. A backoff restarted at 1 cost MT-Bench's answers ~3%
+        (0.957 against 0.986, 16 answers of 256 tokens).
 
-        Why the backoff is kept: a new-text trial that does not pay then waits what the last run had learned (then
-        doubles), where a backoff restarted at NEW_TEXT_TRIAL tried again after 8, 16, 32 steps: four trials in a 64-token
-        answer, each a whole drafting pass for a dear part (MLPSpeculator's three stages ~5 ms beside a ~5 ms plain step
-        at batch 1, ~12 ms at batch 4; Amphista's with its backlog ~6 ms). EPYC VM, 2026-11-29, MT-Bench, batch 1, 64
-        tokens, in-process A/B (6-8 prompts x 2 rounds, medians of the ratios to plain): MLPSpeculator 0.906 -> 0.976,
-        Amphista 0.897 -> 0.918, Hydra 0.980 -> 0.983, the combined default 0.978 -> 0.976, and on the editing set
-        1.048 -> 1.084 (geometric means 1.136 -> 1.126). A backoff restarted at 1 had cost MT-Bench's answers ~3%
-        (0.957 against 0.986, 16 answers of 256 tokens)."""
+        Why the floor: a dear part's failed new-text trial was followed by trials after 8, 16 and 32 steps, each a whole
+        drafting pass (MLPSpeculator's three stages ~5 ms beside a ~5 ms plain step at batch 1, ~12 ms at batch 4;
+        Amphista's with its backlog ~6-9 ms): four a 64-token answer. The backoff kept whole across runs cost the
+        combined drafter where a part stopped paying on one text and pays on the next (EPYC VM, 2026-11-29, the bench's
+        2k point at batch 1: 0.86-0.99x plain, 73-98% plain steps, against 1.08x, 50%, with the floor; MT-Bench's answers
+        in between: MLPSpeculator at batch 1 0.906 -> 0.976x with the backoff kept whole, 0.920 / 0.928 -> 0.944 / 0.941x
+        with the floor, against dd31dfd in alternating processes)."""
         self.fresh = True
         self.left = min(self.left, NEW_TEXT_TRIAL)
+        self.wait = min(self.wait, max(NEW_TEXT_TRIAL, self.floor))
 
     def due(self) -> bool:
         if self.open:
@@ -379,8 +386,10 @@ class PartGate:
         So a trial that pays once (a confident guess) opens the part for a step and leaves the backoff where it was
         (16 -> 8 -> 16), where a reset to 1 would restart the ramp 2, 4, 8, 16: four more trials, ~0.5 of a
         plain step each at batch 1 (EPYC VM, 2026-11-28: ~5% of a 64-token MT-Bench answer). A burst that
-        pays for several steps brings it down to 1, and the part is tried again 2 steps after the burst. min_wait: the
-        shortest wait after a step that does not pay (RAMP_SHARE: a dear trial's)."""
+        pays for several steps brings it down to 1, and the part is tried again 2 steps after the burst (min_wait
+        after it, for a dear part). min_wait: the shortest wait after a step that does not pay (RAMP_SHARE: what a dear
+        part's trial price sets), capped by max_wait."""
+        self.floor = min_wait
         if pays:
             self.open, self.wait = True, max(1, self.wait // 2)
         else:
@@ -711,7 +720,8 @@ class AdaptiveBudget:
                 # the n-gram's drafted steps cost ~1.2 ms at batch 1); before any, its drafting
                 trial, plain = (g.trial if g.trial is not None else g.cost), self.costs.predict(1)
                 max_wait = min(MAX_WAIT, max(2, math.ceil(trial / (PROBE_SHARE * plain))))
-                min_wait = min(max_wait, max(2, math.ceil(trial / (RAMP_SHARE * plain))))
+                # the ramp's floor from its drafting price alone (a trial's rows are paid by cheap parts too)
+                min_wait = min(max_wait, max(2, math.ceil(g.cost / (RAMP_SHARE * plain))))
                 g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
         self.last_t = self.clock()
         self.host_s += self.last_t - t0

@@ -33,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hydra_kernels.model.gguf_convert import sha256_of  # noqa: E402
+from hydra_kernels.training.data import read_self_data  # noqa: E402
 
 CALL_LIMIT = 64 << 20  # bytes of working tree one device call carries
 RETURN_LIMIT = 16 << 20  # bytes of one file a call brings back
@@ -114,8 +115,6 @@ def write_gzipped_json(path: Path, data) -> None:
 def read_answers(path) -> dict:
     """python/self_data.py's JSON, plain or gzipped (.gz) -> {"prompt_lengths": [...], "sequences": [...]};
     SystemExit naming the file where it is unreadable or not that shape."""
-    from hydra_kernels.training.data import read_self_data
-
     path = Path(path)
     try:
         answers = read_self_data(path)

@@ -235,7 +235,7 @@ def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
     assert not g.open
     # its wait starts at the ramp's floor for a 3 ms trial beside a 10 ms plain step: ceil(3 / (RAMP_SHARE * 10)) = 3,
     # not the ramp's 2
-    assert p.costs.predict(1) == pytest.approx(10.0) and g.wait == g.left == 3
+    assert g.wait == g.left == math.ceil(3.0 / (adaptive.RAMP_SHARE * p.costs.predict(1))) == 3
 
 
 def test_a_held_back_parts_trials_set_how_often_it_is_tried():
@@ -707,9 +707,9 @@ def test_learning_and_the_gate():
 def test_a_new_runs_text_gets_fresh_gates():
     """A gate remembered from the last run (its part held back on that text, a long wait left, a long backoff, a low
     gain) is tried within NEW_TEXT_TRIAL steps of a new run, and its first record there sets the gain instead of
-    averaging into the last text's; its cost (the machine's) is averaged as before, and its backoff kept: a trial there
-    that does not pay waits twice the last run's wait, not a ramp restarted at NEW_TEXT_TRIAL (four whole drafting
-    passes in a 64-token answer for a dear part)."""
+    averaging into the last text's; its cost (the machine's) is averaged as before. Its backoff restarts at
+    NEW_TEXT_TRIAL, or at its ramp's floor where its drafting is dear (RAMP_SHARE: judge's last min_wait), so a dear
+    part's failed new-text trial is not followed by trials after 8, 16 and 32 steps."""
     gate = adaptive.PartGate()
     gate.record(0.0, 1.0, 2.0)
     for _ in range(5):
@@ -723,15 +723,21 @@ def test_a_new_runs_text_gets_fresh_gates():
     waited = 1
     while not g.due():
         waited += 1
-    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == 32
+    assert waited <= adaptive.NEW_TEXT_TRIAL and g.wait == adaptive.NEW_TEXT_TRIAL
     g.record(1.5, 1.0, 4.0)
     assert g.gain == 1.5 and g.cost == pytest.approx(0.7 * 2.0 + 0.3 * 4.0)
     g.record(0.5, 1.0, 2.0)
     assert g.gain == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)  # then the running mean, as before
     g.judge(False)
-    assert g.wait == 64 and g.left == 64  # the last run's backoff doubled (MAX_WAIT), not a ramp restarted at 4
-    g.judge(True)
-    assert g.open and g.wait == 32  # a step that pays halves it
+    assert g.wait == 2 * adaptive.NEW_TEXT_TRIAL  # the ramp from there, not from the last run's 32
+    dear = adaptive.PartGate()  # a part whose drafting is dear: its ramp's floor 10 steps
+    for _ in range(4):
+        dear.judge(False, max_wait=64, min_wait=10)
+    assert dear.wait == 64 and dear.floor == 10
+    dear.new_text()
+    assert dear.left <= adaptive.NEW_TEXT_TRIAL and dear.wait == 10
+    dear.judge(False, max_wait=64, min_wait=10)
+    assert dear.wait == 20
 
 
 def test_budget_argument():

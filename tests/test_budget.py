@@ -180,11 +180,11 @@ def test_after_plain_step_leaves_the_state_after_step_leaves(model, name, monkey
     active, for every family (the heads and the MLPSpeculator keep `hidden` itself; EAGLE and Amphista hold it in their
     backlog, stacked with the next plain steps' rows; n-gram and lookahead nothing; the rest the default): the same
     committed script driven through both, plain steps (skip_step) in between, drafts the same proposals step by step.
-    "-flush": the backlog's bound at 2 positions, so held rows are also run by skip_step, not only by a draft."""
+    "-flush": the backlog's bound at 1 position, so held rows are also run by skip_step, not only by a draft."""
     if name.endswith("-flush"):
         from hydra_kernels.drafters import backlog
 
-        monkeypatch.setattr(backlog, "BACKLOG_ROWS", 2)
+        monkeypatch.setattr(backlog, "BACKLOG_ROWS", 1)
         name = name[: -len("-flush")]
     d, tree = make(model, name)
     plan = model.backend_plan("reference")
@@ -245,14 +245,21 @@ def test_held_plain_rows_make_the_chunks_that_one_position_chunks_make(monkeypat
         got_new += new.skip(None, None, None, root, first=False)
     assert len(got_old) == len(got_new) == 1 and old.rows == new.rows == 3  # 3 + 2 positions run, 3 rows wait
     root = torch.randint(0, 50, (B,), generator=g)
-    got_old += old.take(backlog.rooted(*last, root))
-    got_new += new.take(new.pending(*last, root))
-    new.hold_row(rows[0][0])
-    got_new += new.take(new.pending(*last, root))
-    got_old += old.take(backlog.rooted(rows[0][0][:, None], last[1][:, :1], ones, root))
+    got_old += old.take(backlog.rooted(*last, root))  # a draft after a drafted step's chunk waits behind held rows
+    got_new += new.take_with(*last, root)
+    for h, root in rows[:3]:  # a draft after plain steps alone: their rows stacked as one chunk, no join
+        got_old += old.skip(h[:, None], h.new_zeros(B, 1, dtype=torch.long), ones, root, first=False)
+        new.hold_row(h)
+        got_new += new.skip(None, None, None, root, first=False)
+    got_old += old.take(backlog.rooted(rows[3][0][:, None], last[1][:, :1], ones, root))
+    new.hold_row(rows[3][0])
+    got_new += new.take_with(None, None, None, root)
     assert len(got_old) == len(got_new) == 3
     for a, b in zip(got_old, got_new):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+    new.hold_row(rows[0][0])
+    with pytest.raises(RuntimeError, match="never run"):  # a held row not paired before the next hooks: refused
+        new.hold_row(rows[1][0])
 
 
 def test_budget_levels_and_set_budget_draft_the_subtree(model):

@@ -248,19 +248,21 @@ def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
     generate(model, prompts[:1], max_new_tokens=4, temperature=0.8, seed=1)
 
 
-def test_a_speculative_runs_plain_steps_keep_every_record_of_the_module_path(smollm2, monkeypatch):
+@pytest.mark.parametrize("kind", [None, "amphista", "eagle"])
+def test_a_speculative_runs_plain_steps_keep_every_record_of_the_module_path(smollm2, monkeypatch, kind):
     """The speculative loop's plain steps on the native step, with every sequence active (speculative.
     _native_plain_greedy_step: the step commits, the drafter's after_plain_step) and after one sequence finished (the
     general path), against the same run on the module path: the same tokens, steps, per-sequence records and
-    acceptance by depth. The shipped default drafter under a table that cycles plain / full / a subtree by context, a
-    ragged batch of 3 whose shortest answer ends early."""
+    acceptance by depth. The shipped default drafter, the shipped Amphista heads and an EAGLE layer (untrained: the two
+    whose after_plain_step holds the native step's row in their backlog) under a table that cycles plain / full / a
+    subtree by context, a ragged batch of 3 whose shortest answer ends early."""
     from hydra_kernels import speculative
     from hydra_kernels.budget import BudgetTable, tree_key
 
     model, tok = smollm2
     prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.",
                                                  "Say hi.")]
-    d = hk.load_drafter(model=model)
+    d = hk.new_drafter(model, kind="eagle") if kind == "eagle" else hk.load_drafter(model=model, kind=kind)
     bound = d.resolve_tree(None, "cpu")
     levels = d.budget_levels(bound)
     contexts = list(range(min(map(len, prompts)), max(map(len, prompts)) + 40))

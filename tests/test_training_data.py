@@ -121,6 +121,22 @@ def test_draft_vocabulary_frequency_order_and_forced_ids():
         draft_vocabulary([[1, 2]], 5)
 
 
+def test_self_data_reads_plain_and_gzipped_json_alike(tmp_path):
+    """read_self_data / self_data_sequences: a .gz file (as python/gpu_carry.py packs the training text) reads as its
+    plain JSON does; a file whose bytes are not gzip under a .gz name is refused, not read as something else."""
+    data = {"prompt_lengths": [3, 2, 4], "sequences": [[5, 6, 7, 8, 9], [1, 2], [4, 4, 4, 4, 3, 2]]}
+    plain, packed = tmp_path / "a.json", tmp_path / "a.json.gz"
+    plain.write_text(json.dumps(data))
+    packed.write_bytes(gzip.compress(json.dumps(data).encode()))
+    assert tdata.read_self_data(packed) == tdata.read_self_data(plain) == data
+    assert tdata.self_data_sequences(packed, max_tokens=2) == tdata.self_data_sequences(plain, max_tokens=2) == (
+        [[5, 6, 7, 8, 9], [4, 4, 4, 4, 3, 2]], [2, 3])  # the 2-token sequence has no answer: skipped
+    bad = tmp_path / "b.json.gz"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(OSError):
+        tdata.read_self_data(bad)
+
+
 def test_sharegpt_replies_start_at_the_first_reply_and_skip_answered_prompts(smollm2, tmp_path):
     """ShareGPT's own first replies in self_data.py's format: each sequence is its first user turn's chat
     prompt (at most max_prompt_tokens, as self_data.py picks prompts; training starts after it) and that

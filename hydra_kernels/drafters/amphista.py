@@ -261,7 +261,7 @@ class AmphistaDrafter(Drafter):
         """Run the plain steps' backlog and the pending positions (the last valid one's next token: the root)
         through the adaptation layers into their buffers, as one causal chunk -> each stage's output at each
         sequence's last position [B, H]; the positions are committed (the buffers' seqlens move by their count)."""
-        for chunk in state.backlog.take(state.backlog.pending(state.pend_h, state.pend_tok, state.pend_n, root)):
+        for chunk in state.backlog.take_with(state.pend_h, state.pend_tok, state.pend_n, root):
             out = self._run_chunk(state, *chunk)  # the prompts' chunk first where it waits, then the rest
         return out
 
@@ -372,7 +372,7 @@ class AmphistaDrafter(Drafter):
     def after_prefill(self, state: AmphistaState, hidden, lengths) -> None:
         state.pend_h, state.pend_n = hidden, lengths.long()
         state.pend_tok = None  # filled from the prompts' tokens (observe_tokens)
-        state.backlog.drop_row()
+        state.backlog.expect_no_row()
 
     def observe_tokens(self, state: AmphistaState, new_tokens: list[list[int]], step_argmax=None) -> None:
         if not state.prefill_tokens:
@@ -386,10 +386,10 @@ class AmphistaDrafter(Drafter):
     def after_step(self, state: AmphistaState, accepted_hidden, accepted_tokens, accept_lengths) -> None:
         state.pend_h, state.pend_n = accepted_hidden, accept_lengths.long()
         state.pend_tok = torch.cat((accepted_tokens[:, 1:], accepted_tokens[:, :1]), dim=1)  # last: root, at propose
-        state.backlog.drop_row()
+        state.backlog.expect_no_row()
 
-    def after_plain_step(self, state, hidden, root) -> None:
-        state.backlog.hold_row(hidden)  # the step's one position: kept by reference, paired with its root at skip_step
+    def after_plain_step(self, state: AmphistaState, hidden: torch.Tensor, root: torch.Tensor) -> None:
+        state.backlog.hold_row(hidden)  # the step's one position, kept by reference: its root comes at skip_step / propose
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         return tuple(range(1, tree.num_nodes + 1))  # any subtree (Tree.subtree)

@@ -56,11 +56,15 @@ def joined(chunks: list[Chunk]) -> Chunk:
     return h_all[rows, index], t_all[rows, index], torch.tensor(total, dtype=torch.long, device=t_all.device)
 
 
-def stacked(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> Chunk:
-    """Consecutive plain steps' rows [(hidden [B, H], next token [B])] -> one chunk of them in order, every position
-    valid: what joined() makes of their one-position chunks, in two tensor calls instead of four a step."""
-    tok = torch.stack([t for _, t in rows], 1)
-    return torch.stack([h for h, _ in rows], 1), tok, torch.full_like(tok[:, 0], len(rows))
+class HeldRows(list):
+    """Consecutive lean plain steps' rows [(hidden [B, H], next token [B])], kept as references until run."""
+
+    def chunk(self) -> Chunk:
+        """One chunk of the rows in order, every position valid: what joined() makes of their one-position chunks,
+        in three tensor calls for the whole run of rows instead of ~7 a step."""
+        tok = torch.stack([t for _, t in self], 1)
+        n = torch.full((tok.shape[0],), len(self), dtype=torch.long, device=tok.device)
+        return torch.stack([h for h, _ in self], 1), tok, n
 
 
 class Backlog:
@@ -68,62 +72,63 @@ class Backlog:
     (in prefill chunks).
 
     A plain step of the loop's lean path (Drafter.after_plain_step: every sequence active, one position each) leaves
-    its row here (hold_row) instead of a pending chunk, and skip_step keeps it with its next token (the root) as two
-    references, stacked at take(): the one-position chunk's views, ones, token concatenation and root insertion were
-    ~7 tensor calls a plain step, each 10-40 us after the native step's weight stream (EPYC VM, 2026-11-29: Amphista's
-    after_plain_step and skip_step 0.17 ms of a ~6 ms batch-1 plain step). The native step's outputs are fresh tensors
-    (no buffer reused across steps), so references stay valid."""
+    its row here (hold_row) instead of a pending chunk, and skip_step or propose pairs it with its next token (the root)
+    as two references (HeldRows), stacked when run: the one-position chunk's views, ones, token concatenation and root
+    insertion were ~7 tensor calls a plain step, each 10-40 us after the native step's weight stream (EPYC VM,
+    2026-11-29: Amphista's after_plain_step and skip_step 0.17 ms of a ~6 ms batch-1 plain step). The caller's hidden
+    and roots must not be written in place afterwards (the native step's outputs are fresh tensors each step)."""
 
     def __init__(self):
         self.prompt: Chunk | None = None
-        self.chunks: list[Chunk | list] = []  # a list: consecutive plain steps' rows (stacked at take())
+        self.chunks: list[Chunk | HeldRows] = []
         self.rows = 0  # a bound on the positions a sequence holds: the chunks' P summed (known without a device read)
         self.row: torch.Tensor | None = None  # hidden [B, H] of a lean plain step's position, its next token to come
 
     def hold_row(self, hidden: torch.Tensor) -> None:
         """after_plain_step: the step's one position per sequence is the drafter's pending chunk."""
+        self.expect_no_row()
         self.row = hidden
 
-    def drop_row(self) -> None:
-        """after_step / after_prefill: the drafter's pending chunk is its own again."""
-        self.row = None
-
-    def pending(self, pend_h, pend_tok, pend_n, root: torch.Tensor) -> Chunk:
-        """The drafter's pending positions with root [B] the last one's next token: the held row, else its chunk."""
-        if self.row is None:
-            return rooted(pend_h, pend_tok, pend_n, root)
-        h, self.row = self.row, None
-        return stacked([(h, root)])
+    def expect_no_row(self) -> None:
+        """after_step / after_prefill / hold_row: the last held row was paired with its root (skip_step or propose
+        follow after_plain_step in the loop); else a position would be lost."""
+        if self.row is not None:
+            raise RuntimeError("a plain step's row was never run: after_plain_step must be followed by skip_step or "
+                               "propose before the next step's hooks")
 
     def skip(self, pend_h, pend_tok, pend_n, root: torch.Tensor, first: bool) -> list[Chunk]:
-        """A plain step (the drafter's skip_step): its pending positions wait here -> the chunks to run now (take()'s,
-        once BACKLOG_ROWS positions may wait; else none). first: see add."""
-        if self.row is None:
-            due = self.add(rooted(pend_h, pend_tok, pend_n, root), first)
+        """A plain step (the drafter's skip_step): its pending positions (the held row, else the drafter's pending
+        chunk), root [B] the last one's next token, wait here -> the chunks to run now (take()'s, once BACKLOG_ROWS
+        positions may wait; else none). first: the drafter has run no chunk yet, so a pending chunk is the prompts'."""
+        if self.row is not None:
+            self._keep_row(root)
+        elif first and self.prompt is None and not self.chunks:
+            self.prompt = rooted(pend_h, pend_tok, pend_n, root)
         else:
-            h, self.row = self.row, None
-            if self.chunks and isinstance(self.chunks[-1], list):
-                self.chunks[-1].append((h, root))
-            else:
-                self.chunks.append([(h, root)])
-            self.rows += 1
-            due = self.rows >= BACKLOG_ROWS
-        return self.take() if due else []
+            last = rooted(pend_h, pend_tok, pend_n, root)
+            self.chunks.append(last)
+            self.rows += last[1].shape[1]
+        return self.take() if self.rows >= BACKLOG_ROWS else []
 
-    def add(self, chunk: Chunk, first: bool) -> bool:
-        """Keep a plain step's chunk (first: the drafter has run no chunk yet, so this one is the prompts'); True
-        once BACKLOG_ROWS positions may wait (run take()'s chunks now)."""
-        if first and self.prompt is None and not self.chunks:
-            self.prompt = chunk
-            return False
-        self.chunks.append(chunk)
-        self.rows += chunk[1].shape[1]
-        return self.rows >= BACKLOG_ROWS
+    def take_with(self, pend_h, pend_tok, pend_n, root: torch.Tensor) -> list[Chunk]:
+        """A draft (the drafter's propose): the chunks to run now, the pending positions (as skip) last."""
+        if self.row is not None:
+            self._keep_row(root)
+            return self.take()
+        return self.take(rooted(pend_h, pend_tok, pend_n, root))
+
+    def _keep_row(self, root: torch.Tensor) -> None:
+        if not (self.chunks and isinstance(self.chunks[-1], HeldRows)):
+            self.chunks.append(HeldRows())
+        self.chunks[-1].append((self.row, root))
+        self.row = None
+        self.rows += 1
 
     def take(self, last: Chunk | None = None) -> list[Chunk]:
         """The chunks to run now, in order: the prompts' if it waits, then the others and `last` (this step's)
-        joined into one; the backlog emptied."""
-        rest = [stacked(c) if isinstance(c, list) else c for c in self.chunks] + ([last] if last is not None else [])
+        joined into one; the backlog emptied. Held rows alone (plain steps since the last draft) are one stacked
+        chunk, with no join (its host read)."""
+        rest = [c.chunk() if isinstance(c, HeldRows) else c for c in self.chunks] + ([last] if last is not None else [])
         runs = ([self.prompt] if self.prompt is not None else []) + ([joined(rest)] if rest else [])
         self.prompt, self.chunks, self.rows = None, [], 0
         return runs

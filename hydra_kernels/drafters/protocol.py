@@ -208,9 +208,12 @@ class Drafter(nn.Module):
         """after_step of a greedy plain step in which every sequence is active and the drafter's features are
         the final hidden states: hidden [B, H] the root's row, root [B], one accepted token each. Default: that
         after_step call. A drafter that keeps only the last row (the heads, the MLPSpeculator) or nothing
-        overrides it to take `hidden` as it is: the loop runs this right after the native plain step, whose
-        weight stream leaves every cache cold, and there each tensor call costs 10-40 us, not 1-3 (EPYC VM,
-        2026-11-29: the views and the ones of the default call took ~0.07 ms of a ~6 ms batch-1 step)."""
+        overrides it to take `hidden` as it is, and EAGLE and Amphista hold it by reference in their backlog
+        (drafters/backlog.py) until a later step runs it: the loop runs this right after the native plain step,
+        whose weight stream leaves every cache cold, and there each tensor call costs 10-40 us, not 1-3 (EPYC VM,
+        2026-11-29: the views and the ones of the default call took ~0.07 ms of a ~6 ms batch-1 step). So a caller
+        must not write `hidden`, or the roots it later passes to skip_step / propose, in place (the native step
+        returns fresh tensors each step); skip_step or propose follows before the next step's hooks."""
         self.after_step(state, hidden[:, None], root[:, None], torch.ones_like(root))
 
     def observe_tokens(self, state, new_tokens: list[list[int]], step_argmax: torch.Tensor | None = None) -> None:
