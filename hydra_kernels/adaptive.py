@@ -106,8 +106,8 @@ RAMP_SHARE = 0.1
 # others' rows): the bench's 2k point 1.04-1.11x plain against 0.99-1.00x (the table 1.13-1.30x), MT-Bench 0.993x
 # against 0.996x, editing 1.188x against 1.183x (in-process A/Bs); in modelled runs (benchmarks/replay_adaptive.py's
 # first form) either change alone lost somewhere (margin 1.0 on editing, the rows fix on MT-Bench), both together
-# nowhere (results README, "2026-11-29 (16:48 session)"). The margin had kept 2k prompts' second and third n-gram nodes out, each
-# predicted a little above plain's rate and accepted more often than predicted
+# nowhere (results README, "2026-11-29 (16:48 session)"). The margin had kept 2k prompts' second and third n-gram
+# nodes out, each predicted a little above plain's rate and accepted more often than predicted
 MARGIN = 1.15
 MARGIN_BATCH_1 = 1.0
 # a run starts on new text: a part the last run held back is tried within this many steps, whatever wait it had left
@@ -354,10 +354,10 @@ class PartGate:
         Why the floor: a dear part's failed new-text trial was followed by trials after 8, 16 and 32 steps, each a whole
         drafting pass (MLPSpeculator's three stages ~5 ms beside a ~5 ms plain step at batch 1, ~12 ms at batch 4;
         Amphista's with its backlog ~6-9 ms): four a 64-token answer. The backoff kept whole across runs cost the
-        combined drafter where a part stopped paying on one text and pays on the next (EPYC VM, 2026-11-29, the bench's
-        2k point at batch 1: 0.86-0.99x plain, 73-98% plain steps, against 1.08x, 50%, with the floor; MT-Bench's answers
-        in between: MLPSpeculator at batch 1 0.906 -> 0.976x with the backoff kept whole, 0.920 / 0.928 -> 0.944 / 0.941x
-        with the floor, against dd31dfd in alternating processes)."""
+        combined drafter where a part stopped paying on one text and pays on the next (EPYC VM, 2026-11-29, the
+        bench's 2k point at batch 1: 0.86-0.99x plain, 73-98% plain steps, against 1.08x, 50%, with the floor;
+        MT-Bench's answers in between: MLPSpeculator at batch 1 0.906 -> 0.976x with the backoff kept whole,
+        0.920 / 0.928 -> 0.944 / 0.941x with the floor, against dd31dfd in alternating processes)."""
         self.fresh = True
         self.left = min(self.left, NEW_TEXT_TRIAL)
         self.wait = min(self.wait, max(NEW_TEXT_TRIAL, self.floor))
@@ -727,8 +727,8 @@ class AdaptiveBudget:
         self.host_s += self.last_t - t0
 
     def _pays(self, p: int, parts: tuple[bool, ...], n_seq: float) -> bool:
-        """Whether part p, beside the other parts that ran, pays (its gate's judgment, from the gates' recent means): its
-        own rate beats the step's rate without it by the margin,
+        """Whether part p, beside the other parts that ran, pays (its gate's judgment, from the gates' recent means):
+        its own rate beats the step's rate without it by the margin,
             gain / its_time > margin * tokens_without / time_without
         (at margin 1: the step's rate with it, (tokens_without + gain) / (time_without + its_time), beats the rate
         without it),

@@ -22,7 +22,6 @@ There:  python3 python/gpu_carry.py unpack
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib.util
 import json
 import shutil
@@ -33,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hydra_kernels.model.gguf_convert import sha256_of  # noqa: E402
-from hydra_kernels.training.data import read_self_data  # noqa: E402
+from hydra_kernels.training.data import read_self_data, write_self_data  # noqa: E402
 
 CALL_LIMIT = 64 << 20  # bytes of working tree one device call carries
 RETURN_LIMIT = 16 << 20  # bytes of one file a call brings back
@@ -106,12 +105,6 @@ def embedded_model() -> tuple[Path, str]:
     return embedded_gguf_path(), EMBEDDED_SHA256
 
 
-def write_gzipped_json(path: Path, data) -> None:
-    """The training text as gzipped JSON (train_eagle.py reads it so): ~4x fewer bytes to carry. mtime=0 keeps
-    the bytes a function of the data alone."""
-    path.write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
-
-
 def read_answers(path) -> dict:
     """python/self_data.py's JSON, plain or gzipped (.gz) -> {"prompt_lengths": [...], "sequences": [...]};
     SystemExit naming the file where it is unreadable or not that shape."""
@@ -150,7 +143,7 @@ def pack(args) -> None:
     rest = out / "rest"
     (rest / "site").mkdir(parents=True)
     data_files = [rest / "self-data.json.gz"]
-    write_gzipped_json(data_files[0], answers)
+    write_self_data(data_files[0], answers)
     pkg = Path(list(spec.submodule_search_locations)[0])
     shutil.copytree(pkg, rest / "site" / "gguf", ignore=shutil.ignore_patterns("__pycache__"))
     for info in pkg.parent.glob("gguf-*.dist-info"):  # transformers reads the GGUF tokenizer only when the
@@ -158,7 +151,7 @@ def pack(args) -> None:
     if args.sharegpt:
         answered = [s[:n] for n, s in zip(answers["prompt_lengths"], answers["sequences"])]
         data_files.append(rest / "sharegpt-replies.json.gz")
-        write_gzipped_json(data_files[-1], sharegpt_reply_data(tok, args.sharegpt, exclude_prompts=answered))
+        write_self_data(data_files[-1], sharegpt_reply_data(tok, args.sharegpt, exclude_prompts=answered))
     seqs, starts = self_data_sequences(data_files)
     ids = recipe_draft_vocabulary(tok, seqs, starts, args.draft_vocab, args.vocab_seqs)
     (rest / "draft_vocab.json").write_text(json.dumps(ids.tolist()))

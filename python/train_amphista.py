@@ -41,7 +41,8 @@ from benchmarks.report import plot_training, write_results  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--self-data", required=True, help="JSON of the base model's own answers (python/self_data.py), plain or .gz")
+    ap.add_argument("--self-data", required=True, help="JSON of the base model's own answers (python/self_data.py), "
+                    "plain or .gz")
     ap.add_argument("--max-tokens", type=int, default=512, help="answer tokens kept per sequence")
     ap.add_argument("--draft-vocab", type=int, default=16384, help="tokens the heads may propose (0: all)")
     ap.add_argument("--vocab-seqs", type=int, default=3000, help="ShareGPT conversations counted for the draft vocabulary")

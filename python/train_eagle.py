@@ -62,7 +62,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--self-data", nargs="+",
                     help="JSON of the base model's own answers (python/self_data.py), plain or .gz; more files (the "
-                         "same format, e.g. ShareGPT's replies that python/gpu_carry.py writes) are trained on together")
+                         "same format, e.g. ShareGPT's replies that python/gpu_carry.py writes) train together")
     ap.add_argument("--model", help="the base model: a .gguf file or an HF directory (default: the embedded one)")
     ap.add_argument("--device", default="cpu", help="where the base model and the layer train: cpu or cuda")
     ap.add_argument("--draft-vocab-file",

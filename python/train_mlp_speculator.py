@@ -59,7 +59,8 @@ def main(argv=None):
     ap.add_argument("--bf16", action="store_true", help="run the speculator under bf16 autocast (AMX CPUs, GPUs)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--distill-weight", type=float, default=0.9, help="1: teacher KL only; 0: next-token CE only")
-    ap.add_argument("--self-data", default=None, help="JSON of the base model's own answers (python/self_data.py), plain or .gz")
+    ap.add_argument("--self-data", default=None, help="JSON of the base model's own answers (python/self_data.py), "
+                    "plain or .gz")
     ap.add_argument("--self-only", action="store_true", help="train on --self-data alone")
     ap.add_argument("--out", default="runs/mlp_speculator")
     ap.add_argument("--seed", type=int, default=0)

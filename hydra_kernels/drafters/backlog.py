@@ -97,25 +97,28 @@ class Backlog:
                                "propose before the next step's hooks")
 
     def skip(self, pend_h, pend_tok, pend_n, root: torch.Tensor, first: bool) -> list[Chunk]:
-        """A plain step (the drafter's skip_step): its pending positions (the held row, else the drafter's pending
-        chunk), root [B] the last one's next token, wait here -> the chunks to run now (take()'s, once BACKLOG_ROWS
-        positions may wait; else none). first: the drafter has run no chunk yet, so a pending chunk is the prompts'."""
+        """A plain step (the drafter's skip_step): its pending positions wait here -> the chunks to run now (take()'s,
+        once BACKLOG_ROWS positions may wait; else none). first: the drafter has run no chunk yet, so a pending chunk
+        is the prompts'."""
+        self._keep(pend_h, pend_tok, pend_n, root, first)
+        return self.take() if self.rows >= BACKLOG_ROWS else []
+
+    def take_with(self, pend_h, pend_tok, pend_n, root: torch.Tensor) -> list[Chunk]:
+        """A draft (the drafter's propose): the chunks to run now, the pending positions last."""
+        self._keep(pend_h, pend_tok, pend_n, root, first=False)
+        return self.take()
+
+    def _keep(self, pend_h, pend_tok, pend_n, root: torch.Tensor, first: bool) -> None:
+        """The pending positions (the held row, else the drafter's pending chunk), root [B] the last one's next token,
+        into the backlog: the prompts' chunk apart (first), a held row beside the rows before it."""
         if self.row is not None:
             self._keep_row(root)
         elif first and self.prompt is None and not self.chunks:
             self.prompt = rooted(pend_h, pend_tok, pend_n, root)
         else:
-            last = rooted(pend_h, pend_tok, pend_n, root)
-            self.chunks.append(last)
-            self.rows += last[1].shape[1]
-        return self.take() if self.rows >= BACKLOG_ROWS else []
-
-    def take_with(self, pend_h, pend_tok, pend_n, root: torch.Tensor) -> list[Chunk]:
-        """A draft (the drafter's propose): the chunks to run now, the pending positions (as skip) last."""
-        if self.row is not None:
-            self._keep_row(root)
-            return self.take()
-        return self.take(rooted(pend_h, pend_tok, pend_n, root))
+            chunk = rooted(pend_h, pend_tok, pend_n, root)
+            self.chunks.append(chunk)
+            self.rows += chunk[1].shape[1]
 
     def _keep_row(self, root: torch.Tensor) -> None:
         if not (self.chunks and isinstance(self.chunks[-1], HeldRows)):
@@ -128,7 +131,8 @@ class Backlog:
         """The chunks to run now, in order: the prompts' if it waits, then the others and `last` (this step's)
         joined into one; the backlog emptied. Held rows alone (plain steps since the last draft) are one stacked
         chunk, with no join (its host read)."""
-        rest = [c.chunk() if isinstance(c, HeldRows) else c for c in self.chunks] + ([last] if last is not None else [])
+        rest = [c.chunk() if isinstance(c, HeldRows) else c for c in self.chunks]
+        rest += [last] if last is not None else []
         runs = ([self.prompt] if self.prompt is not None else []) + ([joined(rest)] if rest else [])
         self.prompt, self.chunks, self.rows = None, [], 0
         return runs

@@ -323,7 +323,8 @@ class EagleDrafter(Drafter):
         state.backlog.expect_no_row()
 
     def after_plain_step(self, state: EagleState, hidden: torch.Tensor, root: torch.Tensor) -> None:
-        state.backlog.hold_row(hidden)  # the step's one position, kept by reference: its root comes at skip_step / propose
+        # the step's one position, kept by reference: its root comes at skip_step / propose
+        state.backlog.hold_row(hidden)
 
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         return tuple(range(1, tree.num_nodes + 1))

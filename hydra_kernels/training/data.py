@@ -169,6 +169,12 @@ def read_self_data(path) -> dict:
     return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
 
 
+def write_self_data(path, data: dict) -> None:
+    """python/self_data.py's JSON written gzipped (read_self_data reads it back; name it .gz). mtime=0 keeps the
+    bytes a function of the data alone."""
+    Path(path).write_bytes(gzip.compress(json.dumps(data).encode(), mtime=0))
+
+
 def self_data_sequences(paths, max_tokens: int = 512) -> tuple[list[list[int]], list[int]]:
     """python/self_data.py's JSON, plain or .gz (one path, or several concatenated in order) -> (sequences: chat
     prompt + at most max_tokens answer tokens, starts: per sequence the first position to train on, prompt
