@@ -82,7 +82,15 @@ SEQ_PRIOR_WEIGHT = 4.0  # pseudo-observations of the run's rate behind a sequenc
 # a row), so the policy verified 1 node a step where the table verified 3 and emitted 2.9 tokens a step
 POOL_PRIOR_WEIGHT = 2.0
 DECAY = 0.97  # per step: counts and costs remember ~30 steps (the text and the context drift)
-MAX_WAIT = 64  # most steps a held-back part waits before it is tried again
+MAX_WAIT = 64  # most steps a held-back part waits before it is tried again,
+# and a dear one (its ramp's floor above NEW_TEXT_TRIAL: drafting alone over 0.4 of a plain step), whose backoff a new
+# run's text does not restart (PartGate.new_text): its trials then cost up to PROBE_SHARE of the decoding time, where
+# MAX_WAIT held them at one a 64-step answer. EPYC VM, 2026-11-29, batch 1, 64-token MT-Bench answers, no draft of
+# theirs paying: a trial of Amphista (its layers over the prompt and the backlog: 17-28 ms of drafting beside a 6.7-9 ms
+# plain step) once per answer cost ~4%. In-process A/Bs (16 answers x 2 rounds, interleaved with plain), Amphista: the
+# backoff restarted 0.928x plain (2.0 drafts an answer), kept whole 0.942-0.946x at MAX_WAIT, 0.962-0.975x at 256
+# (0.34 drafts an answer)
+MAX_WAIT_DEAR = 256
 # a held-back part's wait is capped where its trials would cost this share of the decoding time, (what its
 # trials took) / (PROBE_SHARE * a plain step) steps: a cheap part (the n-gram lookup, most trials a check refused
 # before drafting) is tried every few steps and catches the text's copy bursts; a dear one (the heads) waits up to
@@ -342,23 +350,29 @@ class PartGate:
 
     def new_text(self) -> None:
         """A new run (its prompts' text): what the part earned on the last run's text (its kept nodes' expected tokens,
-        priced by that text's rates) is not evidence about this one,
-        so its first step here sets its gain (record), a held-back part is tried within NEW_TEXT_TRIAL steps, and its
-        backoff goes back to at most NEW_TEXT_TRIAL, or to its ramp's floor where its drafting is dear (floor: judge's
-        last min_wait, RAMP_SHARE); its cost (the machine's, not the text's) is kept. EPYC VM, 2026-11-29, editing
-        prompts at batch 1: a prompt that copied its text (the table's 3 nodes a step: 2.6 tokens a step) ran 27 plain
-        steps before drafting: its first trial's tokens averaged into the last prompt's 0.0 (0.3 weight), and one trial
-        that earned nothing doubled the last prompt's 16-step wait. A backoff restarted at 1 cost MT-Bench's answers ~3%
-        (0.957 against 0.986, 16 answers of 256 tokens).
+        priced by that text's rates) is not evidence about this one, so its first step here sets its gain (record), a
+        held-back part is tried within NEW_TEXT_TRIAL steps, and its backoff goes back to at most NEW_TEXT_TRIAL; its
+        cost (the machine's, not the text's) is kept. EPYC VM, 2026-11-29, editing prompts at batch 1: a prompt that
+        copied its text (the table's 3 nodes a step: 2.6 tokens a step) ran 27 plain steps before drafting: its first
+        trial's tokens averaged into the last prompt's 0.0 (0.3 weight), and one trial that earned nothing doubled the
+        last prompt's 16-step wait. A backoff restarted at 1 cost MT-Bench's answers ~3% (0.957 against 0.986, 16
+        answers of 256 tokens).
 
-        Why the floor: a dear part's failed new-text trial was followed by trials after 8, 16 and 32 steps, each a whole
-        drafting pass (MLPSpeculator's three stages ~5 ms beside a ~5 ms plain step at batch 1, ~12 ms at batch 4;
-        Amphista's with its backlog ~6-9 ms): four a 64-token answer. The backoff kept whole across runs cost the
-        combined drafter where a part stopped paying on one text and pays on the next (EPYC VM, 2026-11-29, the
-        bench's 2k point at batch 1: 0.86-0.99x plain, 73-98% plain steps, against 1.08x, 50%, with the floor;
-        MT-Bench's answers in between: MLPSpeculator at batch 1 0.906 -> 0.976x with the backoff kept whole,
-        0.920 / 0.928 -> 0.944 / 0.941x with the floor, against dd31dfd in alternating processes)."""
+        A dear part (its ramp's floor, judge's last min_wait, above NEW_TEXT_TRIAL: drafting alone over 0.4 of a plain
+        step) keeps its backoff whole instead, wait and steps left (at most MAX_WAIT_DEAR): whether a model's drafter
+        pays is the model pair's and the machine's (a step's price) more than the text's, where the n-gram's copies
+        are the text's. Why: restarted (at its floor, RAMP_SHARE), a dear part was tried 2-4 times a 64-token answer,
+        each trial a whole drafting pass (MLPSpeculator's stages ~5-8 ms, Amphista's layers over the backlog ~17 ms,
+        beside a ~6.7 ms plain step at batch 1). Kept whole for every part, the combined drafter lost where a part
+        stopped paying on one text and paid on the next (EPYC VM, 2026-11-29, the bench's 2k point at batch 1:
+        0.86-0.99x plain against 1.08x); its parts are cheap (the lookups, the heads), so the rule for dear parts alone
+        leaves it as it was. In-process A/B, EPYC VM, 2026-11-29, batch 1, 64-token answers, 16 MT-Bench prompts x 2
+        rounds: MLPSpeculator 0.963 -> 0.982x plain (with its sized drafts: MLPSpeculatorDrafter.sized_draft), Amphista
+        0.928 -> 0.962x; batch 4, 6 x 4 prompts x 3 rounds: MLPSpeculator 0.957 -> 0.980x (3.1 -> 0.6 drafts an
+        answer)."""
         self.fresh = True
+        if self.floor > NEW_TEXT_TRIAL:  # a dear part: its backoff is kept whole (see above)
+            return
         self.left = min(self.left, NEW_TEXT_TRIAL)
         self.wait = min(self.wait, max(NEW_TEXT_TRIAL, self.floor))
 
@@ -719,9 +733,11 @@ class AdaptiveBudget:
                 # a trial's price is what its trials took (most are checks refused before drafting: ~0.2-0.3 ms where
                 # the n-gram's drafted steps cost ~1.2 ms at batch 1); before any, its drafting
                 trial, plain = (g.trial if g.trial is not None else g.cost), self.costs.predict(1)
-                max_wait = min(MAX_WAIT, max(2, math.ceil(trial / (PROBE_SHARE * plain))))
                 # the ramp's floor from its drafting price alone (a trial's rows are paid by cheap parts too)
-                min_wait = min(max_wait, max(2, math.ceil(g.cost / (RAMP_SHARE * plain))))
+                floor = max(2, math.ceil(g.cost / (RAMP_SHARE * plain)))
+                cap = MAX_WAIT_DEAR if floor > NEW_TEXT_TRIAL else MAX_WAIT
+                max_wait = min(cap, max(2, math.ceil(trial / (PROBE_SHARE * plain))))
+                min_wait = min(max_wait, floor)
                 g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
         self.last_t = self.clock()
         self.host_s += self.last_t - t0

@@ -21,7 +21,7 @@ from hydra_kernels.budget import choose
 from hydra_kernels.drafters.protocol import PENDING_SIGNAL, Proposal
 from hydra_kernels.generate import generate
 from hydra_kernels.tree import TreeBatch
-from test_budget import FAMILIES, PROMPTS, make, model  # noqa: F401 (model: the fixture)
+from test_budget import FAMILIES, PROMPTS, make, model, randomised  # noqa: F401 (model: the fixture)
 
 
 def randomise_policy(monkeypatch, seed: int) -> None:
@@ -543,6 +543,57 @@ def test_mlp_speculator_reports_its_tokens_confidence_classes(model):  # noqa: F
     assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 2
 
 
+def test_mlp_speculator_drafts_sized_chains(model):  # noqa: F811
+    """MLPSpeculator.size_part: a bound of n nodes (root included) drafts c chains of depth d = min(n_predict, n - 1)
+    under the root (c the most that fit, at most stage 0's top k), stage 0's top c tokens each continued by the next
+    stages' argmax (computed here stage by stage from the drafter's own stages); a bound the whole draft fits and None
+    draft the whole draft. Fresh random h, batch 2, 3 stages."""
+    d = hk.new_drafter(model, kind="mlp_speculator", n_predict=3)
+    randomised(d, seed=11)
+    state = d.start(model, 2, 64, d.resolve_tree(None, "cpu"), None)
+    state.h = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(6)) * 4
+    root, seqlens = torch.tensor([3, 7]), torch.tensor([5, 9], dtype=torch.int32)
+    with torch.no_grad():
+        whole = d.propose(state, root, seqlens)
+        cfg = d.config
+        for nodes in [*range(2, 12), 25, 40]:  # 25 and 40: the whole draft (8 candidates x 3 stages) fits
+            d.size_part(state, 0, nodes)
+            prop = d.propose(state, root, seqlens)
+            sized = d.sized_draft(nodes)
+            if nodes - 1 >= cfg.n_candidates * cfg.n_predict:
+                assert sized is None and torch.equal(prop.tokens, whole.tokens)
+                continue
+            depth = min(cfg.n_predict, nodes - 1)
+            c = min(cfg.top_k_tokens_per_head[0], (nodes - 1) // depth)
+            assert sized == ([c] + [1] * (depth - 1), c)
+            assert prop.tokens.shape[1] == c * depth + 1 <= nodes
+            # expected chains: stage 0's top c from the root, then each stage's argmax
+            s0 = d.stage(0, d.input_state(state.h), root, model)
+            first = d.stage_logits(0, s0, model).float().topk(c, dim=-1).indices  # [B, c], best first
+            tr = prop.tree
+            for b in range(2):
+                expect = set()
+                for j in range(c):
+                    chain, st, tok = [], s0[b], d.token_ids(first[b, j])
+                    chain.append(int(tok))
+                    for i in range(1, depth):
+                        st = d.stage(i, st, tok, model)
+                        tok = d.token_ids(d.stage_logits(i, st, model).float().argmax(-1))
+                        chain.append(int(tok))
+                    expect.add(tuple(chain))
+                got = set()  # the proposal's root-to-leaf token paths
+                for leaf in range(prop.tokens.shape[1]):
+                    if int(tr.depths[b, leaf]) == depth:
+                        path, n = [], leaf
+                        while n > 0:
+                            path.append(int(prop.tokens[b, n]))
+                            n = int(tr.parents[b, n])
+                        got.add(tuple(reversed(path)))
+                assert got == expect and int(prop.tokens[b, 0]) == int(root[b]), (nodes, b)
+        d.size_part(state, 0, None)
+        assert torch.equal(d.propose(state, root, seqlens).tokens, whole.tokens)
+
+
 @pytest.mark.parametrize("classes, rates, prior, drafted, width", [
     ([7, 6, 1], {6: 0.9, 1: 0.05}, 0.3, True, 2),  # checked at its best class (6), the confident guess kept, the next cut
     ([7, 6, 6], {6: 0.9, 1: 0.05}, 0.3, True, 3),
@@ -730,14 +781,52 @@ def test_a_new_runs_text_gets_fresh_gates():
     assert g.gain == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)  # then the running mean, as before
     g.judge(False)
     assert g.wait == 2 * adaptive.NEW_TEXT_TRIAL  # the ramp from there, not from the last run's 32
-    dear = adaptive.PartGate()  # a part whose drafting is dear: its ramp's floor 10 steps
+    dear = adaptive.PartGate()  # a part whose drafting is dear: its ramp's floor 10 steps (> NEW_TEXT_TRIAL)
     for _ in range(4):
         dear.judge(False, max_wait=64, min_wait=10)
-    assert dear.wait == 64 and dear.floor == 10
+    assert dear.wait == dear.left == 64 and dear.floor == 10 > adaptive.NEW_TEXT_TRIAL
+    dear.due()
     dear.new_text()
-    assert dear.left <= adaptive.NEW_TEXT_TRIAL and dear.wait == 10
-    dear.judge(False, max_wait=64, min_wait=10)
-    assert dear.wait == 20
+    assert dear.left == 63 and dear.wait == 64 and dear.fresh  # its backoff kept whole; its gain set afresh
+    dear.judge(False, max_wait=256, min_wait=10)
+    assert dear.wait == 128
+
+
+class TimedChainDrafter(OneChainDrafter):
+    """The chain, each draft timed at `ms` of drafting (Drafter.part_times)."""
+
+    def __init__(self, ms: float):
+        super().__init__()
+        self.ms = ms
+
+    def part_times(self, state):
+        return [self.ms / 1e3]
+
+
+@pytest.mark.parametrize("ms, dear", [(8.0, True), (1.0, False)])
+def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_next_run(ms, dear):
+    """A part whose drafting is dear (8 ms beside a 10 ms plain step: its ramp's floor ceil(8 / (RAMP_SHARE * 10)) = 8
+    steps, over NEW_TEXT_TRIAL) whose trial did not pay waits up to what PROBE_SHARE allows, here ceil(8 / (0.01 * 10)) =
+    80 steps, past MAX_WAIT (capped by MAX_WAIT_DEAR), and the next run keeps that backoff; a cheap part (1 ms) is capped
+    by MAX_WAIT and restarts within NEW_TEXT_TRIAL steps of the next run's text."""
+    d = TimedChainDrafter(ms)
+    p = learned_policy(0.05, 2.0, drafter=d)  # every draft cut to the root: no trial pays
+    g = p.gates[0]
+    g.open, g.wait = False, 64
+    assert p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,)) is None
+    p.observe(None)
+    plain = p.costs.predict(1)
+    floor = max(2, math.ceil(ms / (adaptive.RAMP_SHARE * plain)))
+    assert (floor > adaptive.NEW_TEXT_TRIAL) == dear and g.trial == pytest.approx(ms)
+    cap = adaptive.MAX_WAIT_DEAR if dear else adaptive.MAX_WAIT
+    assert g.wait == g.left == min(cap, math.ceil(ms / (adaptive.PROBE_SHARE * plain)), 2 * 64)
+    assert (g.wait > adaptive.MAX_WAIT) == dear
+    p.finish()
+    nxt = AdaptiveBudget(d, 2, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0).gates[0]
+    if dear:
+        assert (nxt.wait, nxt.left) == (g.wait, g.left)
+    else:
+        assert nxt.left <= adaptive.NEW_TEXT_TRIAL and nxt.wait == max(adaptive.NEW_TEXT_TRIAL, floor)
 
 
 def test_budget_argument():

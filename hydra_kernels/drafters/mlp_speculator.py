@@ -149,6 +149,7 @@ class SpeculatorState:
     h: torch.Tensor | None = None
     n_candidates: int | None = None  # set_budget: fewer candidates than the config's (None: all)
     model: object = None  # the base model (tie_base reads its embedding and LM head)
+    size: int | None = None  # size_part: most nodes (root included) of the next draft (None: the budget's)
 
 
 def candidate_trie(root: torch.Tensor, cand: torch.Tensor, trim: bool = False):
@@ -277,18 +278,21 @@ class MLPSpeculatorDrafter(Drafter):
         model: the base model (tie_base only)."""
         return self.scored_candidates(h, root, n, model)[:2]
 
-    def scored_candidates(self, h: torch.Tensor, root: torch.Tensor, n: int | None = None, model=None):
+    def scored_candidates(self, h: torch.Tensor, root: torch.Tensor, n: int | None = None, model=None,
+                          top_k: list[int] | None = None):
         """candidates() and each suffix token's own log-probability at its prefix [B, n, P] fp32 (they sum to the
-        suffix's score): the adaptive budget's confidence signal."""
+        suffix's score): the adaptive budget's confidence signal. top_k: the tokens kept per stage, its length the
+        stages run (None: the config's, every stage; sized_draft's for a smaller draft)."""
         cfg = self.config
         n = cfg.n_candidates if n is None else n
+        top_k = cfg.top_k_tokens_per_head if top_k is None else top_k
         B = h.shape[0]
         state = self.input_state(h)[:, None, :]  # [B, K, .] with K = 1 prefix so far
         prev = root.long()[:, None]  # [B, K] each prefix's last token
         scores = torch.zeros(B, 1, dtype=torch.float32, device=h.device)
         toks = torch.zeros(B, 1, 0, dtype=torch.long, device=h.device)
         lps = torch.zeros(B, 1, 0, dtype=torch.float32, device=h.device)
-        for i, k in enumerate(cfg.top_k_tokens_per_head):
+        for i, k in enumerate(top_k):
             state = self.stage(i, state, prev, model)  # [B, K, inner]
             lp, idx = F.log_softmax(self.stage_logits(i, state, model).float(), dim=-1).topk(k, dim=-1)  # [B, K, k]
             K = state.shape[1]
@@ -299,8 +303,24 @@ class MLPSpeculatorDrafter(Drafter):
             state = state[:, :, None, :].expand(B, K, k, state.shape[-1]).reshape(B, K * k, -1)
             prev = ids.reshape(B, K * k)
         best = scores.topk(n, dim=1).indices  # [B, n], best first
-        pick = best[..., None].expand(-1, -1, cfg.n_predict)
+        pick = best[..., None].expand(-1, -1, len(top_k))
         return toks.gather(1, pick), scores.gather(1, best), lps.gather(1, pick)
+
+    def sized_draft(self, nodes: int, n_candidates: int | None = None) -> tuple[list[int], int] | None:
+        """The draft of at most `nodes` >= 2 nodes (root included) that size_part asks for, as (top_k per stage run,
+        candidates kept), or None where the whole draft fits: c chains of depth d under the root, d = min(n_predict,
+        nodes - 1), c = the most that fit (at most the whole draft's candidates and stage 0's top k), stage 0 keeping
+        its top c tokens and every later stage its top 1. Why: a stage's work grows with the prefixes it runs (stage i
+        runs prod(top_k[:i]) of them, each scored over the draft vocabulary): EPYC VM, 2026-11-29, SmolLM2's shipped
+        3 stages at batch 1 took 1.2 / 2.7 / 5.4 ms for depth 1 / 2 / 3, beside a ~6-8 ms plain step, where the
+        adaptive budget's cut kept none or one node of most drafts (drafted whole, its trials cost ~1.5 plain steps)."""
+        cfg = self.config
+        whole_c = cfg.n_candidates if n_candidates is None else n_candidates
+        if nodes - 1 >= whole_c * cfg.n_predict:
+            return None
+        d = max(1, min(cfg.n_predict, nodes - 1))
+        c = max(1, min(whole_c, cfg.top_k_tokens_per_head[0], (nodes - 1) // d))
+        return [c] + [1] * (d - 1), c
 
     # ---- the protocol --------------------------------------------------------------------------------
     def check_model(self, model) -> None:
@@ -362,10 +382,17 @@ class MLPSpeculatorDrafter(Drafter):
         c = min(self.config.n_candidates, (nodes - 1) // self.config.n_predict)
         state.n_candidates = None if c == self.config.n_candidates else c
 
+    def size_part(self, state: SpeculatorState, part: int, nodes: int | None) -> None:
+        """Drafter.size_part: the next drafts hold at most `nodes` nodes (sized_draft; None: the budget's whole
+        draft)."""
+        state.size = nodes
+
     def propose(self, state: SpeculatorState, root: torch.Tensor, seqlens: torch.Tensor) -> Proposal:
         """The signal for the adaptive budget: each node's probability at its parent (the root's: 1); candidates that
         share a prefix share its nodes, and their tokens' probabilities there are the same."""
-        cand, _, lps = self.scored_candidates(state.h, root, state.n_candidates, state.model)
+        sized = None if state.size is None else self.sized_draft(state.size, state.n_candidates)
+        n, top_k = (state.n_candidates, None) if sized is None else (sized[1], sized[0])
+        cand, _, lps = self.scored_candidates(state.h, root, n, state.model, top_k)
         tokens, paths, T = candidate_trie(root, cand, trim=self.trim_cpu_trees and state.device.type == "cpu")
         B = cand.shape[0]
         conf = torch.ones(B, paths.shape[1] * (paths.shape[2] - 1) + 1, dtype=torch.float32, device=cand.device)
