@@ -7,9 +7,9 @@ Per step, two decisions:
    expected to earn, the sum of their P below, per step: an average over the recent steps it ran) beats what
    it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
-   4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT, and no more rarely than lets
-   its trials cost PROBE_SHARE of the time; the wait carries over to the next run, whose new text brings the next
-   trial forward (PartGate.new_text).
+   4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT (MAX_WAIT_DEAR for a dear part),
+   and no more rarely than lets its trials cost PROBE_SHARE of the time; the wait carries over to the next run,
+   whose new text brings a cheap part's next trial forward, where a dear part keeps its backoff (PartGate.new_text).
    No part running is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work
    grows with its nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time
    (EXPLORE_EVERY).
@@ -93,15 +93,15 @@ MAX_WAIT = 64  # most steps a held-back part waits before it is tried again,
 MAX_WAIT_DEAR = 256
 # a held-back part's wait is capped where its trials would cost this share of the decoding time, (what its
 # trials took) / (PROBE_SHARE * a plain step) steps: a cheap part (the n-gram lookup, most trials a check refused
-# before drafting) is tried every few steps and catches the text's copy bursts; a dear one (the heads) waits up to
-# MAX_WAIT
+# before drafting) is tried every few steps and catches the text's copy bursts; a dearer one (the heads at batch 1) up
+# to MAX_WAIT, a dear one (RAMP_SHARE's floor above NEW_TEXT_TRIAL) up to MAX_WAIT_DEAR
 PROBE_SHARE = 0.01
 # and after a step that does not pay (a trial, or an open part's first step after a burst) a part waits at least until
 # its drafting's price is this share of the plain steps in between (the backoff's ramp starts there, then doubles; a new
-# run's text restarts it there too: PartGate.new_text): a dear part (MLPSpeculator's three stages or Amphista's layers,
-# about a plain step's price at batch 1) waits ~10 steps where the ramp's 2, 4, 8 ... spent ~5% of a fresh run's first
-# 60 steps on trials; a cheap one (the n-gram lookup, the heads at batch 1: under a fifth of a plain step) keeps 2. Its
-# drafting alone, not the trial's rows, which cheap parts pay as well
+# run's text restarts a cheap part's, not a dear one's: PartGate.new_text): a dear part (MLPSpeculator's three stages
+# or Amphista's layers, about a plain step's price at batch 1) waits ~10 steps where the ramp's 2, 4, 8 ... spent ~5% of
+# a fresh run's first 60 steps on trials; a cheap one (the n-gram lookup, the heads at batch 1: under a fifth of a plain
+# step) keeps 2. Its drafting alone, not the trial's rows, which cheap parts pay as well
 RAMP_SHARE = 0.1
 # a draft is verified, and a part kept running, only where its predicted rate beats plain steps' by this
 # factor: the predictions err (costs fitted online, acceptance from few counts) and a wrong draft costs
@@ -367,14 +367,15 @@ class PartGate:
         stopped paying on one text and paid on the next (EPYC VM, 2026-11-29, the bench's 2k point at batch 1:
         0.86-0.99x plain against 1.08x); its parts are cheap (the lookups, the heads), so the rule for dear parts alone
         leaves it as it was. In-process A/B, EPYC VM, 2026-11-29, batch 1, 64-token answers, 16 MT-Bench prompts x 2
-        rounds: MLPSpeculator 0.963 -> 0.982x plain (with its sized drafts: MLPSpeculatorDrafter.sized_draft), Amphista
-        0.928 -> 0.962x; batch 4, 6 x 4 prompts x 3 rounds: MLPSpeculator 0.957 -> 0.980x (3.1 -> 0.6 drafts an
-        answer)."""
+        rounds: MLPSpeculator 0.963 -> 0.982x plain, Amphista 0.928 -> 0.962x; batch 4, 6 x 4 prompts x 3 rounds:
+        MLPSpeculator 0.957 -> 0.980x (3.1 -> 0.6 drafts an answer). Whether a part is dear follows its drafting's
+        running mean (PartGate.cost): a part that drafts every step, sized (size_part), may turn cheap; a run's first
+        draft is whole (AdaptiveBudget.keep starts unknown)."""
         self.fresh = True
         if self.floor > NEW_TEXT_TRIAL:  # a dear part: its backoff is kept whole (see above)
             return
         self.left = min(self.left, NEW_TEXT_TRIAL)
-        self.wait = min(self.wait, max(NEW_TEXT_TRIAL, self.floor))
+        self.wait = min(self.wait, NEW_TEXT_TRIAL)
 
     def due(self) -> bool:
         if self.open:
@@ -427,7 +428,7 @@ class AdaptiveBudget:
         self.calib = Calibration(batch, len(self.parts), self.memory, device)
         self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type,
                                batch)
-        self.gate_key = ("gates", batch, device.type)
+        self.gate_key = ("gates", batch, device.type, torch.get_num_threads())  # a part's price is the threads' too
         self.gates = [copy.copy(g) for g in self.memory.get(self.gate_key, ())] or [PartGate() for _ in self.parts]
         for g in self.gates:
             g.new_text()

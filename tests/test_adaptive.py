@@ -556,16 +556,17 @@ def test_mlp_speculator_drafts_sized_chains(model):  # noqa: F811
     with torch.no_grad():
         whole = d.propose(state, root, seqlens)
         cfg = d.config
-        for nodes in [*range(2, 12), 25, 40]:  # 25 and 40: the whole draft (8 candidates x 3 stages) fits
+        for nodes in [*range(2, 12), 17, 24, 25, 40]:  # from 25: the whole draft (8 candidates x 3 stages)
             d.size_part(state, 0, nodes)
             prop = d.propose(state, root, seqlens)
             sized = d.sized_draft(nodes)
-            if nodes - 1 >= cfg.n_candidates * cfg.n_predict:
-                assert sized is None and torch.equal(prop.tokens, whole.tokens)
+            # (stage 0's top c, then 1 each; c): top_k [4, 3, 2], 8 candidates of 3 tokens
+            assert sized == {2: ([1], 1), 3: ([1, 1], 1), 4: ([1, 1, 1], 1), 7: ([2, 1, 1], 2), 10: ([3, 1, 1], 3),
+                             17: ([4, 1, 1], 4), 24: ([4, 1, 1], 4), 25: None, 40: None}.get(nodes, sized), nodes
+            if sized is None:
+                assert nodes - 1 >= cfg.n_candidates * cfg.n_predict and torch.equal(prop.tokens, whole.tokens)
                 continue
-            depth = min(cfg.n_predict, nodes - 1)
-            c = min(cfg.top_k_tokens_per_head[0], (nodes - 1) // depth)
-            assert sized == ([c] + [1] * (depth - 1), c)
+            (c, *_), depth = sized[0], len(sized[0])
             assert prop.tokens.shape[1] == c * depth + 1 <= nodes
             # expected chains: stage 0's top c from the root, then each stage's argmax
             s0 = d.stage(0, d.input_state(state.h), root, model)
@@ -592,6 +593,13 @@ def test_mlp_speculator_drafts_sized_chains(model):  # noqa: F811
                 assert got == expect and int(prop.tokens[b, 0]) == int(root[b]), (nodes, b)
         d.size_part(state, 0, None)
         assert torch.equal(d.propose(state, root, seqlens).tokens, whole.tokens)
+        d.set_budget(state, 7)  # 2 candidates of 3 tokens: a bound of 7 is that whole draft, 5 one chain
+        assert d.sized_draft(7, state.n_candidates) is None and d.sized_draft(5, state.n_candidates) == ([1, 1, 1], 1)
+        budgeted = d.propose(state, root, seqlens)
+        d.size_part(state, 0, 7)
+        assert torch.equal(d.propose(state, root, seqlens).tokens, budgeted.tokens)
+        d.size_part(state, 0, 5)
+        assert d.propose(state, root, seqlens).tokens.shape[1] == 4
 
 
 @pytest.mark.parametrize("classes, rates, prior, drafted, width", [
@@ -767,7 +775,7 @@ def test_a_new_runs_text_gets_fresh_gates():
         gate.judge(False)
     assert gate.wait == 32 and gate.left == 32
     d = OneChainDrafter()
-    adaptive.memory(d, "memory")[("gates", 1, "cpu")] = [gate]
+    adaptive.memory(d, "memory")[("gates", 1, "cpu", torch.get_num_threads())] = [gate]
     p = AdaptiveBudget(d, 1, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
     g = p.gates[0]
     assert g is not gate and gate.wait == 32  # a copy: the memory keeps the last run's gate
