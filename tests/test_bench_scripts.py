@@ -208,6 +208,30 @@ def test_bench_int8_agreement_runs(tmp_path):
     assert len(_rows(tmp_path / "int8_agreement.csv")) == 2
 
 
+def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
+    """Variants of the adaptive budget on the machine's clock, interleaved with plain decoding: a row per variant, every
+    output identical to plain decoding, a variant's constants set for its runs only; the drafts counted: the table's
+    one per drafted step, the adaptive budget's at least that (a draft its cut takes back to the root counts too); a
+    constant adaptive.py lacks and a bad context are refused before the model loads."""
+    from hydra_kernels import adaptive
+
+    wait = adaptive.MAX_WAIT_DEAR
+    rows = _run_returning("ab_adaptive", ["--context", "1024", "--prompts", "1", "--rounds", "2", "--new-tokens", "16",
+                                          "--variants", "adaptive", "table", "short:MAX_WAIT_DEAR=8",
+                                          "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["adaptive", "table", "short:MAX_WAIT_DEAR=8"]
+    assert all(r["identical"] == "2/2" and r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] for r in rows)
+    assert rows[1]["drafts_per_answer"] == rows[1]["drafted_steps_per_answer"] > 0  # the table drafts at 1k tokens
+    assert all(r["drafts_per_answer"] >= r["drafted_steps_per_answer"] >= 0 for r in rows)
+    assert all(0 <= r["plain_step_share"] <= 1 for r in rows)
+    assert adaptive.MAX_WAIT_DEAR == wait
+    assert len(_rows(tmp_path / "ab_adaptive_combined_b1_1024_mtbench.csv")) == 3
+    with pytest.raises(SystemExit, match="NO_SUCH"):
+        _run("ab_adaptive", ["--variants", "x:NO_SUCH=1"])
+    with pytest.raises(SystemExit):
+        _run("ab_adaptive", ["--context", "long"])
+
+
 def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
     """The adaptive budget's decisions on a modelled clock: every output identical to plain decoding, a variant's
     constants set for its runs only, everything the replay patched restored, and the replay deterministic: a second run

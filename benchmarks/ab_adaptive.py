@@ -1,0 +1,166 @@
+"""Variants of the adaptive budget on the machine's own clock: each interleaved with plain decoding in one process,
+answer by answer, with the drafts each made (issue 45).
+
+Why: the policy's gains and losses at a point are a few percent, and bench_scaling.py's cells (4 runs each) moved by
++-9% between runs of the same code on this 2-core VM (EPYC VM, 2026-11-29). Here every variant and plain decoding
+decode the same answers back to back, in an order that rotates with each answer and round, so the VM's drift hits them
+alike; the ratio is total plain time over total variant time, beside the median and geometric mean of the answers'
+ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
+read against. benchmarks/replay_adaptive.py ranks variants without the noise, on a modelled clock; this says whether a
+ranking holds on the machine.
+
+A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
+hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget="auto" (the drafter's budget table),
+"adaptive" the code as it is. Each variant keeps its own learned state across answers (the drafter's and the model's
+adaptive memory), as one user's process would. Every output is checked against plain decoding.
+
+    python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
+        [--prompt-set mtbench|editing] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]
+        [--variants adaptive table NAME:CONST=VALUE ...] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from replay_adaptive import parse_variant
+from report import drafter_by_name, print_table, write_results
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hydra_kernels as hk  # noqa: E402
+from hydra_kernels import adaptive  # noqa: E402
+from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
+from hydra_kernels.generate import generate  # noqa: E402
+from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
+
+
+def prompt_groups(tok, args) -> list[list[list[int]]]:
+    """--prompts groups of --batch prompts each: MT-Bench first turns from --start, editing prompts, or --context-token
+    prompts ending in MT-Bench question --start."""
+    n = args.prompts * args.batch
+    questions = [q["turns"][0] for q in mtbench_questions()]
+    if args.context != "short":
+        prompts = long_context_prompts(tok, n, int(args.context), questions[args.start % len(questions)])
+    elif args.prompt_set == "editing":
+        from bench_ngram import editing_prompts
+
+        prompts = editing_prompts(tok, args.start + n)[args.start:]
+    else:
+        prompts = [chat_prompt_ids(tok, questions[(args.start + i) % len(questions)]) for i in range(n)]
+    return [prompts[i * args.batch:(i + 1) * args.batch] for i in range(args.prompts)]
+
+
+def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], rounds: int, new_tokens: int) -> list[dict]:
+    """Plain decoding and every variant on every group, `rounds` times, the order rotating -> one row per variant."""
+    parsed = [parse_variant(v) for v in variants]
+    memories = {name: ({}, {}) for name, _ in parsed}
+    runs = {name: [] for name in ["plain"] + [n for n, _ in parsed]}  # (decode s, drafts, output) per answer
+    drafts = [0]
+    propose = drafter.propose
+
+    def counted(*a, **k):
+        drafts[0] += 1
+        return propose(*a, **k)
+
+    order = [("plain", {})] + parsed
+    drafter.propose = counted
+    try:
+        for name, consts in parsed:  # warm-up: first calls, each variant's policy ops
+            _decode(model, drafter, groups[0], name, consts, memories, 8)
+        generate(model, groups[0], max_new_tokens=8, eos_token_id=[])
+        memories.update({name: ({}, {}) for name, _ in parsed})  # the warm-up's learning forgotten
+        for r in tqdm(range(rounds), desc="rounds"):
+            for i, g in enumerate(groups):
+                k = (r + i) % len(order)
+                for name, consts in order[k:] + order[:k]:
+                    drafts[0] = 0
+                    if name == "plain":
+                        out = generate(model, g, max_new_tokens=new_tokens, eos_token_id=[])
+                    else:
+                        out = _decode(model, drafter, g, name, consts, memories, new_tokens)
+                    runs[name].append((out.decode_s, drafts[0], out))
+    finally:
+        drafter.propose = propose
+    plain = runs["plain"]
+    rows = []
+    for v, (name, _) in zip(variants, parsed):
+        ratios = [p[0] / o[0] for p, o in zip(plain, runs[name])]
+        outs = [o[2] for o in runs[name]]
+        nodes = [n for o in outs for n in o.step_nodes]
+        rows.append({"variant": v, "ratio_total": sum(p[0] for p in plain) / sum(o[0] for o in runs[name]),
+                     "ratio_median": statistics.median(ratios), "ratio_geomean": statistics.geometric_mean(ratios),
+                     "ratio_min": min(ratios), "ratio_max": max(ratios),
+                     "drafts_per_answer": statistics.mean(o[1] for o in runs[name]),
+                     "drafted_steps_per_answer": sum(n > 1 for n in nodes) / len(outs),
+                     "plain_step_share": sum(n == 1 for n in nodes) / max(1, len(nodes)),
+                     "tokens_per_step": statistics.mean(o.mean_accepted_tokens for o in outs),
+                     "identical": f"{sum(o.sequences == p[2].sequences for o, p in zip(outs, plain))}/{len(outs)}"})
+    return rows
+
+
+def _decode(model, drafter, prompts, name: str, consts: dict, memories: dict, new_tokens: int):
+    """One variant's run: its constants set, its own learned state in place, both restored after."""
+    old = {c: getattr(adaptive, c) for c in consts}
+    for c, v in consts.items():
+        setattr(adaptive, c, v)
+    drafter.__dict__["_adaptive_memory"], model.__dict__["_adaptive_costs"] = memories[name]
+    try:
+        return generate(model, prompts, drafter=drafter, budget="auto" if name == "table" else "adaptive",
+                        max_new_tokens=new_tokens, eos_token_id=[])
+    finally:
+        for c, v in old.items():
+            setattr(adaptive, c, v)
+
+
+def plot(ax, rows) -> None:
+    names = [r["variant"] for r in rows]
+    ax.bar(range(len(rows)), [r["ratio_total"] for r in rows])
+    ax.errorbar(range(len(rows)), [r["ratio_median"] for r in rows], fmt="k.", label="median answer")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(0.97, color="k", ls="--", lw=0.8, label=">= 0.97 (issue 45)")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(names, fontsize=7, rotation=15)
+    ax.set_ylim(min(0.85, min(r["ratio_min"] for r in rows)), max(1.05, max(r["ratio_total"] for r in rows) + 0.05))
+    ax.set_ylabel("plain time / variant time")
+    ax.legend(fontsize=7)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kind", default=None, help="a shipped or composed kind, or a directory (default: hk.load_drafter's)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", default="short", help="'short' (the prompts as they are) or a prompt length in tokens")
+    ap.add_argument("--prompt-set", default="mtbench", choices=["mtbench", "editing"])
+    ap.add_argument("--prompts", type=int, default=16, help="answers (groups of --batch prompts) per round")
+    ap.add_argument("--start", type=int, default=20, help="first MT-Bench question / editing prompt used")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--variants", nargs="+", default=["adaptive", "table"])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    for v in args.variants:
+        parse_variant(v)  # a bad variant is refused before the model loads
+    if args.context != "short" and not args.context.isdigit():
+        ap.error(f"--context must be 'short' or a token count, got {args.context!r}")
+    if min(args.batch, args.prompts, args.rounds, args.new_tokens) < 1:
+        ap.error("--batch, --prompts, --rounds and --new-tokens must be >= 1")
+    torch.set_grad_enabled(False)
+    model, tok = hk.load_model()
+    drafter = drafter_by_name(args.kind, model) if args.kind else hk.load_drafter(model=model)
+    rows = ab(model, drafter, prompt_groups(tok, args), args.variants, args.rounds, args.new_tokens)
+    for r in rows:
+        r.update(kind=drafter.kind, batch=args.batch, context=args.context, prompt_set=args.prompt_set,
+                 answers=args.prompts, rounds=args.rounds, new_tokens=args.new_tokens)
+    print_table(rows, list(rows[0]))
+    if args.out:
+        write_results(rows, args.out, f"ab_adaptive_{drafter.kind}_b{args.batch}_{args.context}_{args.prompt_set}",
+                      plot=lambda ax: plot(ax, rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
