@@ -334,6 +334,13 @@ def _solve3(A: list[list[float]], r: list[float]) -> list[float]:
     return [det([[r[i] if j == k else A[i][j] for j in range(3)] for i in range(3)]) / d for k in range(3)]
 
 
+def dear(floor: int) -> bool:
+    """Is a part whose ramp's floor (RAMP_SHARE's wait after a step that does not pay) is `floor` steps dear: its drafting
+    alone over 0.4 of a plain step? Its wait is then capped at MAX_WAIT_DEAR and a new run's text keeps its backoff
+    (PartGate.new_text)."""
+    return floor > NEW_TEXT_TRIAL
+
+
 class PartGate:
     """Whether a drafter part runs next step: while its recent gain pays for its cost, else after a wait
     that doubles each time a trial does not pay and halves each time a step pays (2, 4, 8, ... steps, from the
@@ -372,7 +379,7 @@ class PartGate:
         running mean (PartGate.cost): a part that drafts every step, sized (size_part), may turn cheap; a run's first
         draft is whole (AdaptiveBudget.keep starts unknown)."""
         self.fresh = True
-        if self.floor > NEW_TEXT_TRIAL:  # a dear part: its backoff is kept whole (see above)
+        if dear(self.floor):  # its backoff kept whole (see above)
             return
         self.left = min(self.left, NEW_TEXT_TRIAL)
         self.wait = min(self.wait, NEW_TEXT_TRIAL)
@@ -736,7 +743,7 @@ class AdaptiveBudget:
                 trial, plain = (g.trial if g.trial is not None else g.cost), self.costs.predict(1)
                 # the ramp's floor from its drafting price alone (a trial's rows are paid by cheap parts too)
                 floor = max(2, math.ceil(g.cost / (RAMP_SHARE * plain)))
-                cap = MAX_WAIT_DEAR if floor > NEW_TEXT_TRIAL else MAX_WAIT
+                cap = MAX_WAIT_DEAR if dear(floor) else MAX_WAIT
                 max_wait = min(cap, max(2, math.ceil(trial / (PROBE_SHARE * plain))))
                 min_wait = min(max_wait, floor)
                 g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
