@@ -25,10 +25,11 @@ demo: $(STAMP)
 
 # Two pytest workers, whole files each (a file's module fixtures, e.g. the loaded SmolLM2, load once), one
 # torch thread each (tests/conftest.py): the suite is largely single-threaded Python (Triton's interpreter),
-# so on a 2-core VM the tests took 9.3 min instead of 16.1 (2026-11-26). TEST_WORKERS=0: one process.
+# so on a 2-core VM the tests took 9.3 min instead of 16.1 (2026-11-26). TEST_WORKERS=0: one process. Files go out
+# longest first (tests/conftest.py, LONGEST_FILES), not xdist's most-tests-first.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_tree_attn.py

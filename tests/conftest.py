@@ -94,3 +94,18 @@ def hf_smollm2():
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+# ---- the order pytest-xdist hands files out in ---------------------------------------------------------
+# With --dist loadfile, xdist gives each worker whole files, by default the files with the most tests first; the
+# Triton AOT test (3 tests, ~280 s) then started last and ran with the other worker idle (~150 s of a 1510-s CI
+# run, 2-core Xeon VM, 2026-11-30). The Makefile passes --no-loadscope-reorder, so files go out in collection
+# order, which this hook makes the longest first (a CI run's per-file totals, same day): the workers end together.
+LONGEST_FILES = ["test_lossless_smollm2.py", "test_install_paths.py", "test_bench_scripts.py", "test_triton_aot.py",
+                 "test_runner.py", "test_per_sequence_trees.py", "test_compiled_step.py", "test_int8_activations.py",
+                 "test_sampling_exactness.py", "test_smollm2.py", "test_lookahead.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

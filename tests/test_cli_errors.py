@@ -1,26 +1,48 @@
-"""Bad command-line values, tried as a new user would (issue 47, 3): `python -m hydra_kernels.generate` run as a
-subprocess refuses each the way argparse refuses its own: exit status 2, stderr the usage line and one error
-line naming the option, no traceback, nothing on stdout (no answer was generated). Values are checked before
-the model loads; what only loading finds (a corrupt drafter file, a drafter for another model; test_cli.py: a tree
-its heads cannot draft) is reported the same way."""
+"""Bad command-line values, tried as a new user would (issue 47, 3): `python -m hydra_kernels.generate` refuses each
+the way argparse refuses its own: exit status 2, stderr the usage line and one error line naming the option, no
+traceback, nothing on stdout (no answer was generated). Values are checked before the model loads: the CLI's main()
+runs in this process with every function that reads a model's files failing the test (a subprocess per value cost
+~3 s of torch import each, ~70 s of a CI run). One value, a CUDA request on a machine without it, and what only
+loading finds (a corrupt drafter file, a drafter for another model; test_cli.py: a tree its heads cannot draft) go
+through the real command in a subprocess, reported the same way."""
 import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hydra_kernels as hk
+from hydra_kernels import cli
+from hydra_kernels.model import pretrained
 from helpers import ROOT
 from test_llama_vs_transformers import make_hf
 
 PROG = "python -m hydra_kernels.generate"
 
 
+ARGS = ["--prompt", "hi", "--max-new-tokens", "4"]
+
+
 def run_cli(*argv, timeout=300):
-    return subprocess.run([sys.executable, "-m", "hydra_kernels.generate", "--prompt", "hi", "--max-new-tokens", "4",
-                           *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "hydra_kernels.generate", *ARGS, *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_main_without_loading(argv, monkeypatch, capsys):
+    """cli.main(argv) here, as the command runs it, with every function that reads a model's files failing the test:
+    load_model's own checks of its arguments run, its work does not."""
+    def read(*args, **kwargs):
+        raise AssertionError("a model file was read before the bad value was refused")
+
+    for name in ("convert_gguf_cached", "load_gguf_quantized", "load_hf_dir", "load_tokenizer"):
+        monkeypatch.setattr(pretrained, name, read)
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*ARGS, *argv])
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=stop.value.code, stdout=out.out, stderr=out.err)
 
 
 def assert_refused(result, option, pattern):
@@ -61,8 +83,18 @@ def assert_refused(result, option, pattern):
     (["--activations", "int4"], "--activations", r"invalid choice: 'int4' \(choose from 'fp32', 'int8'\)"),
     (["--activations", "int8", "--weights", "fp32"], "--activations", r"^activations='int8' runs on quantized weights"),
 ])
-def test_bad_value_is_refused_before_any_work(argv, option, pattern):
-    assert_refused(run_cli(*argv), option, pattern)
+def test_bad_value_is_refused_before_any_work(argv, option, pattern, monkeypatch, capsys):
+    assert_refused(run_main_without_loading(argv, monkeypatch, capsys), option, pattern)
+
+
+def test_good_values_do_reach_the_model_files(monkeypatch, capsys):
+    """The control: without a bad value, main() goes on to read the model, which the patched readers refuse."""
+    with pytest.raises(AssertionError, match="a model file was read"):
+        run_main_without_loading(["--no-draft"], monkeypatch, capsys)
+
+
+def test_the_command_refuses_a_bad_value_as_main_does():
+    assert_refused(run_cli("--max-new-tokens", "-1"), "--max-new-tokens", r"^must be >= 1, got -1$")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")

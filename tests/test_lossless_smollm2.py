@@ -123,9 +123,11 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
         if hasattr(d, "trees"):  # head drafters: a searched tree (an MLPSpeculator builds its own every step)
             assert "cpu" in d.trees, f"shipped {kind} heads have no CPU tree"
         assert "cpu" in d.budget_tables, f"shipped {kind} drafter has no CPU budget table"
-        out = generate(model, prompts, drafter=d, max_new_tokens=N_NEW)  # tree=None: the shipped CPU tree
-        for b, (got, ref) in enumerate(zip(out.sequences, plain)):
-            assert got == ref, f"{kind}, prompt {b}: first difference at token {first_diff(got, ref)}"
+        # the odd prompts at the default budget, the even ones below with the whole tree: each prompt once (both runs
+        # over all 10 took 173 s of a CI run, 2026-11-30)
+        out = generate(model, prompts[1::2], drafter=d, max_new_tokens=N_NEW)  # tree=None: the shipped CPU tree
+        for b, (got, ref) in enumerate(zip(out.sequences, plain[1::2])):
+            assert got == ref, f"{kind}, prompt {2 * b + 1}: first difference at token {first_diff(got, ref)}"
         # trained heads clearly accept: untrained ones give 1.00-1.02 here; the shipped 3-node CPU trees (depth 1
         # for medusa, 2 for hydra) gave 1.35 / 1.44 on MT-Bench's 80 first turns; medusa 1.30 on these prompts;
         # the shipped mlp_speculator (8 candidates) 1.59 on MT-Bench

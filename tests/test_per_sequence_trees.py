@@ -114,8 +114,9 @@ def tiny():
 @pytest.mark.backends("reference", "native", "triton")
 def test_random_per_sequence_trees_are_lossless_tiny_model(tiny, backend):
     prompts = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [40, 41, 40, 41, 40]]
-    for seed in range(1 if backend == "triton" else 2):  # the Triton interpreter is slow: one seed
-        plain, out, d = run_oracle(tiny, prompts, 30, backend, seed)
+    # the Triton interpreter is slow: one seed, 16 tokens (30 took 89 s of a CI run, 2026-11-30)
+    for seed in range(1 if backend == "triton" else 2):
+        plain, out, d = run_oracle(tiny, prompts, 16 if backend == "triton" else 30, backend, seed)
         assert out.sequences == plain, f"seed {seed}"
         assert len(d.sizes_seen) > 1 and any(len(set(s)) > 1 for s in d.sizes_seen)  # ragged trees happened
         assert d.max_accepted >= 3  # long paths were accepted
