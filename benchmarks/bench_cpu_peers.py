@@ -17,8 +17,8 @@ question, as bench_scaling.py's long contexts), where the default drafter's CPU 
 2k tokens on); with --mtbench 0 --editing 0 they are the only prompts.
 
 llama.cpp is optional: `pip install ".[peers]"` builds llama-cpp-python from source (~20 minutes on 2 cores;
-CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU's instructions); without it its rows are skipped and the script
-says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
+CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU's instructions; where that build dies with "Illegal instruction" in its AMX
+path, pyproject.toml's flags without AMX); without it its rows are skipped and the script says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
 
     python benchmarks/bench_cpu_peers.py [--mtbench 8] [--editing 4] [--new-tokens 128] [--rounds 2]
         [--threads 2] [--decoders plain combined combined-adaptive plain-int8 combined-int8 combined-adaptive-int8
