@@ -16,7 +16,7 @@ adaptive memory), as one user's process would. Every output is checked against p
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
         [--prompt-set mtbench|editing] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]
-        [--variants adaptive table NAME:CONST=VALUE ...] [--out DIR]
+        [--variants adaptive table NAME:CONST=VALUE ...] [--activations fp32|int8] [--out DIR]
 """
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
         prompts = editing_prompts(tok, args.start + n)[args.start:]
     else:
         prompts = [chat_prompt_ids(tok, questions[(args.start + i) % len(questions)]) for i in range(n)]
+    if len(prompts) < n:
+        raise SystemExit(f"ab_adaptive.py: {len(prompts)} {args.prompt_set} prompts from --start {args.start}, "
+                         f"{n} asked for (--prompts x --batch): ask for fewer or start earlier")
     return [prompts[i * args.batch:(i + 1) * args.batch] for i in range(args.prompts)]
 
 
@@ -140,6 +143,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--variants", nargs="+", default=["adaptive", "table"])
+    ap.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
+                    help="the base model's (hk.load_model(activations=...)): int8 is llama.cpp's arithmetic, opt-in")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for v in args.variants:
@@ -149,15 +154,16 @@ def main(argv=None) -> list[dict]:
     if min(args.batch, args.prompts, args.rounds, args.new_tokens) < 1:
         ap.error("--batch, --prompts, --rounds and --new-tokens must be >= 1")
     torch.set_grad_enabled(False)
-    model, tok = hk.load_model()
+    model, tok = hk.load_model(activations=args.activations)  # int8 on a CPU without its kernel: refused first
     drafter = drafter_by_name(args.kind, model) if args.kind else hk.load_drafter(model=model)
     rows = ab(model, drafter, prompt_groups(tok, args), args.variants, args.rounds, args.new_tokens)
     for r in rows:
-        r.update(kind=drafter.kind, batch=args.batch, context=args.context, prompt_set=args.prompt_set,
-                 answers=args.prompts, rounds=args.rounds, new_tokens=args.new_tokens)
+        r.update(kind=drafter.kind, activations=args.activations, batch=args.batch, context=args.context,
+                 prompt_set=args.prompt_set, answers=args.prompts, rounds=args.rounds, new_tokens=args.new_tokens)
     print_table(rows, list(rows[0]))
     if args.out:
-        write_results(rows, args.out, f"ab_adaptive_{drafter.kind}_b{args.batch}_{args.context}_{args.prompt_set}",
+        int8 = "_int8" if args.activations == "int8" else ""
+        write_results(rows, args.out, f"ab_adaptive_{drafter.kind}{int8}_b{args.batch}_{args.context}_{args.prompt_set}",
                       plot=lambda ax: plot(ax, rows))
     return rows
 

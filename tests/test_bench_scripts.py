@@ -232,6 +232,18 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
         _run("ab_adaptive", ["--context", "long"])
 
 
+def test_ab_adaptive_refuses_more_prompts_than_its_set_has(smollm2):
+    """The editing set holds a few dozen prompts: asking past its end says so, never a run on an empty batch."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    ab = load_script("benchmarks/ab_adaptive.py")
+    args = SimpleNamespace(prompts=4, batch=2, prompt_set="editing", start=0, context="short")
+    assert [len(g) for g in ab.prompt_groups(smollm2[1], args)] == [2, 2, 2, 2]
+    with pytest.raises(SystemExit, match=r"8 asked for \(--prompts x --batch\): ask for fewer or start earlier"):
+        ab.prompt_groups(smollm2[1], SimpleNamespace(**{**vars(args), "start": 1000}))
+
+
 def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
     """The adaptive budget's decisions on a modelled clock: every output identical to plain decoding, a variant's
     constants set for its runs only, everything the replay patched restored, and the replay deterministic: a second run
