@@ -4,9 +4,9 @@ torch has CUDA and nvcc is found). With no sources in csrc/ this is a pure-Pytho
 Environment: HYDRA_KERNELS_NO_EXTENSION=1 (pure Python, no extension), HYDRA_KERNELS_SKIP_CUDA_BUILD=1 /
 HYDRA_KERNELS_FORCE_CUDA_BUILD=1, HYDRA_KERNELS_SKIP_RAISE_CHECK=1 (the built extension is run once to check
 that a failing input check raises rather than crashes; see CRASHED), TORCH_CUDA_ARCH_LIST (default "8.0;9.0+PTX": sm_80 and sm_90 code, and
-PTX that newer GPUs compile at load), MAX_JOBS (default: from cores and RAM), HYDRA_KERNELS_QUICK_BUILD=1 (-O0: compiles
-~3x faster, for checking packaging or iterating on csrc/; its kernels are several times slower, never time them). Build against the installed
-torch: pip install --no-build-isolation . (pip's default build isolation has no torch: setup.py says so).
+PTX that newer GPUs compile at load), MAX_JOBS (default: from cores and RAM), HYDRA_KERNELS_QUICK_BUILD=1 (-O0:
+compiles ~3x faster, for checking packaging or iterating on csrc/; its kernels are several times slower, never time
+them). Build against the installed torch: pip install --no-build-isolation . (pip's default build isolation has no torch: setup.py says so).
 An sdist (python -m build --sdist) needs no torch: it carries csrc/ (MANIFEST.in), and installing it with
 pip install --no-build-isolation hydra_kernels-*.tar.gz builds the extension against the torch installed there.
 """
@@ -82,7 +82,7 @@ def extensions():
     # both (decode_stack_cpu.cpp repeats the module path's ATen ops bit for bit); where a kernel wants an fma it
     # says so (_mm512_fmadd_ps, std::fma).
     # -g0 overrides the -g in Python's own CFLAGS: debug info made tree_attention_cpu.cpp take 68 s instead of 47 (its
-    # kernel templates; 2-core Xeon VM, 2026-11-30) and the extension 20x larger, for symbols no user reads.
+    # kernel templates; 2-core Xeon VM, 2026-11-30) and its object 20x larger, for symbols no user reads.
     opt = "-O0" if os.environ.get("HYDRA_KERNELS_QUICK_BUILD") == "1" else "-O3"
     cxx = [opt, "-g0", "-std=c++20", "-ffp-contract=off"]
     link = []

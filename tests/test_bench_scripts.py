@@ -16,9 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tier: Triton interpreter")
 
 
-def _run_returning(script, argv):
+def _script(script):
+    """benchmarks/<script>.py as a module (its sibling modules importable, as when it runs as a script)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    return load_script(f"benchmarks/{script}.py").main(argv)
+    return load_script(f"benchmarks/{script}.py")
+
+
+def _run_returning(script, argv):
+    return _script(script).main(argv)
 
 
 def _run(script, argv):
@@ -236,8 +241,7 @@ def test_ab_adaptive_refuses_more_prompts_than_its_set_has(smollm2):
     """The editing set holds a few dozen prompts: asking past its end says so, never a run on an empty batch."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    ab = load_script("benchmarks/ab_adaptive.py")
+    ab = _script("ab_adaptive")
     args = SimpleNamespace(prompts=4, batch=2, prompt_set="editing", start=0, context="short")
     assert [len(g) for g in ab.prompt_groups(smollm2[1], args)] == [2, 2, 2, 2]
     with pytest.raises(SystemExit, match=r"8 asked for \(--prompts x --batch\): ask for fewer or start earlier"):
