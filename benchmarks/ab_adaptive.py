@@ -15,7 +15,7 @@ hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget=
 adaptive memory), as one user's process would. Every output is checked against plain decoding.
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
-        [--prompt-set mtbench|editing] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]
+        [--prompt-set mtbench|editing|sharegpt] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]
         [--variants adaptive table NAME:CONST=VALUE ...] [--activations fp32|int8] [--out DIR]
 """
 from __future__ import annotations
@@ -35,12 +35,12 @@ import hydra_kernels as hk  # noqa: E402
 from hydra_kernels import adaptive  # noqa: E402
 from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
 from hydra_kernels.generate import generate  # noqa: E402
-from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
+from hydra_kernels.training.data import heldout_chat_prompts, long_context_prompts, mtbench_questions  # noqa: E402
 
 
 def prompt_groups(tok, args) -> list[list[list[int]]]:
-    """--prompts groups of --batch prompts each: MT-Bench first turns from --start, editing prompts, or --context-token
-    prompts ending in MT-Bench question --start."""
+    """--prompts groups of --batch prompts each: MT-Bench first turns from --start, editing prompts, held-out ShareGPT
+    first turns (bench_scaling.py's sets), or --context-token prompts ending in MT-Bench question --start."""
     n = args.prompts * args.batch
     questions = [q["turns"][0] for q in mtbench_questions()]
     if args.context != "short":
@@ -49,6 +49,8 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
         from bench_ngram import editing_prompts
 
         prompts = editing_prompts(tok, args.start + n)[args.start:]
+    elif args.prompt_set == "sharegpt":
+        prompts = heldout_chat_prompts(tok, args.start + n)[args.start:]
     else:
         prompts = [chat_prompt_ids(tok, questions[(args.start + i) % len(questions)]) for i in range(n)]
     if len(prompts) < n:
@@ -137,7 +139,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--kind", default=None, help="a shipped or composed kind, or a directory (default: hk.load_drafter's)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", default="short", help="'short' (the prompts as they are) or a prompt length in tokens")
-    ap.add_argument("--prompt-set", default="mtbench", choices=["mtbench", "editing"])
+    ap.add_argument("--prompt-set", default="mtbench", choices=["mtbench", "editing", "sharegpt"],
+                    help="the short prompts: MT-Bench first turns, ShareGPT editing turns or held-out ShareGPT first turns")
     ap.add_argument("--prompts", type=int, default=16, help="answers (groups of --batch prompts) per round")
     ap.add_argument("--start", type=int, default=20, help="first MT-Bench question / editing prompt used")
     ap.add_argument("--rounds", type=int, default=2)
@@ -163,8 +166,8 @@ def main(argv=None) -> list[dict]:
     print_table(rows, list(rows[0]))
     if args.out:
         int8 = "_int8" if args.activations == "int8" else ""
-        write_results(rows, args.out, f"ab_adaptive_{drafter.kind}{int8}_b{args.batch}_{args.context}_{args.prompt_set}",
-                      plot=lambda ax: plot(ax, rows))
+        name = f"ab_adaptive_{drafter.kind}{int8}_b{args.batch}_{args.context}_{args.prompt_set}_{args.new_tokens}tok"
+        write_results(rows, args.out, name, plot=lambda ax: plot(ax, rows))
     return rows
 
 

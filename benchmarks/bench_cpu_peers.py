@@ -1,7 +1,7 @@
 """Our CPU decoding beside what a CPU user would pick instead, on the same GGUF, the same prompts, the same
 thread count, interleaved (issue 44): llama.cpp's plain greedy decoding and its prompt-lookup decoding
-(llama-cpp-python), transformers' generate, and ours: plain and with the default drafter, on the quantized
-weights (the default), on them with int8 activations (the -int8 decoders: load_model(activations="int8"), llama.cpp's
+(llama-cpp-python), transformers' generate, and ours: plain and with the default drafter (combined: its default
+budget, the adaptive one; combined-table: its CPU budget table, budget="auto"), on the quantized weights (the default), on them with int8 activations (the -int8 decoders: load_model(activations="int8"), llama.cpp's
 arithmetic) and, for reference, on the fp32 copy.
 
 Per decoder and prompt: end-to-end tokens/s (prefill included: what a user waits for), decode-only tokens/s
@@ -21,7 +21,7 @@ CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU's instructions; where that build dies
 path, pyproject.toml's flags without AMX); without it its rows are skipped and the script says so. transformers runs on the fp32 copy (it cannot run GGUF blocks).
 
     python benchmarks/bench_cpu_peers.py [--mtbench 8] [--editing 4] [--new-tokens 128] [--rounds 2]
-        [--threads 2] [--decoders plain combined combined-adaptive plain-int8 combined-int8 combined-adaptive-int8
+        [--threads 2] [--decoders plain combined combined-table plain-int8 combined-int8 combined-table-int8
                     llama.cpp llama.cpp-lookup transformers plain-fp32]
         [--rss] [--prefill 2048] [--long 4 --long-context 2048] [--gguf another.gguf] [--out benchmarks/results]
 
@@ -46,8 +46,11 @@ import hydra_kernels as hk
 from hydra_kernels.generate import generate
 
 LLAMA_CPP_CONTEXT = 4096  # the llama.cpp peer's n_ctx
-ALL_DECODERS = ["plain", "combined", "combined-adaptive", "plain-int8", "combined-int8", "combined-adaptive-int8",
+ALL_DECODERS = ["plain", "combined", "combined-table", "plain-int8", "combined-int8", "combined-table-int8",
                 "llama.cpp", "llama.cpp-lookup", "transformers", "plain-fp32"]
+# the default drafter's decoders -> generate()'s budget: its default (the adaptive budget on the CPU, greedy) and its
+# CPU budget table (the default before, issue 45)
+COMBINED_BUDGETS = {"combined": None, "combined-table": "auto"}
 
 
 def have_llama_cpp() -> bool:
@@ -120,10 +123,8 @@ def build(name: str, gguf: Path, threads: int, quantized, fp32, model_dir: Path,
         name, quantized = name[:-len("-int8")], int8
     if name == "plain":
         return Ours(quantized)
-    if name == "combined":
-        return Ours(quantized, hk.load_drafter(model=quantized))
-    if name == "combined-adaptive":  # the same drafter, each step's draft sized by its expected gain
-        return Ours(quantized, hk.load_drafter(model=quantized), budget="adaptive")
+    if name in COMBINED_BUDGETS:
+        return Ours(quantized, hk.load_drafter(model=quantized), budget=COMBINED_BUDGETS[name])
     if name == "plain-fp32":
         return Ours(fp32)
     if name.startswith("llama.cpp"):
@@ -149,8 +150,9 @@ def rss_probe(decoder: str, threads: int, gguf: Path | None) -> None:
 
     model, tok = hk.load_model(gguf, weights="fp32" if decoder == "plain-fp32" else None,
                                activations="int8" if decoder.endswith("-int8") else "fp32")
-    dec = Ours(model, hk.load_drafter(model=model) if decoder.startswith("combined") else None,
-               budget="adaptive" if decoder.startswith("combined-adaptive") else None)
+    name = decoder.removesuffix("-int8")
+    dec = Ours(model, hk.load_drafter(model=model) if name in COMBINED_BUDGETS else None,
+               budget=COMBINED_BUDGETS.get(name))
     dec.run(chat_prompt_ids(tok, "Explain how a hash map works."), 64)
     print(json.dumps({"decoder": decoder, "peak_rss_mb": peak_rss_mb()}))
 

@@ -4,8 +4,8 @@ At each (batch B, context C) point: B different prompts of C tokens (C = "short"
 they are; otherwise held-out ShareGPT conversations ending in an MT-Bench question, training/data.py's
 long_context_prompts), decoded greedily --new-tokens tokens by
 - plain decoding,
-- speculative decoding with the drafter's default budget (its budget table for this device, when it has
-  one: hydra_kernels/budget.py),
+- speculative decoding with the drafter's budget table for this device (budget="auto", hydra_kernels/budget.py; the
+  default before the adaptive budget became it, issue 45), or its default budget where it has no table,
 - speculative decoding with its full tree every step (budget pinned), the behaviour before budget tables,
 in a rotating order, each call back to back, --reps rounds (each round rotates the order again) of --groups
 prompt sets (another B prompts each); the figures are the medians over rounds and sets, the ratios the medians
@@ -13,13 +13,13 @@ of each run's ratio to plain on the same prompts (a round's variants ran back to
 between rounds cancels), with their min and max where there are several. tok/s counts decode time only
 (prefill excluded), all sequences. Every speculative output is checked against plain decoding token for
 token (identical), in every round. --no-full-tree drops the third variant; --adaptive adds
-budget="adaptive" (hydra_kernels/adaptive.py: each step's draft sized by expected tokens per second) as
-another variant. --prompt-set picks the short prompts: MT-Bench first turns (default), the held-out
-ShareGPT editing turns (bench_ngram.py's rule: rewrite / fix / translate a given text) or held-out
-ShareGPT first turns. --compare KIND... adds other
-drafters (shipped or composed kinds, or directories) at their default budgets to the same rotation, so
-drafters are compared in one interleaved run; --kind picks the main drafter among the shipped and composed
-kinds (default: hk.load_drafter()'s).
+budget="adaptive" (hydra_kernels/adaptive.py: each step's draft sized by expected tokens per second; the default
+budget of a drafter with a table, on the CPU, greedy) as another variant. --prompt-set picks the short prompts:
+MT-Bench first turns (default), the held-out ShareGPT editing turns (bench_ngram.py's rule: rewrite / fix /
+translate a given text) or held-out ShareGPT first turns. --compare KIND... adds other drafters (shipped or
+composed kinds, or directories) at their default budgets (budget=None) to the same rotation, so drafters are
+compared in one interleaved run; --kind picks the main drafter among the shipped and composed kinds (default:
+hk.load_drafter()'s).
 
 Memory rates, plain decoding: weight GB/s = bytes of the weights one step reads / (step time - the
 attention's time), attention GB/s = K/V bytes one step reads / the attention's time, the latter timed
@@ -57,7 +57,7 @@ from hydra_kernels.model.packed_linear import Linear  # noqa: E402
 from hydra_kernels.ops.backend import kernel_mask, resolve, resolved_name  # noqa: E402
 from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
 
-VARIANTS = ("plain", "speculative (default budget)", "speculative (full tree)")
+VARIANTS = ("plain", "speculative (budget table)", "speculative (full tree)")
 ADAPTIVE = "speculative (adaptive)"
 
 
@@ -188,8 +188,10 @@ def main(argv=None) -> list[dict]:
     for i, (B, C) in enumerate(tqdm(points, desc="batch x context")):
         sets = [prompts_for(tok, C, B, questions[(7 * i) % 80:] + questions, short, g) for g in range(args.groups)]
         full = whole_tree_budget(drafter, None, "cpu")  # its largest budget (a combined drafter: node_budget)
-        kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter), VARIANTS[2]: dict(drafter=drafter, budget=full),
-              ADAPTIVE: dict(drafter=drafter, budget="adaptive"), **{n: dict(drafter=d) for n, d in others.items()}}
+        table = "auto" if "cpu" in drafter.budget_tables else None  # without a table: its default budget
+        kw = {"plain": {}, VARIANTS[1]: dict(drafter=drafter, budget=table),
+              VARIANTS[2]: dict(drafter=drafter, budget=full), ADAPTIVE: dict(drafter=drafter, budget="adaptive"),
+              **{n: dict(drafter=d) for n, d in others.items()}}
         variants = ((VARIANTS[:2] if args.no_full_tree else VARIANTS) + ((ADAPTIVE,) if args.adaptive else ())
                     + tuple(others))
         runs = {v: [] for v in variants}  # variant -> one GenerateOutput per (round, prompt set)
@@ -205,7 +207,7 @@ def main(argv=None) -> list[dict]:
         kv = B * (ctx + args.new_tokens / 2) * kvt
         row = {"batch": B, "context": C, "prompt_tokens": round(ctx), "reps": args.reps * args.groups,
                "plain_tok_s": statistics.median(o.tokens_per_second for o in plain)}
-        for v, name in ((VARIANTS[1], "default"), (VARIANTS[2], "full"), (ADAPTIVE, "adaptive"),
+        for v, name in ((VARIANTS[1], "table"), (VARIANTS[2], "full"), (ADAPTIVE, "adaptive"),
                         *((n, n) for n in others)):
             if v not in runs:
                 continue
@@ -219,8 +221,8 @@ def main(argv=None) -> list[dict]:
             # sequences identical to plain decoding's, counted over every round
             row[f"{name}_identical"] = sum(a == b for o, p in zip(outs, plain) for a, b in zip(o.sequences, p.sequences))
         nodes = [n for o in runs[VARIANTS[1]] for n in o.step_nodes]
-        row["default_mean_nodes"] = sum(nodes) / max(1, len(nodes))
-        row["default_plain_step_share"] = sum(n == 1 for n in nodes) / max(1, len(nodes))
+        row["table_mean_nodes"] = sum(nodes) / max(1, len(nodes))
+        row["table_plain_step_share"] = sum(n == 1 for n in nodes) / max(1, len(nodes))
         if ADAPTIVE in runs:  # what the policy did: nodes verified per step, plain steps, its own host time
             outs = runs[ADAPTIVE]
             nodes = [n for o in outs for n in o.step_nodes]
@@ -236,7 +238,7 @@ def main(argv=None) -> list[dict]:
         print(f"plain decoding, batch 1, interleaved x{args.ratio_reps} (medians): short prompt {a:.1f} tok/s, "
               f"{args.ratio_context}-token prompt {b:.1f} tok/s: {b / a:.1%} of the short-context speed")
         rows[0]["plain_long_over_short"] = b / a  # kept in the CSV (first row)
-    names = ("default", "full", "adaptive", *others)
+    names = ("table", "full", "adaptive", *others)
     bad = [r for r in rows if any(r.get(f"{n}_identical", r["batch"] * r["reps"]) != r["batch"] * r["reps"]
                                   for n in names)]
     if bad:
@@ -247,7 +249,7 @@ def main(argv=None) -> list[dict]:
 
 
 def plot(ax, rows, others=()):
-    series = {"default budget": lambda r: r["default_ratio"]}
+    series = {"budget table": lambda r: r["table_ratio"]}
     if "full_ratio" in rows[0]:
         series["full tree"] = lambda r: r["full_ratio"]
     if "adaptive_ratio" in rows[0]:

@@ -36,8 +36,9 @@ was right (under greedy acceptance every branch's: _correct_nodes; else the acce
 n-gram match length, the class of a head's probability of its guess (protocol.confidence_class); the
 sibling rank where a drafter reports none), counted per sequence and over
 the run (decayed counts; the run's rates are the prior of each sequence's, the previous run's the prior
-of the run's; a key not verified yet starts from what its part and signal earned at the other depths), so a
-prompt that copies earns long n-gram chains and one that does not earns none.
+of the run's, and in a process's first run the rates the drafter ships (acceptance_prior.py); a key not verified yet
+starts from what its part and signal earned at the other depths), so a prompt that copies earns long n-gram chains and
+one that does not earns none.
 
 Step costs are measured (`StepCosts`): each step's wall time (loop iteration to loop iteration, so
 host work counts; the step ends with the loop's one host read, so the time is the device's too) is fitted
@@ -144,13 +145,14 @@ class Calibration:
         seq(b, k) = (a(b, k) + w_seq * pooled_b(k, run(k))) / (t(b, k) + w_seq)
         pooled(k, q) = (A' + w_pool * q) / (T' + w_pool),  A', T' = the counts of k's (part, signal) at the
                        other depths (of the run, or of sequence b for pooled_b)
-    prior(k) is the previous run's rate of k (PRIOR_RATE in a first run)."""
+    prior(k) is the previous run's rate of k; in a process's first run of the drafter, the rate it ships
+    (`shipped`: acceptance_prior.py), else PRIOR_RATE."""
 
-    def __init__(self, batch: int, num_parts: int, memory: dict, device):
+    def __init__(self, batch: int, num_parts: int, memory: dict, device, shipped: torch.Tensor | None = None):
         self.P = num_parts
         self.K = num_parts * MAX_DEPTH_KEY * SIGNALS
         self.memory = memory
-        prior = memory.get("rates")
+        prior = memory.get("rates", shipped)
         self.prior = prior.to(device) if prior is not None else torch.full((self.K,), PRIOR_RATE, device=device)
         self.tested = torch.zeros(self.K, device=device)
         self.accepted = torch.zeros(self.K, device=device)
@@ -432,7 +434,7 @@ class AdaptiveBudget:
         self.cap, self.batch = cap, batch
         self.margin = MARGIN_BATCH_1 if batch == 1 else MARGIN
         self.memory = memory(drafter, "memory")
-        self.calib = Calibration(batch, len(self.parts), self.memory, device)
+        self.calib = Calibration(batch, len(self.parts), self.memory, device, shipped_rates(drafter, self.parts))
         self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type,
                                batch)
         self.gate_key = ("gates", batch, device.type, torch.get_num_threads())  # a part's price is the threads' too
@@ -773,6 +775,24 @@ class AdaptiveBudget:
         self.calib.remember()
         self.costs.remember()
         self.memory[self.gate_key] = [copy.copy(g) for g in self.gates]
+
+
+def shipped_rates(drafter, parts: tuple[str, ...]) -> torch.Tensor | None:
+    """The drafter's acceptance prior (acceptance_prior.py) as Calibration's rates [K], or None where it has none. One
+    keyed for other parts or another layout (MAX_DEPTH_KEY, SIGNALS) is not taken, with a warning: its rates would
+    land on other keys."""
+    prior = getattr(drafter, "acceptance_prior", None)  # a stand-in drafter (tests) may not define it
+    if prior is None:
+        return None
+    if not prior.fits(parts, MAX_DEPTH_KEY, SIGNALS):
+        import warnings
+
+        warnings.warn(f"the {drafter.kind} drafter's acceptance prior keys parts {prior.parts} x {prior.max_depth_key} "
+                      f"depths x {prior.signals} signals, the adaptive budget {list(parts)} x {MAX_DEPTH_KEY} x "
+                      f"{SIGNALS}: not used (measure it again: python python/calibrate_acceptance.py)", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return torch.tensor(prior.rates, dtype=torch.float32)
 
 
 def _per_sequence(tree: Tree | TreeBatch, B: int, dev) -> tuple[torch.Tensor, ...]:

@@ -84,8 +84,12 @@ def load_tables(directory) -> dict[str, BudgetTable]:
 
 
 def save_tables(drafter, directory) -> None:
+    """The measured files that travel with a drafter: its budget tables and its acceptance prior (acceptance_prior.py,
+    where the adaptive budget starts)."""
     for table in drafter.budget_tables.values():
         table.save(directory)
+    if drafter.acceptance_prior is not None:
+        drafter.acceptance_prior.save(directory)
 
 
 class StepBudget:
@@ -134,19 +138,21 @@ class StepBudget:
         return f"StepBudget({how}, full={self.full})"
 
 
-def choose(budget, drafter, tree, tree_arg, device_type: str) -> StepBudget:
+def choose(budget, drafter, tree, tree_arg, device_type: str, greedy: bool = True) -> StepBudget:
     """generate()'s `budget` argument -> the run's StepBudget, checked before any work.
 
     "adaptive": each step's draft sized by its expected tokens per second (hydra_kernels/adaptive.py),
-    at most the drafter's largest budget level. None: the drafter's searched table for this device class
-    when the run uses the tree it was searched for, else the full tree every step (a pinned tree pins its
-    size). "auto": the table; an error when there is none for this device and
-    tree. An int n: n nodes every step (1: plain steps; must be one of drafter.budget_levels(tree))."""
+    at most the drafter's largest budget level. "auto": the drafter's searched table for this device class and
+    tree; an error when there is none. An int n: n nodes every step (1: plain steps; must be one of
+    drafter.budget_levels(tree)). None: `default_is_adaptive` says where it is "adaptive"; elsewhere the table when
+    the run uses the tree it was searched for, else the full tree every step (a pinned tree pins its size)."""
     full = tree.num_nodes
     table = drafter.budget_tables.get(device_type)
     if table is not None and table.tree != tree_key(tree):
         table = None  # searched for another tree: its figures say nothing about this one
     if budget is None:
+        if tree_arg is None and default_is_adaptive(table, device_type, greedy):
+            return StepBudget(full, adaptive=True)
         return StepBudget(full, table=table if tree_arg is None else None)
     if isinstance(budget, str):
         if budget == "adaptive":
@@ -165,6 +171,22 @@ def choose(budget, drafter, tree, tree_arg, device_type: str) -> StepBudget:
         raise ValueError(f"budget={budget}: this drafter and tree can run steps of {list(levels)} nodes "
                          "(1 = a plain step)")
     return StepBudget(full, pinned=budget)
+
+
+def default_is_adaptive(table: BudgetTable | None, device_type: str, greedy: bool) -> bool:
+    """Does budget=None run the adaptive budget? Where the table would be the default (a table searched for this
+    drafter, tree and device class: every shipped kind on the CPU), on the CPU, under greedy acceptance. Why each:
+    - the table: the adaptive budget replaces it as the choice. Where it is known, a (batch, context) table is
+      blind to whether this step's draft is likely accepted: it runs plain steps at short contexts (nothing pays on
+      average) where the adaptive budget drafts when the text copies or an answer runs long. A drafter without one
+      (made or trained by the user, never searched) keeps the tree it was given, every step, as before;
+    - the CPU: on CUDA the default replays steps from CUDA graphs (the decode runner), which cannot report the
+      accepted node ids the adaptive budget learns from, and its small host reads would be syncs there;
+    - greedy: the output is plain greedy decoding's whatever the budget does. A sampled run under the adaptive
+      budget is exact in law, but the measured times steer which draws a step consumes, so a seed would no longer
+      give the same tokens on every run: the table keeps seeds reproducible (budget="adaptive" opts in).
+    budget="auto" keeps the table. Measured: benchmarks/results/README.md, the adaptive budget (issue 45)."""
+    return table is not None and device_type == "cpu" and greedy
 
 
 def whole_tree_budget(drafter, tree, device_type: str) -> int | None:

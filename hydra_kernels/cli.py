@@ -107,8 +107,8 @@ def parser() -> argparse.ArgumentParser:
                             "default: the shipped drafter measured fastest at batch 1")
     p.add_argument("--tree", default=None, type=_tree, help="tree: JSON file of choices, 'default' or 'chain-N'")
     p.add_argument("--budget", default=None, type=_budget,
-                   help="tree nodes per step: 'adaptive' (sized each step by its expected gain), 'auto' (the "
-                        "drafter's searched table) or a number (1 = plain steps)")
+                   help="tree nodes per step: 'adaptive' (sized each step by its expected gain; the default on the "
+                        "CPU when greedy), 'auto' (the drafter's searched table) or a number (1 = plain steps)")
     p.add_argument("--acceptance", default=None, choices=["greedy", "rejection", "typical"],
                    help="default: greedy at temperature 0, else rejection (exact sampling)")
     p.add_argument("--temperature", type=_real(0.0), default=0.0, help="0 = greedy")

@@ -55,10 +55,14 @@ def main() -> None:
         print(f"plain greedy: {plain.tokens_per_second:.1f} tokens/s; speedup "
               f"{out.tokens_per_second / plain.tokens_per_second:.2f}x; outputs {same} "
               f"({model.dtype}, {model.device}, {torch.get_num_threads()} threads)")
-        if out.step_nodes and max(out.step_nodes) <= 1:  # the budget table chose plain steps for this point
-            print("(every step was a plain step: the drafter's budget table for this device, batch size and context "
-                  "says drafting does not pay here, so both runs decoded the same way and the speedup is timing "
-                  "noise; the table drafts where it measured a gain, e.g. at longer contexts)")
+        if out.step_nodes and max(out.step_nodes) <= 1:  # the step budget chose plain steps throughout
+            print("(every step was a plain step: no draft of this answer was expected to pay for its cost on this "
+                  "machine, so both runs decoded the same way and the speedup is timing noise; the drafter drafts "
+                  "where its guesses are likely accepted: text the answer copies, longer answers and contexts)")
+        elif out.step_nodes:
+            drafted = sum(n > 1 for n in out.step_nodes)
+            print(f"({drafted} of {len(out.step_nodes)} steps verified a draft; the others were plain steps, where no "
+                  "draft was expected to pay for its cost)")
     else:
         out = generate(model, [ids], max_new_tokens=n, streamer=TextStreamer(tok))
         print(f"\n\nplain greedy decoding: {len(out.sequences[0])} tokens, {out.tokens_per_second:.1f} tokens/s")

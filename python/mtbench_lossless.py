@@ -51,7 +51,8 @@ def main(argv=None) -> None:
     failed = False
     for name in args.drafters:
         d = hk.load_drafter(name, model=model) if Path(name).is_dir() else hk.load_drafter(model=model, kind=name)
-        budget = None if args.budget_table else whole_tree_budget(d, None, model.device.type)
+        dev = model.device.type
+        budget = ("auto" if dev in d.budget_tables else None) if args.budget_table else whole_tree_budget(d, None, dev)
         seqs, acc = batched(model, prompts, args.batch, name, drafter=d, budget=budget, **kw)
         same = sum(a == b for a, b in zip(seqs, plain))
         steps = sum(len(a) for a in acc)

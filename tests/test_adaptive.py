@@ -838,13 +838,28 @@ def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_ne
 
 
 def test_budget_argument():
-    """'adaptive' is accepted with or without a tree; None keeps the table / full tree; a bad string names
-    the choices."""
+    """'adaptive' is accepted with or without a tree; None is the adaptive budget where the table would be the default
+    (a table for this device and tree, the drafter's own tree) on the CPU under greedy acceptance, else the table / full
+    tree; 'auto' is the table; a bad string names the choices."""
+    from hydra_kernels.budget import BudgetTable, tree_key
+
     d = hk.new_drafter(hk.Llama.from_hf(__import__("test_llama_vs_transformers").make_hf("gqa3-tied", seed=5)),
                        kind="ngram")
     tree = d.resolve_tree(None, "cpu")
     assert choose("adaptive", d, tree, None, "cpu").adaptive
     assert choose("adaptive", d, tree, "chain-3", "cpu").adaptive
+    assert not choose(None, d, tree, None, "cpu").adaptive  # no table: the full tree, as the user made it
+    for device in ("cpu", "cuda"):
+        d.budget_tables[device] = BudgetTable(device, tree_key(tree), tree.num_nodes, [1, 4], [128],
+                                              [[tree.num_nodes], [1]])
+    table = d.budget_tables["cpu"]
+    assert choose(None, d, tree, None, "cpu").adaptive
+    for budget, device, greedy in ((None, "cpu", False), (None, "cuda", True), ("auto", "cpu", True)):
+        rule = choose(budget, d, tree, None, device, greedy=greedy)  # sampled, on CUDA, asked for: the table
+        assert not rule.adaptive and rule.table is d.budget_tables[device], (budget, device, greedy)
+    pinned = choose(None, d, tree, "chain-3", "cpu")  # a tree passed pins its size
+    assert not pinned.adaptive and pinned.table is None and pinned.nodes(1, 10) == tree.num_nodes
+    d.budget_tables["cpu"] = BudgetTable("cpu", "[[9]]", table.full, [1], [128], [[1]])  # another tree's table
     assert not choose(None, d, tree, None, "cpu").adaptive
     with pytest.raises(ValueError, match="'adaptive', 'auto' or a node count"):
         choose("fast", d, tree, None, "cpu")

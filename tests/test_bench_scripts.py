@@ -109,7 +109,7 @@ def test_bench_sampling_runs(tmp_path):
 
 
 def test_bench_scaling_runs(tmp_path):
-    """Plain vs speculative (default budget, full tree, the adaptive budget and a compared drafter) on the smallest
+    """Plain vs speculative (budget table, full tree, the adaptive budget and a compared drafter) on the smallest
     grid, one round of two prompt sets: every output of every run lossless."""
     rows = _run_returning("bench_scaling", ["--batches", "1", "2", "--contexts", "short", "300", "--new-tokens", "4",
                                             "--compare", "medusa", "--adaptive",
@@ -117,7 +117,7 @@ def test_bench_scaling_runs(tmp_path):
                                             "--attention-cycle-mib", "16",
                                             "--out", str(tmp_path)])
     assert [(r["batch"], r["context"]) for r in rows] == [(1, "short"), (2, "short"), (1, "300"), (2, "300")]
-    assert all(r["default_identical"] == r["full_identical"] == r["medusa_identical"] == r["adaptive_identical"]
+    assert all(r["table_identical"] == r["full_identical"] == r["medusa_identical"] == r["adaptive_identical"]
                == 2 * r["batch"] for r in rows)
     assert all(r["adaptive_ratio_min"] <= r["adaptive_ratio"] <= r["adaptive_ratio_max"] for r in rows)
     assert all(r["adaptive_policy_ms_per_step"] >= 0 and 1 <= r["adaptive_mean_nodes"] for r in rows)
@@ -230,7 +230,7 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert all(r["drafts_per_answer"] >= r["drafted_steps_per_answer"] >= 0 for r in rows)
     assert all(0 <= r["plain_step_share"] <= 1 for r in rows)
     assert adaptive.MAX_WAIT_DEAR == wait
-    assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench.csv")) == 2
+    assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench_12tok.csv")) == 2
     with pytest.raises(SystemExit, match="NO_SUCH"):
         _run("ab_adaptive", ["--variants", "x:NO_SUCH=1"])
     with pytest.raises(SystemExit):
@@ -238,12 +238,17 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
 
 
 def test_ab_adaptive_refuses_more_prompts_than_its_set_has(smollm2):
-    """The editing set holds a few dozen prompts: asking past its end says so, never a run on an empty batch."""
+    """The editing set holds a few dozen prompts: asking past its end says so, never a run on an empty batch. The
+    ShareGPT set is bench_scaling.py's held-out first turns, from --start."""
     from types import SimpleNamespace
+
+    from hydra_kernels.training.data import heldout_chat_prompts
 
     ab = _script("ab_adaptive")
     args = SimpleNamespace(prompts=4, batch=2, prompt_set="editing", start=0, context="short")
     assert [len(g) for g in ab.prompt_groups(smollm2[1], args)] == [2, 2, 2, 2]
+    shared = ab.prompt_groups(smollm2[1], SimpleNamespace(**{**vars(args), "prompt_set": "sharegpt", "start": 3}))
+    assert [p for g in shared for p in g] == heldout_chat_prompts(smollm2[1], 11)[3:]
     with pytest.raises(SystemExit, match=r"8 asked for \(--prompts x --batch\): ask for fewer or start earlier"):
         ab.prompt_groups(smollm2[1], SimpleNamespace(**{**vars(args), "start": 1000}))
 

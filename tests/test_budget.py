@@ -110,10 +110,11 @@ def test_a_varying_budget_is_lossless(model, name):
     assert set(out.step_nodes) >= {1, table.full} and len(out.step_nodes) == out.num_steps
     assert out.num_steps < 24 * 2  # not every step was plain: some drafted
     default = generate(model, PROMPTS, drafter=d, tree=tree, max_new_tokens=24, eos_token_id=[], backend="reference")
+    assert default.sequences == plain.sequences
     if tree is not None:  # a pinned tree (tree=...) pins its size unless budget="auto"
-        assert set(default.step_nodes) == {table.full}
-    else:  # tree=None: the drafter's own tree, so its table by default
-        assert 1 in default.step_nodes
+        assert set(default.step_nodes) == {table.full} and default.policy_s == 0
+    else:  # tree=None: the drafter's own tree, which has a CPU table: the adaptive budget by default (greedy, CPU)
+        assert default.policy_s > 0 and 1 in default.step_nodes
 
 
 def committed_script(model, lens: list[int], accepts: list[list[int]], seed: int):
@@ -344,7 +345,7 @@ def test_bad_budgets_are_refused_before_work(model, tmp_path):
         generate(model, PROMPTS, drafter=d, tree=tree, budget="auto", max_new_tokens=4)
 
 
-def test_tables_are_saved_and_used_by_default(model, tmp_path):
+def test_tables_are_saved_and_used_by_auto_and_make_the_adaptive_budget_the_default(model, tmp_path):
     d, tree = make(model, "hydra")
     d.trees["cpu"] = tree
     d.budget_tables["cpu"] = BudgetTable(device="cpu", tree=tree_key(tree), full=tree.num_nodes, batch_sizes=[1, 4],
@@ -352,10 +353,14 @@ def test_tables_are_saved_and_used_by_default(model, tmp_path):
     d.save(tmp_path)
     back = hk.load_drafter(tmp_path, model=model)
     assert back.budget_tables == d.budget_tables
-    one = generate(model, PROMPTS[:1], drafter=back, max_new_tokens=6, eos_token_id=[])  # tree=None: the table
+    one = generate(model, PROMPTS[:1], drafter=back, budget="auto", max_new_tokens=6, eos_token_id=[])  # the table
     assert set(one.step_nodes) == {tree.num_nodes}
-    four = generate(model, PROMPTS[:1] * 4, drafter=back, max_new_tokens=6, eos_token_id=[])
+    four = generate(model, PROMPTS[:1] * 4, drafter=back, budget="auto", max_new_tokens=6, eos_token_id=[])
     assert set(four.step_nodes) == {1} and four.sequences == [one.sequences[0]] * 4
+    # budget=None with a table for this device and tree (greedy, the CPU): the adaptive budget, the table its choice no
+    # more (budget.default_is_adaptive)
+    default = generate(model, PROMPTS[:1] * 4, drafter=back, max_new_tokens=6, eos_token_id=[])
+    assert default.policy_s > 0 and four.policy_s == one.policy_s == 0 and default.sequences == four.sequences
     pinned = generate(model, PROMPTS[:1] * 4, drafter=back, budget=3, max_new_tokens=6, eos_token_id=[])
     assert set(pinned.step_nodes) == {3} and pinned.sequences == four.sequences
     # whole_tree_budget (what tokens/step figures are measured with): the whole tree every step, table off
@@ -387,11 +392,11 @@ def test_a_run_plain_at_every_step_is_plain_decoding(model, monkeypatch):
     plain = generate(model, PROMPTS, max_new_tokens=6, eos_token_id=[])
     with monkeypatch.context() as m:
         m.setattr(type(d), "start", never)
-        four = generate(model, PROMPTS, drafter=d, max_new_tokens=6, eos_token_id=[])  # batch 3 -> bucket 4
+        four = generate(model, PROMPTS, drafter=d, budget="auto", max_new_tokens=6, eos_token_id=[])  # batch 3 -> 4
         pinned = generate(model, PROMPTS[:1], drafter=d, budget=1, max_new_tokens=6, eos_token_id=[])
     assert four.sequences == plain.sequences and four.step_nodes == [1] * four.num_steps == [1] * 5  # the first token comes from the prefill
     assert pinned.sequences == plain.sequences[:1] and pinned.step_nodes == [1] * 5
-    one = generate(model, PROMPTS[:1], drafter=d, max_new_tokens=6, eos_token_id=[])  # context 8: drafts
+    one = generate(model, PROMPTS[:1], drafter=d, budget="auto", max_new_tokens=6, eos_token_id=[])  # context 8: drafts
     assert one.sequences == plain.sequences[:1] and max(one.step_nodes) == tree.num_nodes
 
 
@@ -542,7 +547,7 @@ def test_a_table_never_lifts_the_combined_drafters_node_budget(model):
     prompts = [[5, 17, 3, 44, 9, 5, 17, 3], [8, 1, 60, 8, 1]]
     seen, orig = [], d.propose
     d.propose = lambda state, root, seqlens: seen.append(orig(state, root, seqlens)) or seen[-1]
-    out = generate(model, prompts, drafter=d, max_new_tokens=12, eos_token_id=[])
+    out = generate(model, prompts, drafter=d, budget="auto", max_new_tokens=12, eos_token_id=[])
     assert out.sequences == generate(model, prompts, max_new_tokens=12, eos_token_id=[]).sequences
     assert set(out.step_nodes) == {6} and seen and max(p.tokens.shape[1] for p in seen) <= 4
 

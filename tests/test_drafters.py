@@ -377,6 +377,7 @@ def test_combined_default_with_its_budget_table(tmp_path, monkeypatch):
     "heads" names; its budget tables come from composed_tables_dir and steer generate() (a plain step where the
     table says so) while a table searched over other heads is not used."""
     import hydra_kernels.drafters.registry as drafters
+    from hydra_kernels.acceptance_prior import AcceptancePrior
     from hydra_kernels.budget import BudgetTable, tree_key
     from hydra_kernels.drafters import CombinedDrafter
 
@@ -392,11 +393,15 @@ def test_combined_default_with_its_budget_table(tmp_path, monkeypatch):
                         nodes=[[4], [1]])
     drafters.composed_tables_dir("combined", "medusa").mkdir(parents=True)
     table.save(drafters.composed_tables_dir("combined", "medusa"))
+    assert d.acceptance_prior is None
+    n = 2 * 8 * 8  # ngram and heads x depth keys x signals
+    prior = AcceptancePrior(["ngram", "heads"], 8, 8, [0.25] * n, [1.0] * n, "a test")
+    prior.save(drafters.composed_tables_dir("combined", "medusa"))  # beside the table: the composed kind's prior
     d = hk.load_drafter(model=model)
-    assert d.budget_tables["cpu"].nodes == [[4], [1]]
+    assert d.budget_tables["cpu"].nodes == [[4], [1]] and d.acceptance_prior == prior
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9]]
     for batch, nodes in (([prompts[0]], {4}), (prompts, {1})):  # batch 2: plain steps (or plain decoding)
-        out = generate(model, batch, drafter=d, max_new_tokens=16, eos_token_id=[])
+        out = generate(model, batch, drafter=d, budget="auto", max_new_tokens=16, eos_token_id=[])
         assert out.sequences == generate(model, batch, max_new_tokens=16, eos_token_id=[]).sequences
         assert set(out.step_nodes) <= nodes and (len(batch) > 1 or out.step_nodes)
     # heads changed (hydra): the table was searched over medusa's heads (here the same tree), so it is not taken

@@ -14,9 +14,10 @@ every CI run starts with, installs the checkout that way (editable) before the s
 test built the extension a third time (~2 CPU-minutes of CI, 2026-11-29).
 
 Installing torch (~190 MB wheel) and the dependencies once per venv would cost ~30 s each, so one base
-venv per module holds torch, the package's dependencies and the build tools, and each fresh venv sees it
-through a .pth line (the nested-venv equivalent of --system-site-packages): pip there installs only the
-package, into the fresh venv's own site-packages, resolving the declared dependencies against the base.
+venv per module holds torch, the package's dependencies and the build tools (this test run's own, linked in: `base`),
+and each fresh venv sees it through a .pth line (the nested-venv equivalent of --system-site-packages): pip there
+installs only the package, into the fresh venv's own site-packages, resolving the declared dependencies against the
+base.
 The venvs run outside the checkout with PYTHONPATH unset, so only the installed copy can be imported.
 """
 from __future__ import annotations
@@ -31,12 +32,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MIRROR = Path("/opt/pypi/simple")  # the local package index of this machine
 WHEELS = Path("/opt/wheels")  # where the CPU torch wheel lies (pip's find-links here, as `make setup` uses)
-TORCH = f"torch=={torch.__version__.split('+')[0]}"  # the torch this suite runs on (Makefile TORCH_VERSION)
 CHECK = ROOT / "tests" / "install_generate_check.py"
 SITE = Path("lib") / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
 pytestmark = pytest.mark.skipif(
@@ -78,14 +77,33 @@ def project(tmp_path_factory):
     return dst
 
 
+# this test run's installed distributions that are the package itself: its dist-info, the editable install's finder
+OWN_ENTRIES = ("hydra_kernels", "__editable__", "__pycache__")
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A venv with torch, the package's declared dependencies and the build tools, not the package."""
+    """A venv with torch, the package's declared dependencies and the build tools, not the package.
+
+    This test run's own installed distributions are linked into it, the package's own entries (OWN_ENTRIES) left out:
+    installing torch and the dependencies again from the local sources took ~64 s of each CI run (2026-11-30). pip then
+    adds the `build` frontend (not a test dependency); what it needs is satisfied here or new, so pip replaces none of
+    the linked distributions (an uninstall through a link would delete this run's own files)."""
     venv = tmp_path_factory.mktemp("base") / "venv"
-    _ok(_run([sys.executable, "-m", "venv", venv], venv.parent, _env()))
-    deps = ["triton>=3.0", "transformers>=4.46", "gguf>=0.10", "safetensors>=0.4", "tqdm", "numpy"]  # pyproject
-    tools = ["setuptools>=64", "wheel", "ninja", "build"]
-    _ok(_run([venv / "bin" / "python", "-m", "pip", "install", "-q", TORCH, *deps, *tools], venv.parent, _env()))
+    _ok(_run([sys.executable, "-m", "venv", "--without-pip", venv], venv.parent, _env()))
+    ours = Path(sysconfig.get_paths()["purelib"])  # this interpreter's site-packages
+    for entry in ours.iterdir():
+        if not entry.name.startswith(OWN_ENTRIES):
+            (venv / SITE / entry.name).symlink_to(entry)
+    ninja = Path(sysconfig.get_paths()["scripts"]) / "ninja"  # the binary torch's extension builder runs
+    if ninja.exists():
+        (venv / "bin" / "ninja").symlink_to(ninja)
+    for need in ("torch", "triton", "transformers", "gguf", "safetensors", "tqdm", "numpy", "setuptools", "wheel",
+                 "ninja", "pip"):  # the declared dependencies and the build tools, linked
+        assert (venv / SITE / need).exists(), f"this test run has no {need} to link into the base venv"
+    out = _ok(_run([venv / "bin" / "python", "-m", "pip", "install", "build"], venv.parent, _env()))
+    assert "Uninstalling" not in out, out[-3000:]
+    assert not list((venv / SITE).glob("hydra_kernels*")), "the base venv must not hold the package"
     return venv
 
 

@@ -133,8 +133,8 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
         # trained heads clearly accept: untrained ones give 1.00-1.02 here; the shipped 3-node CPU trees (depth 1
         # for medusa, 2 for hydra) gave 1.35 / 1.44 on MT-Bench's 80 first turns; medusa 1.30 on these prompts;
         # the shipped mlp_speculator (8 candidates) 1.59 on MT-Bench
-        # the default budget (the shipped budget_cpu.json) may run plain steps at this batch size: the
-        # acceptance check pins the full CPU tree, on every other prompt (a batch of 5: the same steps as all 10,
+        # the default budget (the adaptive one, the shipped budget_cpu.json its bound) may run plain steps at this
+        # batch size: the acceptance check pins the full CPU tree, on every other prompt (a batch of 5: the same steps as all 10,
         # half the rows; the MLPSpeculator's 25-node tree at batch 10 took 43 s of CI's time alone, 2026-11-29)
         full = generate(model, prompts[::2], drafter=d, max_new_tokens=N_NEW,
                         budget=whole_tree_budget(d, None, "cpu"))
@@ -144,8 +144,9 @@ def test_shipped_heads_are_lossless_with_their_cpu_tree(smollm2, prompts, plain)
 
 def test_batch_1_default_is_lossless_one_prompt_at_a_time(smollm2, prompts, plain):
     """What the CLI and `make demo` decode with: default.json's batch_1 kind (the combined drafter composed of
-    the n-gram drafter and the shipped heads), one prompt at a time, as they run it. A composed kind ships a
-    CPU budget table searched over those heads (python/search_budget.py --kind combined), which this run uses."""
+    the n-gram drafter and the shipped heads), one prompt at a time, as they run it, at its default budget (the adaptive
+    one on the CPU). A composed kind ships a CPU budget table searched over those heads (python/search_budget.py
+    --kind combined): what budget="auto" runs, and what makes the adaptive budget its default."""
     from hydra_kernels.budget import tree_key
     from hydra_kernels.drafters.registry import COMPOSED, default_kind
 
@@ -155,8 +156,8 @@ def test_batch_1_default_is_lossless_one_prompt_at_a_time(smollm2, prompts, plai
         table = d.budget_tables.get("cpu")
         assert table is not None and table.tree == tree_key(d.resolve_tree(None, "cpu")), \
             f"the composed {d.kind} drafter has no CPU budget table searched over its heads"
-    # its table (budget=None), which may run plain steps at short contexts (the quantized base: 2026-11-27), and
-    # the table's largest budget every step, so the drafting itself is shown lossless with power
+    # its default budget (budget=None: the adaptive one), which may run plain steps where no draft pays, and the
+    # table's largest budget every step, so the drafting itself is shown lossless with power
     largest = max(max(row) for row in table.nodes) if d.kind in COMPOSED else None
     for budget in (None, largest):
         steps = tokens = 0

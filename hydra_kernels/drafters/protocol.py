@@ -146,6 +146,10 @@ class Drafter(nn.Module):
         """device class -> BudgetTable searched for this drafter (budget_<device>.json beside its weights)."""
         return self.__dict__.setdefault("_budget_tables", {})
 
+    # the acceptance rates the adaptive budget starts from in a fresh process (hydra_kernels/acceptance_prior.py:
+    # acceptance_rates.json beside its weights or tables), or None: adaptive.PRIOR_RATE for every node
+    acceptance_prior = None
+
     def budget_levels(self, tree: Tree) -> tuple[int, ...]:
         """Node budgets a step of this run's `tree` can be held to, increasing: 1 (a plain step) and the
         full tree at least; a family that can draft a smaller tree (set_budget) lists those sizes too."""

@@ -21,6 +21,7 @@ from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .mlp_speculator import MLPSpeculatorDrafter
 from .ngram import NgramConfig, NgramDrafter
+from ..acceptance_prior import load_prior
 from ..budget import load_tables
 from ..tree import Tree, as_tree
 from .protocol import Drafter
@@ -176,6 +177,7 @@ def _shipped_combined(model) -> CombinedDrafter:
                          f"shipped kind is {heads!r}: pass drafters=[...] to hk.new_drafter(kind='combined') instead")
     drafter = CombinedDrafter(NgramDrafter(NgramConfig()), load_drafter(model=model, kind=heads), COMBINED_NODE_BUDGET)
     drafter.budget_tables.update(load_tables(composed_tables_dir("combined", heads)))
+    drafter.acceptance_prior = load_prior(composed_tables_dir("combined", heads))
     return drafter
 
 
@@ -250,6 +252,7 @@ def _load_dir(path: Path, model) -> Drafter:
             raise ValueError(f"{path / f'budget_{device}.json'} holds the table of device {table.device!r}; rename "
                              f"it budget_{table.device}.json or search it again (python python/search_budget.py)")
     drafter.budget_tables.update(tables)
+    drafter.acceptance_prior = load_prior(path)  # acceptance_rates.json: where the adaptive budget starts
     if hasattr(drafter, "trees"):
         drafter.trees = {f.stem[len("tree_"):]: _saved_tree(drafter, f) for f in sorted(path.glob("tree_*.json"))}
     for device, spec in getattr(drafter, "dynamic_trees", {}).items():

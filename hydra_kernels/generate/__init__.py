@@ -98,12 +98,15 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
     "adaptive": each step's draft sized by its expected tokens per second, per sequence: the drafter's
     parts that pay run, each node's acceptance learned during the run, step costs timed
     (hydra_kernels/adaptive.py); the eager loop; a seeded sampled run is exact in law but not token for
-    token reproducible (measured times steer it). None: the table searched for this drafter, tree and
-    device class (budget_<device>.json), chosen from the live batch size and context, when tree is None
-    and a table exists; else the full tree. "auto": that table (an error without one); an int: that many nodes every
-    step. Where the budget is 1 for every step the request can take (this batch size, its whole context
-    range), the run is plain decoding (the drafter is not run). GenerateOutput's step_nodes,
-    seq_step_nodes and acceptance_by_depth show what the steps drafted and what was accepted.
+    token reproducible (measured times steer it). "auto": the table searched for this drafter, tree and device
+    class (budget_<device>.json), chosen from the live batch size and context (an error without one); an int: that
+    many nodes every step. None (default): "adaptive" on the CPU under greedy acceptance when tree is None and such
+    a table exists (every shipped drafter: the adaptive budget replaces the table there; budget.default_is_adaptive
+    says why); elsewhere that table when tree is None and it exists (sampling: seeds stay reproducible; CUDA: steps
+    replay from graphs), else the full tree. Where the budget is 1 for every step the request can take (a pinned 1,
+    or a table's plain steps over this batch size and its whole context range), the run is plain decoding (the
+    drafter is not run). GenerateOutput's step_nodes, seq_step_nodes, acceptance_by_depth and policy_s show what the
+    steps drafted, what was accepted and what the adaptive budget's own work cost.
     acceptance (None: "greedy" at temperature 0, else "rejection"): "greedy" (temperature must be 0)
     emits exactly the plain greedy tokens; "rejection" (temperature > 0) is recursive rejection sampling
     over the tree, its tokens distributed exactly as plain sampling with the same temperature / top_k /
@@ -157,7 +160,7 @@ def generate(model: Llama, input_ids, drafter=None, max_new_tokens: int = 256, t
         drafter.check_model(model)
         tree_obj = drafter.resolve_tree(tree, device.type)  # validated; bounds every step's proposal
         backends.check_tree(tree_obj)  # the chosen kernels' own limits (e.g. accepted rows per commit)
-        step_budget = budgets.choose(budget, drafter, tree_obj, tree, device.type)
+        step_budget = budgets.choose(budget, drafter, tree_obj, tree, device.type, greedy=acceptance == "greedy")
         extra = tree_obj.num_nodes + tree_obj.depth  # a step writes T rows; a last step may commit depth+1
         if step_budget.plain_throughout(len(prompts), max(lens), max(lens) + max_new_tokens):
             drafter, extra, plain_run = None, 0, True  # nothing pays at any step: run plain decoding itself

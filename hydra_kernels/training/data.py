@@ -118,11 +118,21 @@ def sharegpt_token_sequences(tokenizer, num_sequences: int, max_tokens: int = 51
 def heldout_chat_prompts(tokenizer, n: int, max_chars: int = 2000) -> list[list[int]]:
     """The first user turns (under max_chars) of n held-out ShareGPT conversations, as chat prompts: text
     no training recipe saw and not MT-Bench (the evaluation set), for searches (trees, budgets)."""
+    return _first_turn_prompts(tokenizer, n, max_chars, heldout=True)
+
+
+def training_chat_prompts(tokenizer, n: int, max_chars: int = 2000) -> list[list[int]]:
+    """heldout_chat_prompts from the training split: what a measurement shipped with a drafter may learn from (its
+    acceptance prior) without touching the held-out turns and MT-Bench that evaluate it."""
+    return _first_turn_prompts(tokenizer, n, max_chars, heldout=False)
+
+
+def _first_turn_prompts(tokenizer, n: int, max_chars: int, heldout: bool) -> list[list[int]]:
     from ..chat import chat_prompt_ids
 
     out = []
     for rec in sharegpt_records():
-        msgs = conversation_messages(rec) if is_heldout(rec, 5) else []
+        msgs = conversation_messages(rec) if is_heldout(rec, 5) == heldout else []
         if msgs and len(msgs[0]["content"]) < max_chars:
             out.append(chat_prompt_ids(tokenizer, msgs[0]["content"]))
             if len(out) == n:
