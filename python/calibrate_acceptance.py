@@ -21,8 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
-from hydra_kernels.drafters import shipped_drafters  # noqa: E402
-from hydra_kernels.drafters.registry import COMPOSED, composed_tables_dir, default_heads_kind  # noqa: E402
+from hydra_kernels.drafters.registry import COMPOSED, measured_files_dir  # noqa: E402
 from hydra_kernels.training.acceptance_calibration import measure_acceptance_prior  # noqa: E402
 from hydra_kernels.training.data import training_chat_prompts  # noqa: E402
 
@@ -38,12 +37,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if min(args.prompts, args.new_tokens, args.batch) < 1:
         raise SystemExit("--prompts, --new-tokens and --batch must be >= 1")
-    shipped = shipped_drafters()
-    if not args.drafter and args.kind not in shipped and args.kind not in COMPOSED:
-        raise SystemExit(f"--kind {args.kind!r} is neither shipped {sorted(shipped)} nor composed {COMPOSED}")
+    try:
+        path = Path(args.drafter) if args.drafter else measured_files_dir(args.kind)
+    except ValueError as e:
+        raise SystemExit(f"--kind: {e}") from e
     composed = not args.drafter and args.kind in COMPOSED
-    path = Path(args.drafter) if args.drafter else (composed_tables_dir(args.kind, default_heads_kind()) if composed
-                                                     else shipped[args.kind])
     torch.set_grad_enabled(False)
     model, tok = hk.load_model(device="cpu")
     drafter = hk.load_drafter(model=model, kind=args.kind) if composed else hk.load_drafter(path, model=model)

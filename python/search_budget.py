@@ -34,8 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import hydra_kernels as hk  # noqa: E402
-from hydra_kernels.drafters import shipped_drafters  # noqa: E402
-from hydra_kernels.drafters.registry import COMPOSED, composed_tables_dir, default_heads_kind  # noqa: E402
+from hydra_kernels.drafters.registry import COMPOSED, measured_files_dir  # noqa: E402
 from hydra_kernels.budget import load_tables  # noqa: E402
 from hydra_kernels.training.budget_search import MARGIN, rechoose, search_budget_table  # noqa: E402
 from hydra_kernels.training.data import heldout_chat_prompts  # noqa: E402
@@ -65,12 +64,11 @@ def main(argv=None):
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
     if args.budgets is not None and min(args.budgets) < 2:
         raise SystemExit(f"--budgets are node counts > 1 (1 is a plain step, always compared), got {args.budgets}")
-    shipped = shipped_drafters()
-    if not args.drafter and args.kind not in shipped and args.kind not in COMPOSED:
-        raise SystemExit(f"--kind {args.kind!r} is neither shipped {sorted(shipped)} nor composed {COMPOSED}")
+    try:
+        path = Path(args.drafter) if args.drafter else measured_files_dir(args.kind)
+    except ValueError as e:
+        raise SystemExit(f"--kind: {e}") from e
     composed = not args.drafter and args.kind in COMPOSED
-    path = Path(args.drafter) if args.drafter else (composed_tables_dir(args.kind, default_heads_kind()) if composed
-                                                     else shipped[args.kind])
     if args.rechoose:
         saved = load_tables(path)["cpu"]
         table = rechoose(saved, args.margin or (saved.measured or {}).get("margin", MARGIN))

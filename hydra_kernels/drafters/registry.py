@@ -166,6 +166,18 @@ def composed_tables_dir(kind: str, heads: str) -> Path:
     return SHIPPED_DIR / SHIPPED_MODEL / kind / heads
 
 
+def measured_files_dir(kind: str) -> Path:
+    """Where the measured files of a shipped or composed kind live (budget_<device>.json, acceptance_rates.json), which
+    python/search_budget.py and python/calibrate_acceptance.py write: a shipped kind's own directory, a composed kind's
+    composed_tables_dir over the default heads. ValueError for a kind that is neither."""
+    shipped = shipped_drafters()
+    if kind in COMPOSED:
+        return composed_tables_dir(kind, default_heads_kind())
+    if kind not in shipped:
+        raise ValueError(f"kind {kind!r} is neither shipped {sorted(shipped)} nor composed {COMPOSED}")
+    return shipped[kind]
+
+
 def _shipped_combined(model) -> CombinedDrafter:
     """COMPOSED["combined"]: the n-gram drafter (its defaults) and the shipped heads default.json names (its
     default kind, or its "heads" when the default is combined), one tree of at most COMBINED_NODE_BUDGET nodes
