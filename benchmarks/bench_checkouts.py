@@ -2,7 +2,9 @@
 
 Each round runs checkout A, then B (then A, B, ...), each in a fresh process importing that checkout's
 package (PYTHONPATH; its compiled extension must be built in place): a warm-up, then for every prompt
-plain decoding and the shipped Hydra heads' speculative decoding (the same kind in both checkouts), batch 1, EOS ignored. Prints tokens/s
+plain decoding and the shipped Hydra heads' speculative decoding (the same kind in both checkouts, its whole tree every
+step: the same work in both, where the default budget, the adaptive one, is steered by measured times), batch 1, EOS
+ignored. Prints tokens/s
 per checkout and mode (median over rounds of the summed tokens / summed decode time) and the ratio
 B / A; the outputs of both checkouts must be identical token for token.
 
@@ -23,18 +25,21 @@ import json, sys, time, torch
 torch.set_grad_enabled(False)
 import hydra_kernels as hk
 from hydra_kernels.chat import chat_prompt_ids
+from hydra_kernels.budget import whole_tree_budget
 from hydra_kernels.generate import generate
 from hydra_kernels.training.data import mtbench_questions
 n_prompts, n_new = int(sys.argv[1]), int(sys.argv[2])
 model, tok = hk.load_model(device="cpu")
 drafter = hk.load_drafter(model=model, kind="hydra")  # one drafter in every checkout (the default changed)
+whole = whole_tree_budget(drafter, None, "cpu")  # a fixed budget: the same steps in both checkouts
 prompts = [chat_prompt_ids(tok, q["turns"][0]) for q in mtbench_questions()[:n_prompts]]
 generate(model, [prompts[0]], max_new_tokens=8, eos_token_id=[])  # warm-up both paths
-generate(model, [prompts[0]], drafter=drafter, max_new_tokens=8, eos_token_id=[])
+generate(model, [prompts[0]], drafter=drafter, budget=whole, max_new_tokens=8, eos_token_id=[])
 res = {"plain": [0, 0.0], "spec": [0, 0.0], "steps": 0, "seqs": {"plain": [], "spec": []}}
 for p in prompts:
     for mode in ("plain", "spec"):
-        out = generate(model, [p], drafter=drafter if mode == "spec" else None, max_new_tokens=n_new, eos_token_id=[])
+        spec = dict(drafter=drafter, budget=whole) if mode == "spec" else {}
+        out = generate(model, [p], max_new_tokens=n_new, eos_token_id=[], **spec)
         res[mode][0] += sum(map(sum, out.accept_lengths))
         res[mode][1] += out.decode_s
         res["seqs"][mode].append(out.sequences[0])
