@@ -434,7 +434,9 @@ class AdaptiveBudget:
         self.cap, self.batch = cap, batch
         self.margin = MARGIN_BATCH_1 if batch == 1 else MARGIN
         self.memory = memory(drafter, "memory")
-        self.calib = Calibration(batch, len(self.parts), self.memory, device, shipped_rates(drafter, self.parts))
+        # the shipped prior only matters (and is only built, or warned about) before a run has learned rates
+        shipped = None if "rates" in self.memory else shipped_rates(drafter, self.parts)
+        self.calib = Calibration(batch, len(self.parts), self.memory, device, shipped)
         self.costs = StepCosts(memory(model, "costs"), (batch, device.type, torch.get_num_threads()), device.type,
                                batch)
         self.gate_key = ("gates", batch, device.type, torch.get_num_threads())  # a part's price is the threads' too

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -73,6 +74,13 @@ def test_a_prior_keyed_for_other_parts_is_not_taken(model):  # noqa: F811
     with pytest.warns(RuntimeWarning, match="acceptance prior keys parts"):
         budget = adaptive.AdaptiveBudget(d, 1, 4, model, torch.device("cpu"))
     assert torch.all(budget.calib.prior == adaptive.PRIOR_RATE)
+    # once a run has learned rates, the shipped prior is not read again (nor built, nor warned about)
+    learned = torch.rand(budget.calib.K)
+    adaptive.memory(d, "memory")["rates"] = learned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        later = adaptive.AdaptiveBudget(d, 1, 4, model, torch.device("cpu"))
+    assert torch.equal(later.calib.prior, learned)
 
 
 def test_measured_prior_counts_every_verified_node(model):  # noqa: F811
