@@ -14,6 +14,7 @@ import torch
 import hydra_kernels as hk
 from hydra_kernels import adaptive
 from hydra_kernels.acceptance_prior import FILE, AcceptancePrior, load_prior
+from hydra_kernels.drafters.registry import shipped_drafters
 from hydra_kernels.generate import generate
 from test_budget import PROMPTS, make, model  # noqa: F401 (model: the fixture)
 
@@ -105,11 +106,16 @@ def test_measured_prior_counts_every_verified_node(model):  # noqa: F811
     assert never and all(torch.allclose(rates[p, :, s], torch.tensor(adaptive.PRIOR_RATE)) for p, s in never)
 
 
-def test_the_shipped_default_drafter_ships_a_prior_keyed_for_its_parts():
-    from hydra_kernels.drafters.registry import composed_tables_dir, default_heads_kind, default_kind
+@pytest.mark.parametrize("kind", ["combined", *shipped_drafters()])
+def test_every_shipped_drafter_ships_a_prior_keyed_for_its_parts(kind):
+    """The default (the composed combined kind, beside its table) and every shipped kind: a fresh process's first
+    adaptive run starts from measured rates, not PRIOR_RATE everywhere."""
+    from hydra_kernels.drafters.registry import family, measured_files_dir
 
-    kind = default_kind()
-    prior = load_prior(composed_tables_dir(kind, default_heads_kind()))
-    assert prior is not None, f"the default {kind} drafter ships no {FILE} (python python/calibrate_acceptance.py)"
-    assert prior.fits(("ngram", "heads"), adaptive.MAX_DEPTH_KEY, adaptive.SIGNALS)
+    prior = load_prior(measured_files_dir(kind))
+    assert prior is not None, f"the shipped {kind} drafter has no {FILE} (python python/calibrate_acceptance.py --kind {kind})"
+    assert prior.fits(family(kind).parts, adaptive.MAX_DEPTH_KEY, adaptive.SIGNALS)
     assert sum(prior.tested) > 1000 and all(0.0 <= r <= 1.0 for r in prior.rates)
+    # measured, not left at the prior: the first depth's rates differ by confidence class
+    first = [prior.rates[s] for s in range(adaptive.SIGNALS) if prior.tested[s] > 0]
+    assert len(first) >= 2 and max(first) - min(first) > 0.1, first
