@@ -543,6 +543,51 @@ def test_mlp_speculator_reports_its_tokens_confidence_classes(model):  # noqa: F
     assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 2
 
 
+def test_amphista_reports_its_guesses_confidence_classes(model, monkeypatch):  # noqa: F811
+    """Amphista's Proposal.signal once the adaptive budget asks (set_parts): each node's class is that of its guess's
+    probability under its depth's head (softmax of AmphistaDrafter.logits over the draft vocabulary at the head state
+    it ranked), the root's that of p = 1; the outline leaves every class pending. Not asked (a pinned budget): no signal
+    and sibling ranks in the outline. A real run (generate: the adaptation layers over the prompts), batch 2."""
+    from hydra_kernels.drafters.protocol import confidence_class
+
+    d, tree = make(model, "amphista")
+    assert d.draft_vocab is None and d.lm_down is None  # columns are token ids; the tied head's packed or fused path
+    ask, states, ys, props = [False], [], [], []
+    start, head_states, propose = d.start, d.head_states, d.propose
+
+    def started(*a, **k):
+        states.append(start(*a, **k))
+        if ask[0]:
+            d.set_parts(states[-1], (True,))
+        return states[-1]
+
+    monkeypatch.setattr(d, "start", started)
+    monkeypatch.setattr(d, "head_states", lambda stages: ys.append(head_states(stages)) or ys[-1])
+    monkeypatch.setattr(d, "propose", lambda s, r, n: props.append(propose(s, r, n)) or props[-1])
+    run = lambda: generate(model, PROMPTS[:2], drafter=d, tree=tree, max_new_tokens=3, eos_token_id=[])  # noqa: E731
+    run()
+    assert props and all(p.signal is None for p in props)  # nobody asked: not paid for
+    assert d.outline(states[-1], 2)[0][2] == tree.host_sibling_ranks()
+    ask[0] = True
+    states.clear(), ys.clear(), props.clear()
+    with torch.no_grad():
+        run()
+        assert d.outline(states[-1], 2)[0][2] == [PENDING_SIGNAL] * tree.num_nodes
+        prop, y = props[0], ys[0]
+        q = d.logits(model, y[:, :tree.depth]).float().softmax(-1)  # [B, depth, V]
+    want = torch.ones(2, tree.num_nodes)
+    for j in range(1, tree.num_nodes):
+        want[:, j] = q[:, int(tree.depths[j]) - 1].gather(1, prop.tokens[:, j:j + 1])[:, 0]
+    assert prop.signal is not None and prop.signal.shape == (2, tree.num_nodes)
+    edges = torch.tensor(hk.drafters.protocol.CONFIDENCE_EDGES)
+    # not within rounding of a class edge: on the packed CPU path the guesses' logits come from bf16 panels of the
+    # tied head (fit.DRAFT_PACK_DTYPE), ~2^-8 relative in a logit, where AmphistaDrafter.logits is fp32
+    clear = ((want[..., None] - edges).abs() > 0.05 * edges).all(-1)
+    assert clear.float().mean() > 0.6
+    assert torch.equal(prop.signal[clear], confidence_class(want)[clear])
+    assert len(set(prop.signal[:, 1:].flatten().tolist())) >= 3, prop.signal  # guesses of several classes
+
+
 def test_mlp_speculator_drafts_sized_chains(model):  # noqa: F811
     """MLPSpeculator.size_part: a bound of n nodes (root included) drafts c chains of depth d = min(n_predict, n - 1)
     under the root (c the most that fit, at most stage 0's top k), stage 0's top c tokens each continued by the next

@@ -56,7 +56,7 @@ from .backlog import Backlog
 from .checkpoint import save_ours
 from .draft_heads import ResBlock
 from .fit import DRAFT_PACK_DTYPE, TiedLMHead, check_device_dtype, draft_vocab_ids, pack_draft_linears
-from .protocol import Drafter, Proposal
+from .protocol import Drafter, Proposal, confidence_class, pending_outline
 
 LM_HEADS = ("tied", "low_rank")
 
@@ -114,6 +114,7 @@ class AmphistaState:
         self.prefill_tokens = True  # the first observe_tokens call brings the prompts' tokens
         self.first_pass = True  # the pending chunk is the prompts (the buffers are empty)
         self.backlog = Backlog()  # plain steps' chunks not run yet (skip_step)
+        self.confidence = False  # proposals carry their guesses' confidence classes (set_parts: the adaptive budget asks)
 
     def use_tree(self, tree: Tree) -> None:
         self.tree = tree
@@ -339,14 +340,29 @@ class AmphistaDrafter(Drafter):
     def head_topk(self, model, y: torch.Tensor, k: int, backends) -> torch.Tensor:
         """Head states [..., H] -> token ids of their k best guesses [..., k]. The tied head runs the fused
         ops.lm_head_topk (no logits written), or on packed CPU weights the packed kernel."""
+        return self.head_guesses(model, y, k, backends, with_probs=False)[0]
+
+    def head_guesses(self, model, y: torch.Tensor, k: int, backends,
+                     with_probs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """head_topk's guesses [..., k] and, with_probs, their probabilities under their head (softmax over the draft
+        vocabulary, fp32 [..., k]; else None): the adaptive budget's confidence signal. The guesses are head_topk's on
+        every path (the fused kernel's too: its probabilities come from separate logits)."""
+        logits = None
         if self.lm_down is not None:
-            return self.token_ids(self.logits(model, y).topk(k, dim=-1).indices)
-        if (self.packed and y.is_cpu and y.dtype is torch.float32 and model.output.weight.dtype is torch.float32
-                and not torch.is_grad_enabled() and y.numel() <= MAX_PACKED_ROWS * y.shape[-1]):
-            idx = self._tied.packed_logits(model, self.draft_vocab, y).topk(k, dim=-1).indices  # no fp32 slice
+            logits = self.logits(model, y)
+            idx = logits.topk(k, dim=-1).indices
+        elif (self.packed and y.is_cpu and y.dtype is torch.float32 and model.output.weight.dtype is torch.float32
+              and not torch.is_grad_enabled() and y.numel() <= MAX_PACKED_ROWS * y.shape[-1]):
+            logits = self._tied.packed_logits(model, self.draft_vocab, y)  # no fp32 slice
+            idx = logits.topk(k, dim=-1).indices
         else:
             idx = ops.lm_head_topk(y, self.tied_lm_weight(model), k, backend=backends["lm_head_topk"])[1]
-        return self.token_ids(idx)
+        probs = None
+        if with_probs:
+            if logits is None:  # the fused kernel wrote none
+                logits = F.linear(y, self.tied_lm_weight(model))
+            probs = logits.float().softmax(dim=-1).gather(-1, idx)
+        return self.token_ids(idx), probs
 
     def use_packed_cpu_weights(self, on: bool) -> None:
         """Draft GEMVs on the packed CPU kernel with bf16 panels (fit.pack_draft_linears); the tied LM-head
@@ -407,16 +423,36 @@ class AmphistaDrafter(Drafter):
     def static_tree(self, state: AmphistaState) -> Tree:
         return state.tree
 
+    def set_parts(self, state: AmphistaState, parts: tuple[bool, ...]) -> None:
+        """Only the adaptive budget calls it: from here proposals carry each guess's confidence class (Proposal.signal),
+        which it learns from (a softmax over the draft vocabulary per depth: not paid where no policy reads it).
+        Amphista's drafts are always its heads' top-k, never sampled: a class is a function of the hidden states, not of
+        a draw (HeadDrafter.reports_confidence's condition holds)."""
+        state.confidence = True
+
+    def outline(self, state: AmphistaState, batch: int):
+        """Drafter.outline: the static tree; every node's class PENDING_SIGNAL where the proposal will report
+        confidence classes (its head's probability decides it), else sibling ranks."""
+        return pending_outline(state.tree, batch) if state.confidence else super().outline(state, batch)
+
     def propose(self, state: AmphistaState, root: torch.Tensor, seqlens: torch.Tensor | None) -> Proposal:
+        """The signal for the adaptive budget (after set_parts): each node's probability under its depth's head (the
+        root's: 1)."""
         if state.pend_tok is None:
             raise RuntimeError("amphista needs the prompts' tokens: call observe_tokens after after_prefill")
         tree = state.tree
         y = self.head_states(self._adapt_chunk(state, root))  # [B, K, H]
-        top = self.head_topk(state.model, y[:, : max(tree.depth, 1)], state.kmax, state.backends)  # [B, D, kmax]
+        top, probs = self.head_guesses(state.model, y[:, : max(tree.depth, 1)], state.kmax, state.backends,
+                                       state.confidence)  # [B, D, kmax] each
         lens = state.cache.seqlens if seqlens is None else seqlens  # equal: the chunk committed up to the root
         tokens, positions = ops.tree_inputs(root, top.flatten(1), state.source, tree.depths, lens,
                                             backend=state.backends["tree_inputs"])
-        return Proposal(tokens, tree, positions)
+        signal = None
+        if probs is not None:
+            conf = probs.flatten(1)[:, state.source]  # node t's: its candidate's (node 0 gathers column 0: replaced)
+            conf[:, 0] = 1.0
+            signal = confidence_class(conf)
+        return Proposal(tokens, tree, positions, signal=signal)
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def save(self, path, dtype: torch.dtype | None = None) -> None:
