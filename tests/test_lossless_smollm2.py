@@ -156,12 +156,13 @@ def test_batch_1_default_is_lossless_one_prompt_at_a_time(smollm2, prompts, plai
         table = d.budget_tables.get("cpu")
         assert table is not None and table.tree == tree_key(d.resolve_tree(None, "cpu")), \
             f"the composed {d.kind} drafter has no CPU budget table searched over its heads"
-    # its default budget (budget=None: the adaptive one), which may run plain steps where no draft pays, and the
-    # table's largest budget every step, so the drafting itself is shown lossless with power
+    # its default budget (budget=None: the adaptive one), which may run plain steps where no draft pays, on the odd
+    # prompts, and the table's largest budget every step on the even ones, so the drafting itself is shown lossless
+    # with power: each prompt once (both budgets over all 10 took 58 s of a CI run, 2026-11-30)
     largest = max(max(row) for row in table.nodes) if d.kind in COMPOSED else None
-    for budget in (None, largest):
+    for budget, some in ((None, slice(1, None, 2)), (largest, slice(0, None, 2))):
         steps = tokens = 0
-        for p, ref in zip(prompts, plain):
+        for p, ref in zip(prompts[some], plain[some]):
             out = generate(model, [p], drafter=d, max_new_tokens=N_NEW, budget=budget)
             assert out.sequences[0] == ref, f"{d.kind}: first difference at token {first_diff(out.sequences[0], ref)}"
             steps, tokens = steps + out.num_steps, tokens + len(ref) - 1
