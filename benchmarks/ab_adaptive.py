@@ -6,7 +6,8 @@ Why: the policy's gains and losses at a point are a few percent, and bench_scali
 decode the same answers back to back, in an order that rotates with each answer and round, so the VM's drift hits them
 alike; the ratio is total plain time over total variant time, beside the median and geometric mean of the answers'
 ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
-read against. benchmarks/replay_adaptive.py ranks variants without the noise, on a modelled clock; this says whether a
+read against. An adaptive variant's steps are also timed by kind (STEP_KINDS: plain, a refused trial, drafted; their
+shares and median ms beside plain decoding's ms a step), which says where its time goes. benchmarks/replay_adaptive.py ranks variants without the noise, on a modelled clock; this says whether a
 ranking holds on the machine.
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 import sys
 from pathlib import Path
 
@@ -59,6 +61,13 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
     return [prompts[i * args.batch:(i + 1) * args.batch] for i in range(args.prompts)]
 
 
+# the adaptive policy's steps, by what happened in them: no part ran (plain), a part ran and the step stayed plain (a
+# refused trial: a check or a draft cut to the root), or a draft was verified (drafted). Their shares and median wall
+# times (observe to observe: the host work and the native step together) beside plain decoding's step say where a
+# variant's time goes: 2026-11-30, batch 2, the refused trials (29% of the steps, ~0.6-0.9 ms over a plain step each)
+STEP_KINDS = ("plain", "refused", "drafted")
+
+
 def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], rounds: int, new_tokens: int) -> list[dict]:
     """Plain decoding and every variant on every group, `rounds` times, the order rotating -> one row per variant."""
     parsed = [parse_variant(v) for v in variants]
@@ -66,13 +75,22 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
     runs = {name: [] for name in ["plain"] + [n for n, _ in parsed]}  # (decode s, drafts, output) per answer
     drafts = [0]
     propose = drafter.propose
+    steps = []  # the adaptive policy's steps in the current run: (time at its observe, kind of step)
+    step_ms = {name: {k: [] for k in STEP_KINDS} for name, _ in parsed}  # per variant and kind: the steps' ms
+    observe = adaptive.AdaptiveBudget.observe
 
     def counted(*a, **k):
         drafts[0] += 1
         return propose(*a, **k)
 
+    def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
+        parts, width = policy.step[0], policy.step[2]
+        observe(policy, *a, **k)
+        steps.append((time.perf_counter(), "plain" if not any(parts) else "refused" if width == 1 else "drafted"))
+
     order = [("plain", {})] + parsed
     drafter.propose = counted
+    adaptive.AdaptiveBudget.observe = timed
     try:
         for name, consts in parsed:  # warm-up: first calls, each variant's policy ops
             _decode(model, drafter, groups[0], name, consts, memories, 8)
@@ -83,14 +101,19 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
                 k = (r + i) % len(order)
                 for name, consts in order[k:] + order[:k]:
                     drafts[0] = 0
+                    steps.clear()
                     if name == "plain":
                         out = generate(model, g, max_new_tokens=new_tokens, eos_token_id=[])
                     else:
                         out = _decode(model, drafter, g, name, consts, memories, new_tokens)
+                        for (t0, _), (t1, kind) in zip(steps, steps[1:]):  # observe to observe: a whole step
+                            step_ms[name][kind].append((t1 - t0) * 1e3)
                     runs[name].append((out.decode_s, drafts[0], out))
     finally:
         drafter.propose = propose
+        adaptive.AdaptiveBudget.observe = observe
     plain = runs["plain"]
+    plain_steps = [o[2].decode_s * 1e3 / max(1, o[2].num_steps) for o in plain]  # plain decoding's ms a step
     rows = []
     for v, (name, _) in zip(variants, parsed):
         ratios = [p[0] / o[0] for p, o in zip(plain, runs[name])]
@@ -103,7 +126,12 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
                      "drafted_steps_per_answer": sum(n > 1 for n in nodes) / len(outs),
                      "plain_step_share": sum(n == 1 for n in nodes) / max(1, len(nodes)),
                      "tokens_per_step": statistics.mean(o.mean_accepted_tokens for o in outs),
-                     "identical": f"{sum(o.sequences == p[2].sequences for o, p in zip(outs, plain))}/{len(outs)}"})
+                     "identical": f"{sum(o.sequences == p[2].sequences for o, p in zip(outs, plain))}/{len(outs)}",
+                     "plain_decoding_step_ms": statistics.median(plain_steps)})
+        timed_steps = sum(len(x) for x in step_ms[name].values())
+        for kind, ms in step_ms[name].items():  # the adaptive policy's steps by kind (none for "table")
+            rows[-1][f"step_share_{kind}"] = len(ms) / timed_steps if timed_steps else None
+            rows[-1][f"step_ms_{kind}"] = statistics.median(ms) if ms else None
     return rows
 
 

@@ -229,7 +229,15 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert rows[0]["drafts_per_answer"] == rows[0]["drafted_steps_per_answer"] > 0
     assert all(r["drafts_per_answer"] >= r["drafted_steps_per_answer"] >= 0 for r in rows)
     assert all(0 <= r["plain_step_share"] <= 1 for r in rows)
+    # the adaptive variant's steps timed by kind (observe to observe), the table's not at all (it runs no policy)
+    kinds = ("plain", "refused", "drafted")
+    table, short = rows
+    assert table["plain_decoding_step_ms"] > 0 and all(table[f"step_share_{k}"] is None for k in kinds)
+    assert abs(sum(short[f"step_share_{k}"] for k in kinds) - 1) < 1e-9
+    assert all((short[f"step_ms_{k}"] is None) == (short[f"step_share_{k}"] == 0) for k in kinds)
+    assert all(short[f"step_ms_{k}"] > 0 for k in kinds if short[f"step_ms_{k}"] is not None)
     assert adaptive.MAX_WAIT_DEAR == wait
+    assert adaptive.AdaptiveBudget.observe is adaptive.AdaptiveBudget.__dict__["observe"]  # the timing hook undone
     assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench_12tok.csv")) == 2
     with pytest.raises(SystemExit, match="NO_SUCH"):
         _run("ab_adaptive", ["--variants", "x:NO_SUCH=1"])
