@@ -7,8 +7,8 @@ decode the same answers back to back, in an order that rotates with each answer 
 alike; the ratio is total plain time over total variant time, beside the median and geometric mean of the answers'
 ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
 read against. An adaptive variant's steps are also timed by kind (STEP_KINDS: plain, a refused trial, drafted; their
-shares and median ms beside plain decoding's ms a step), which says where its time goes. benchmarks/replay_adaptive.py ranks variants without the noise, on a modelled clock; this says whether a
-ranking holds on the machine.
+shares and median ms beside plain decoding's ms a step), which says where its time goes. benchmarks/replay_adaptive.py
+ranks variants without the noise, on a modelled clock; this says whether a ranking holds on the machine.
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
 hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget="auto" (the drafter's budget table),
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
