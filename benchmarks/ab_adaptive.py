@@ -7,7 +7,8 @@ decode the same answers back to back, in an order that rotates with each answer 
 alike; the ratio is total plain time over total variant time, beside the median and geometric mean of the answers'
 ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
 read against. An adaptive variant's steps are also timed by kind (STEP_KINDS: plain, a refused trial, drafted; their
-shares and median ms beside plain decoding's ms a step), which says where its time goes. benchmarks/replay_adaptive.py
+shares, median and mean ms beside plain decoding's mean ms a step), which says where its time goes (the means add up
+to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py
 ranks variants without the noise, on a modelled clock; this says whether a ranking holds on the machine.
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
@@ -132,6 +133,7 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
         for kind, ms in step_ms[name].items():  # the adaptive policy's steps by kind (none for "table")
             rows[-1][f"step_share_{kind}"] = len(ms) / timed_steps if timed_steps else None
             rows[-1][f"step_ms_{kind}"] = statistics.median(ms) if ms else None
+            rows[-1][f"step_mean_ms_{kind}"] = statistics.mean(ms) if ms else None  # what adds up to the total
     return rows
 
 

@@ -8,8 +8,9 @@ Per step, two decisions:
    it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
    4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT (MAX_WAIT_DEAR for a dear part),
-   and no more rarely than lets its trials cost PROBE_SHARE of the time; the wait carries over to the next run,
-   whose new text brings a cheap part's next trial forward, where a dear part keeps its backoff (PartGate.new_text).
+   and no more rarely than lets its trials cost PROBE_SHARE of the time (PROBE_SHARE_BATCHED at batch >= 2); the
+   wait carries over to the next run, whose new text brings a cheap part's next trial forward, where a dear part
+   keeps its backoff (PartGate.new_text).
    No part running is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work
    grows with its nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time
    (EXPLORE_EVERY).
@@ -97,6 +98,11 @@ MAX_WAIT_DEAR = 256
 # before drafting) is tried every few steps and catches the text's copy bursts; a dearer one (the heads at batch 1) up
 # to MAX_WAIT, a dear one (RAMP_SHARE's floor above NEW_TEXT_TRIAL) up to MAX_WAIT_DEAR
 PROBE_SHARE = 0.01
+# and at batch >= 2 this share: a draft's node there costs a row per sequence, so the copy bursts the trials catch pay
+# less than at batch 1, and a trial (the heads' drafting for every sequence, then the cut) costs more. Xeon AMX VM,
+# 2026-11-30, batch 2, MT-Bench, the default drafter: trials in 38% of the steps (each part tried at its 1%, a refused
+# trial's real price ~0.6-0.9 ms beside a ~10 ms step), ~2% of the time, where the drafted steps only broke even
+PROBE_SHARE_BATCHED = 0.005
 # and after a step that does not pay (a trial, or an open part's first step after a burst) a part waits at least until
 # its drafting's price is this share of the plain steps in between (the backoff's ramp starts there, then doubles; a new
 # run's text restarts a cheap part's, not a dear one's: PartGate.new_text): a dear part (MLPSpeculator's three stages
@@ -308,13 +314,20 @@ class StepCosts:
                 return
         self.wide_seen = self.wide_seen or width > 1
         ms = min(ms, 2.0 * self.predict(width) + 2.0)
-        x = (1.0, float(width - 1), 1.0 if width > 1 else 0.0)
-        for i in range(3):
-            for j in range(3):  # decay toward the prior, not toward zero
-                self.A[i][j] = (DECAY * self.A[i][j] + x[i] * x[j]
-                                + (1 - DECAY) * (self.weight * self.PRIOR_SCALE[i] if i == j else 0.0))
-            self.r[i] = DECAY * self.r[i] + (1 - DECAY) * self.weight * self.PRIOR_SCALE[i] * self.prior[i] + x[i] * ms
-        a, b, c = _solve3(self.A, self.r)
+        # the normal equations decayed toward the prior (not toward zero), plus x x^T and x ms, x = (1, T - 1, [T > 1]);
+        # written out, as _solve3 is: observe runs after every step, right after the native step on caches it left
+        # cold. Xeon AMX VM, 2026-11-30: 2.8 us warm where the loops and list comprehensions took 10.8 (the same fit to
+        # 1e-14); AdaptiveBudget.observe's median in the batch-2 loop (MT-Bench) 29 us where it was 46
+        x1, x2 = float(width - 1), 1.0 if width > 1 else 0.0
+        A, r, d = self.A, self.r, DECAY
+        p0, p1, p2 = ((1 - d) * self.weight * s for s in self.PRIOR_SCALE)  # the prior's pull per coefficient
+        A0, A1, A2 = A
+        A0[0], A0[1], A0[2] = d * A0[0] + 1.0 + p0, d * A0[1] + x1, d * A0[2] + x2
+        A1[0], A1[1], A1[2] = d * A1[0] + x1, d * A1[1] + x1 * x1 + p1, d * A1[2] + x1 * x2
+        A2[0], A2[1], A2[2] = d * A2[0] + x2, d * A2[1] + x2 * x1, d * A2[2] + x2 * x2 + p2
+        q = self.prior
+        r[0], r[1], r[2] = d * r[0] + p0 * q[0] + ms, d * r[1] + p1 * q[1] + x1 * ms, d * r[2] + p2 * q[2] + x2 * ms
+        a, b, c = _solve3(A, r)
         self.coef, self.spec = [a, b], c
 
     def remember(self) -> None:
@@ -327,13 +340,16 @@ class StepCosts:
 
 
 def _solve3(A: list[list[float]], r: list[float]) -> list[float]:
-    """x with A x = r, A 3 x 3 symmetric positive definite (the ridge's normal equations): Cramer's rule on the host
-    (a few dozen float ops; a tensor solve's dispatch would cost more)."""
-    def det(m):
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-    d = det(A)
-    return [det([[r[i] if j == k else A[i][j] for j in range(3)] for i in range(3)]) / d for k in range(3)]
+    """x with A x = r, A 3 x 3 symmetric positive definite (the ridge's normal equations): Cramer's rule on the host,
+    written out (a few dozen float ops; a tensor solve's dispatch would cost more), x = adj(A) r / det(A)."""
+    (a, b, c), (d, e, f), (g, h, i) = A
+    c00, c01, c02 = e * i - f * h, f * g - d * i, d * h - e * g  # cofactors of the first row
+    c10, c11, c12 = c * h - b * i, a * i - c * g, b * g - a * h
+    c20, c21, c22 = b * f - c * e, c * d - a * f, a * e - b * d
+    det = a * c00 + b * c01 + c * c02
+    r0, r1, r2 = r
+    return [(c00 * r0 + c10 * r1 + c20 * r2) / det, (c01 * r0 + c11 * r1 + c21 * r2) / det,
+            (c02 * r0 + c12 * r1 + c22 * r2) / det]
 
 
 def dear(floor: int) -> bool:
@@ -748,7 +764,8 @@ class AdaptiveBudget:
                 # the ramp's floor from its drafting price alone (a trial's rows are paid by cheap parts too)
                 floor = max(2, math.ceil(g.cost / (RAMP_SHARE * plain)))
                 cap = MAX_WAIT_DEAR if dear(floor) else MAX_WAIT
-                max_wait = min(cap, max(2, math.ceil(trial / (PROBE_SHARE * plain))))
+                share = PROBE_SHARE if self.batch == 1 else PROBE_SHARE_BATCHED
+                max_wait = min(cap, max(2, math.ceil(trial / (share * plain))))
                 min_wait = min(max_wait, floor)
                 g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
         self.last_t = self.clock()

@@ -856,26 +856,31 @@ class TimedChainDrafter(OneChainDrafter):
         return [self.ms / 1e3]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("ms, dear", [(8.0, True), (1.0, False)])
-def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_next_run(ms, dear):
+def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_next_run(ms, dear, batch):
     """A part whose drafting is dear (8 ms beside a 10 ms plain step: its ramp's floor ceil(8 / (RAMP_SHARE * 10)) = 8
-    steps, over NEW_TEXT_TRIAL) whose trial did not pay waits up to what PROBE_SHARE allows, here ceil(8 / (0.01 * 10)) =
-    80 steps, past MAX_WAIT (capped by MAX_WAIT_DEAR), and the next run keeps that backoff; a cheap part (1 ms) is capped
-    by MAX_WAIT and restarts within NEW_TEXT_TRIAL steps of the next run's text."""
+    steps, over NEW_TEXT_TRIAL) whose trial did not pay waits up to what the probe share allows, ceil(8 / (0.01 * 10))
+    = 80 steps at batch 1 (PROBE_SHARE), 160 at batch 2 (PROBE_SHARE_BATCHED, 0.005; here 128, twice its last wait),
+    past MAX_WAIT (capped by MAX_WAIT_DEAR), and the next run keeps that backoff; a cheap part (1 ms: 10 / 20 steps) is
+    capped by MAX_WAIT and restarts within NEW_TEXT_TRIAL steps of the next run's text."""
     d = TimedChainDrafter(ms)
-    p = learned_policy(0.05, 2.0, drafter=d)  # every draft cut to the root: no trial pays
+    p = learned_policy(0.05, 2.0, batch=batch, drafter=d)  # every draft cut to the root: no trial pays
     g = p.gates[0]
     g.open, g.wait = False, 64
-    assert p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,)) is None
+    zeros, ones = torch.zeros(batch, dtype=torch.long), torch.ones(batch, dtype=torch.long)
+    assert p.propose(d, None, zeros, None, ones, (True,)) is None
     p.observe(None)
     plain = p.costs.predict(1)
     floor = max(2, math.ceil(ms / (adaptive.RAMP_SHARE * plain)))
     assert (floor > adaptive.NEW_TEXT_TRIAL) == dear and g.trial == pytest.approx(ms)
     cap = adaptive.MAX_WAIT_DEAR if dear else adaptive.MAX_WAIT
-    assert g.wait == g.left == min(cap, math.ceil(ms / (adaptive.PROBE_SHARE * plain)), 2 * 64)
+    share = adaptive.PROBE_SHARE if batch == 1 else adaptive.PROBE_SHARE_BATCHED
+    assert share == (0.01 if batch == 1 else 0.005)
+    assert g.wait == g.left == min(cap, math.ceil(ms / (share * plain)), 2 * 64)
     assert (g.wait > adaptive.MAX_WAIT) == dear
     p.finish()
-    nxt = AdaptiveBudget(d, 2, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0).gates[0]
+    nxt = AdaptiveBudget(d, batch, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0).gates[0]
     if dear:
         assert (nxt.wait, nxt.left) == (g.wait, g.left)
     else:
@@ -966,6 +971,43 @@ def test_step_costs_tell_a_drafted_steps_surcharge_from_its_rows():
     c.remember()
     c2 = adaptive.StepCosts(mem, "k", "cpu")
     assert c2.known and [c2.predict(w) for w in (1, 2, 4)] == pytest.approx([c.predict(w) for w in (1, 2, 4)])
+
+
+def test_step_costs_fit_is_the_decayed_ridge_written_out():
+    """StepCosts.observe's written-out update and _solve3 against their definition: the normal equations decayed toward
+    the prior, A <- DECAY A + x x^T + (1 - DECAY) w diag(S), r <- DECAY r + (1 - DECAY) w S prior + x ms, x = (1, T - 1,
+    [T > 1]), solved by torch.linalg.solve in float64; random widths and times (some past the outlier cap), a prior
+    from an earlier run and none."""
+    rng = random.Random(5)
+    for mem in ({}, {"k": (7.0, 1.1, 0.4)}):
+        c = adaptive.StepCosts(dict(mem), "k", "cpu", 2)
+        ref_A = torch.tensor(c.A, dtype=torch.float64)
+        ref_r = torch.tensor(c.r, dtype=torch.float64)
+        S = torch.tensor(c.PRIOR_SCALE, dtype=torch.float64)
+        for step in range(300):
+            w = rng.choice([1, 1, 1, 2, 3, 5, 9])
+            ms = 6.0 + 1.5 * (w > 1) + 1.2 * (w - 1) + rng.uniform(-1.0, 1.0) + (40.0 if step % 50 == 7 else 0.0)
+            before = (c.plain_seen, c.known)
+            capped = min(ms, 2.0 * c.predict(w) + 2.0)
+            c.observe(w, ms)
+            if not before[1] and w == 1 and before[0] < c.PLAIN_STEPS_TO_SCALE:  # the first plain steps scale the prior
+                ref_A = torch.tensor(c.A, dtype=torch.float64)
+                ref_r = torch.tensor(c.r, dtype=torch.float64)
+                continue
+            x = torch.tensor([1.0, w - 1.0, float(w > 1)], dtype=torch.float64)
+            pull = (1 - adaptive.DECAY) * c.weight * S
+            ref_A = adaptive.DECAY * ref_A + torch.outer(x, x) + torch.diag(pull)
+            ref_r = adaptive.DECAY * ref_r + pull * torch.tensor(c.prior, dtype=torch.float64) + x * capped
+            assert sum(c.A, []) == pytest.approx(ref_A.flatten().tolist(), rel=1e-9, abs=1e-12)
+            assert c.r == pytest.approx(ref_r.tolist(), rel=1e-9, abs=1e-12)
+            a, b, cc = torch.linalg.solve(ref_A, ref_r).tolist()
+            assert c.coef == pytest.approx([a, b], rel=1e-6) and c.spec == pytest.approx(cc, rel=1e-6, abs=1e-9)
+        assert c.coef[1] == pytest.approx(1.2, rel=0.25)  # and the fit is the timings'
+    for _ in range(20):  # _solve3 on its own: random symmetric positive definite systems
+        m = torch.randn(3, 3, dtype=torch.float64)
+        A, r = m @ m.T + 0.1 * torch.eye(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+        assert adaptive._solve3(A.tolist(), r.tolist()) == pytest.approx(torch.linalg.solve(A, r).tolist(), rel=1e-7,
+                                                                            abs=1e-9)
 
 
 def test_a_deeper_node_starts_from_its_part_and_signals_rate_at_the_other_depths():

@@ -236,6 +236,8 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert abs(sum(short[f"step_share_{k}"] for k in kinds) - 1) < 1e-9
     assert all((short[f"step_ms_{k}"] is None) == (short[f"step_share_{k}"] == 0) for k in kinds)
     assert all(short[f"step_ms_{k}"] > 0 for k in kinds if short[f"step_ms_{k}"] is not None)
+    assert all((short[f"step_mean_ms_{k}"] is None) == (short[f"step_ms_{k}"] is None) for k in kinds)
+    assert all(short[f"step_mean_ms_{k}"] > 0 for k in kinds if short[f"step_mean_ms_{k}"] is not None)
     assert adaptive.MAX_WAIT_DEAR == wait
     assert adaptive.AdaptiveBudget.observe is adaptive.AdaptiveBudget.__dict__["observe"]  # the timing hook undone
     assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench_12tok.csv")) == 2

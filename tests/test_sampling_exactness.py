@@ -19,8 +19,9 @@ ops.lm_head_residual_sample: no [B, T, V] probabilities) runs its Triton kernels
 CPU) inside an otherwise reference plan, with a static tree and with per-sequence trees; a fused
 sampler whose residual draw removes nothing is refused like the classic bug.
 
-Drafters: fresh Medusa / Hydra / Hydra++ heads with randomised weights (drafts away from the base
-argmax, so acceptance and rejection both happen at every depth), a static tree with siblings at two
+Drafters: fresh Medusa / Hydra / Hydra++ / Amphista heads with randomised weights (drafts away from the base
+argmax, so acceptance and rejection both happen at every depth; Amphista's also under the adaptive budget, whose cut
+ranks its guesses by its own confidence classes), a static tree with siblings at two
 depths, and a test drafter proposing a random tree per sequence per step (TreeBatch, ragged, repeated
 sibling tokens); settings with top-k, top-p, a batch of two different prompts, and a node budget that
 changes with the context (the full tree, then a plain step: hydra_kernels/budget.py).
@@ -76,11 +77,12 @@ def model():
 
 
 def random_head_drafter(model, kind):
-    torch.manual_seed({"medusa": 1, "hydra": 2, "hydra++": 3}[kind])
-    d = hk.new_drafter(model, kind=kind, num_heads=3, num_layers=1)
+    torch.manual_seed({"medusa": 1, "hydra": 2, "hydra++": 3, "amphista": 4}[kind])
+    # Amphista: its heads' top-k guesses (never sampled) from its stages over the committed text and its mixer
+    d = hk.new_drafter(model, kind=kind, num_heads=3, **({} if kind == "amphista" else {"num_layers": 1}))
     with torch.no_grad():
-        for p in d.parameters():
-            p.copy_(torch.randn_like(p) * 0.5)
+        for name, p in d.named_parameters():  # norms near 1 (Amphista's), the rest random
+            p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
     return d
 
 
@@ -220,6 +222,7 @@ SETTINGS = {  # name: (drafter kind or None (plain sampling), temperature, top_k
     "medusa-top_p": ("medusa", 0.8, 0, 0.8, 1),
     "per-sequence-trees-top_k-top_p": ("random-trees", 1.0, 5, 0.9, 1),
     "hydra-batch-2-prompts": ("hydra", 0.8, 0, 1.0, 2),
+    "amphista-batch-2-prompts": ("amphista", 0.8, 0, 1.0, 2),
     "hydra-varying-budget": ("hydra-budget", 0.8, 0, 1.0, 1),  # the full tree, then a plain step
     "sampled-medusa": ("sampled-medusa", 0.8, 0, 1.0, 1),
     "sampled-hydra-top_k": ("sampled-hydra", 0.8, 4, 1.0, 1),
@@ -241,6 +244,7 @@ ADAPTIVE_SETTINGS = {  # name -> (drafter kind, temperature, number of prompts)
     "adaptive-hydra-batch-2-prompts": ("hydra", 0.8, 2),
     "adaptive-per-sequence-trees": ("random-trees", 1.0, 1),
     "adaptive-sampled-combined-ngram-hydra": ("sampled-combined", 0.8, 1),
+    "adaptive-amphista": ("amphista", 0.8, 1),  # its confidence classes (a head's p of its guess) steer the cut
 }
 # number of G-tests among the positive settings (+ 1: the deterministic rule on sampled drafts)
 M = (sum(n for *_, n in SETTINGS.values()) + sum(n for *_, n in FUSED_SETTINGS.values())
