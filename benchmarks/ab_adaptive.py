@@ -8,8 +8,8 @@ alike; the ratio is total plain time over total variant time, beside the median 
 ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
 read against. An adaptive variant's steps are also timed by kind (STEP_KINDS: plain, a refused trial, drafted; their
 shares, median and mean ms beside plain decoding's mean ms a step), which says where its time goes (the means add up
-to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py
-ranks variants without the noise, on a modelled clock; this says whether a ranking holds on the machine.
+to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py ranks variants without
+the noise, on a modelled clock; this says whether a ranking holds on the machine.
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
 hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget="auto" (the drafter's budget table),
@@ -63,8 +63,8 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
 
 
 # the adaptive policy's steps, by what happened in them: no part ran (plain), a part ran and the step stayed plain (a
-# refused trial: a check or a draft cut to the root), or a draft was verified (drafted). Their shares and median wall
-# times (observe to observe: the host work and the native step together) beside plain decoding's step say where a
+# refused trial: a check or a draft cut to the root), or a draft was verified (drafted). Their shares and median / mean
+# wall times (observe to observe: the host work and the native step together) beside plain decoding's step say where a
 # variant's time goes: 2026-11-30, batch 2, the refused trials (29% of the steps, ~0.6-0.9 ms over a plain step each)
 STEP_KINDS = ("plain", "refused", "drafted")
 

@@ -286,6 +286,7 @@ class StepCosts:
         # at most a whole step, errs high where it errs); ~0 on a GPU (a step is memory-bound well past 16 rows)
         self.row_share = min(1.0, 0.15 * batch) if device_type == "cpu" else 0.005
         self.weight = 3.0 if prior is not None else 1.0
+        self.pull = [(1 - DECAY) * self.weight * s for s in self.PRIOR_SCALE]  # the prior's pull per coefficient a step
         self._reset(list(prior) + [0.0] * (3 - len(prior)) if prior is not None else [10.0, 10.0 * self.row_share, 0.0])
         self.plain_seen, self.wide_seen = 0, False
 
@@ -320,7 +321,7 @@ class StepCosts:
         # 1e-14); AdaptiveBudget.observe's median in the batch-2 loop (MT-Bench) 29 us where it was 46
         x1, x2 = float(width - 1), 1.0 if width > 1 else 0.0
         A, r, d = self.A, self.r, DECAY
-        p0, p1, p2 = ((1 - d) * self.weight * s for s in self.PRIOR_SCALE)  # the prior's pull per coefficient
+        p0, p1, p2 = self.pull
         A0, A1, A2 = A
         A0[0], A0[1], A0[2] = d * A0[0] + 1.0 + p0, d * A0[1] + x1, d * A0[2] + x2
         A1[0], A1[1], A1[2] = d * A1[0] + x1, d * A1[1] + x1 * x1 + p1, d * A1[2] + x1 * x2
@@ -449,6 +450,7 @@ class AdaptiveBudget:
         self.prunable = drafter.prunable_proposals
         self.cap, self.batch = cap, batch
         self.margin = MARGIN_BATCH_1 if batch == 1 else MARGIN
+        self.probe_share = PROBE_SHARE if batch == 1 else PROBE_SHARE_BATCHED  # what a held-back part's trials may cost
         self.memory = memory(drafter, "memory")
         # the shipped prior only matters (and is only built, or warned about) before a run has learned rates
         shipped = None if "rates" in self.memory else shipped_rates(drafter, self.parts)
@@ -764,8 +766,7 @@ class AdaptiveBudget:
                 # the ramp's floor from its drafting price alone (a trial's rows are paid by cheap parts too)
                 floor = max(2, math.ceil(g.cost / (RAMP_SHARE * plain)))
                 cap = MAX_WAIT_DEAR if dear(floor) else MAX_WAIT
-                share = PROBE_SHARE if self.batch == 1 else PROBE_SHARE_BATCHED
-                max_wait = min(cap, max(2, math.ceil(trial / (share * plain))))
+                max_wait = min(cap, max(2, math.ceil(trial / (self.probe_share * plain))))
                 min_wait = min(max_wait, floor)
                 g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
         self.last_t = self.clock()

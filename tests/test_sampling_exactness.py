@@ -81,8 +81,8 @@ def random_head_drafter(model, kind):
     # Amphista: its heads' top-k guesses (never sampled) from its stages over the committed text and its mixer
     d = hk.new_drafter(model, kind=kind, num_heads=3, **({} if kind == "amphista" else {"num_layers": 1}))
     with torch.no_grad():
-        for name, p in d.named_parameters():  # norms near 1 (Amphista's), the rest random
-            p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+        for name, p in d.named_parameters():  # random; Amphista's norms near 1 (its stages and mixer are layers)
+            p.copy_(torch.randn_like(p) * 0.5 + (1.0 if kind == "amphista" and "norm" in name else 0.0))
     return d
 
 
