@@ -7,13 +7,15 @@ decode the same answers back to back, in an order that rotates with each answer 
 alike; the ratio is total plain time over total variant time, beside the median and geometric mean of the answers'
 ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
 read against. An adaptive variant's steps are also timed by kind (STEP_KINDS: plain, a refused trial, drafted; their
-shares, median and mean ms beside plain decoding's mean ms a step), which says where its time goes (the means add up
-to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py ranks variants without
+shares, median and mean ms beside plain decoding's mean ms a step, plain_decoding_step_mean_ms), which says where its
+time goes (the means add up to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py ranks variants without
 the noise, on a modelled clock; this says whether a ranking holds on the machine.
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
 hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget="auto" (the drafter's budget table),
-"adaptive" the code as it is. Each variant keeps its own learned state across answers (the drafter's and the model's
+"adaptive" the code as it is, "@REV" the policy of hydra_kernels/adaptive.py at git revision REV (the rest of the
+package as it is: a before / after A/B of a change to the policy in one process; its steps are timed by kind where that
+revision's policy keeps `step` as today's does). Each variant keeps its own learned state across answers (the drafter's and the model's
 adaptive memory), as one user's process would. Every output is checked against plain decoding.
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
@@ -23,7 +25,11 @@ adaptive memory), as one user's process would. Every output is checked against p
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
+import re
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +68,32 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
     return [prompts[i * args.batch:(i + 1) * args.batch] for i in range(args.prompts)]
 
 
+def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision and process)
+    """AdaptiveBudget of hydra_kernels/adaptive.py at git revision `rev`, loaded beside the current module (its
+    relative imports the current package's), its propose given only the arguments it takes (an older loop passed
+    fewer). A revision git cannot show is refused."""
+    if rev not in _cache:
+        root = Path(__file__).resolve().parents[1]
+        shown = subprocess.run(["git", "-C", str(root), "show", f"{rev}:hydra_kernels/adaptive.py"],
+                               capture_output=True, text=True)
+        if shown.returncode:
+            raise SystemExit(f"variant @{rev}: git cannot show hydra_kernels/adaptive.py at {rev!r} "
+                             f"({shown.stderr.strip()}); name a commit of this repository")
+        name = "hydra_kernels._adaptive_at_" + re.sub(r"\W", "_", rev)
+        module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+        module.__package__ = "hydra_kernels"
+        sys.modules[name] = module
+        exec(compile(shown.stdout, f"{rev}:hydra_kernels/adaptive.py", "exec"), module.__dict__)
+        takes = len(inspect.signature(module.AdaptiveBudget.propose).parameters) - 1  # self excluded
+
+        class Budget(module.AdaptiveBudget):
+            def propose(self, *a):
+                return super().propose(*a[:takes])
+
+        _cache[rev] = Budget
+    return _cache[rev]
+
+
 # the adaptive policy's steps, by what happened in them: no part ran (plain), a part ran and the step stayed plain (a
 # refused trial: a check or a draft cut to the root), or a draft was verified (drafted). Their shares and median / mean
 # wall times (observe to observe: the host work and the native step together) beside plain decoding's step say where a
@@ -78,20 +110,25 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
     propose = drafter.propose
     steps = []  # the adaptive policy's steps in the current run: (time at its observe, kind of step)
     step_ms = {name: {k: [] for k in STEP_KINDS} for name, _ in parsed}  # per variant and kind: the steps' ms
-    observe = adaptive.AdaptiveBudget.observe
+    current = adaptive.AdaptiveBudget
+    policies = {name: policy_at(name[1:]) if name.startswith("@") else current for name, _ in parsed}
 
     def counted(*a, **k):
         drafts[0] += 1
         return propose(*a, **k)
 
-    def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
-        parts, width = policy.step[0], policy.step[2]
-        observe(policy, *a, **k)
-        steps.append((time.perf_counter(), "plain" if not any(parts) else "refused" if width == 1 else "drafted"))
+    def timing(observe):
+        def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
+            parts, width = policy.step[0], policy.step[2]
+            observe(policy, *a, **k)
+            steps.append((time.perf_counter(), "plain" if not any(parts) else "refused" if width == 1 else "drafted"))
+        return timed
 
     order = [("plain", {})] + parsed
     drafter.propose = counted
-    adaptive.AdaptiveBudget.observe = timed
+    own = {cls: cls.__dict__.get("observe") for cls in set(policies.values())}  # None: inherited (a revision's)
+    for cls in own:
+        cls.observe = timing(cls.observe)
     try:
         for name, consts in parsed:  # warm-up: first calls, each variant's policy ops
             _decode(model, drafter, groups[0], name, consts, memories, 8)
@@ -112,7 +149,11 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
                     runs[name].append((out.decode_s, drafts[0], out))
     finally:
         drafter.propose = propose
-        adaptive.AdaptiveBudget.observe = observe
+        for cls, observe in own.items():
+            if observe is None:
+                del cls.observe  # the revision's own again
+            else:
+                cls.observe = observe
     plain = runs["plain"]
     plain_steps = [o[2].decode_s * 1e3 / max(1, o[2].num_steps) for o in plain]  # plain decoding's ms a step
     rows = []
@@ -128,7 +169,11 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
                      "plain_step_share": sum(n == 1 for n in nodes) / max(1, len(nodes)),
                      "tokens_per_step": statistics.mean(o.mean_accepted_tokens for o in outs),
                      "identical": f"{sum(o.sequences == p[2].sequences for o, p in zip(outs, plain))}/{len(outs)}",
-                     "plain_decoding_step_ms": statistics.median(plain_steps)})
+                     "plain_decoding_step_ms": statistics.median(plain_steps),
+                     # the mean the step kinds' means (step_mean_ms_*) compare with: the median above is of the answers'
+                     # means, lower than the mean where a few answers ran slow (2026-11-30, batch 2: 8.27 against 8.56)
+                     "plain_decoding_step_mean_ms": 1e3 * sum(o[2].decode_s for o in plain) / sum(
+                         max(1, o[2].num_steps) for o in plain)})
         timed_steps = sum(len(x) for x in step_ms[name].values())
         for kind, ms in step_ms[name].items():  # the adaptive policy's steps by kind (none for "table")
             rows[-1][f"step_share_{kind}"] = len(ms) / timed_steps if timed_steps else None
@@ -138,15 +183,20 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
 
 
 def _decode(model, drafter, prompts, name: str, consts: dict, memories: dict, new_tokens: int):
-    """One variant's run: its constants set, its own learned state in place, both restored after."""
+    """One variant's run: its constants set, its own learned state in place, an @REV variant's policy the one budget.py
+    builds; all restored after."""
     old = {c: getattr(adaptive, c) for c in consts}
     for c, v in consts.items():
         setattr(adaptive, c, v)
     drafter.__dict__["_adaptive_memory"], model.__dict__["_adaptive_costs"] = memories[name]
+    current = adaptive.AdaptiveBudget
+    if name.startswith("@"):
+        adaptive.AdaptiveBudget = policy_at(name[1:])  # budget.py imports it from the module at each call
     try:
         return generate(model, prompts, drafter=drafter, budget="auto" if name == "table" else "adaptive",
                         max_new_tokens=new_tokens, eos_token_id=[])
     finally:
+        adaptive.AdaptiveBudget = current
         for c, v in old.items():
             setattr(adaptive, c, v)
 
@@ -181,7 +231,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for v in args.variants:
-        parse_variant(v)  # a bad variant is refused before the model loads
+        name, _ = parse_variant(v)  # a bad variant is refused before the model loads
+        if name.startswith("@"):
+            policy_at(name[1:])
     if args.context != "short" and not args.context.isdigit():
         ap.error(f"--context must be 'short' or a token count, got {args.context!r}")
     if min(args.batch, args.prompts, args.rounds, args.new_tokens) < 1:

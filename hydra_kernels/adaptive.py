@@ -3,8 +3,8 @@ budget="adaptive"; budget.py keeps the pinned and table rules).
 
 Per step, two decisions:
 1. Before proposing, which of the drafter's parts run (Drafter.parts: the combined drafter's "ngram" and
-   "heads", one "draft" part elsewhere). A part runs while what it earned (the tokens its kept nodes were
-   expected to earn, the sum of their P below, per step: an average over the recent steps it ran) beats what
+   "heads", one "draft" part elsewhere). A part runs while what it earned (its share of the progress its step's
+   kept nodes were expected to add, E(T) - 1 below, per step: an average over the recent steps it ran) beats what
    it costs (its measured drafting time and the rows its nodes took) at the current throughput; a part held
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
    4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT (MAX_WAIT_DEAR for a dear part),
@@ -19,12 +19,14 @@ Per step, two decisions:
    a node is right given its parent was, learned below);
    each sequence keeps its T best nodes (P never grows down a path and ties keep the lower index, so the
    best T nodes always hold every kept node's parent: a valid subtree) and T maximises
-       E(T) / cost(T),  E(T) = sum over active sequences of (1 + the sum of their T - 1 best P),
-   since a step's expected emitted tokens are 1 + the sum over drafted nodes of P(node) (each accepted
-   node is one token; siblings are disjoint events where their tokens differ: two siblings with one token,
-   the n-gram's and a head's same guess, are one event counted twice, which the combined drafter does not
-   merge yet). T = 1 is a plain step. The padded TreeBatch makes
-   every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
+       E(T) / cost(T),  E(T) = the expected progress of the batch's end with those nodes (bottleneck_expected):
+   one sequence's expected tokens are 1 + the sum over its drafted nodes of P(node) (each accepted node is one token;
+   siblings are disjoint events where their tokens differ: two siblings with one token, the n-gram's and a head's
+   same guess, are one event counted twice, which the combined drafter does not merge yet), and a batch (generate()'s
+   fixed batch ends with its last sequence) moves its end by 1 + sum over depths d of prod over the active sequences
+   of the P at depth d - g_b of each one's kept nodes (g_b: how far the sequence is ahead of the one furthest behind;
+   1 for d <= g_b): a draft only the sequences ahead accept moves nothing. T = 1 is a plain step. The padded
+   TreeBatch makes every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
    Where the drafter knows its draft's shape before drafting (Drafter.outline: the n-gram lookups, a static
    tree), the same choice is made first on the host from that shape (the drafting cost its parts' recent
    mean): a draft it would cut to the root alone is not drafted, and the step is plain at once. A node whose
@@ -489,10 +491,11 @@ class AdaptiveBudget:
 
     # ---- proposing ---------------------------------------------------------------------------------
     def propose(self, drafter, state, root: torch.Tensor, seqlens: torch.Tensor, active: torch.Tensor,
-                parts: tuple[bool, ...]) -> Proposal | None:
-        """The drafter's proposal with `parts`, cut to the width that maximises expected tokens per ms (a
-        TreeBatch; the proposal itself when nothing is cut), or None: verify the root alone (a plain step).
-        active [B] (0: finished)."""
+                parts: tuple[bool, ...], emitted: list[int] | None = None) -> Proposal | None:
+        """The drafter's proposal with `parts`, cut to the width that maximises the batch's expected progress per
+        ms (bottleneck_expected; a TreeBatch; the proposal itself when nothing is cut), or None: verify the root
+        alone (a plain step). active [B] (0: finished); emitted: the tokens each sequence has emitted (None: taken as
+        level)."""
         t0 = self.clock()  # from here, what the parts cost: their setup, the outline, the check, the drafting
         drafter.set_parts(state, parts)
         for p, run in enumerate(parts):
@@ -510,7 +513,8 @@ class AdaptiveBudget:
         if shape is not None:
             drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
             act_host = active.tolist()  # the check reads host values only: it runs every few steps (a trial)
-            host = self._host_expected(shape, act_host)
+            lags = bottleneck_lags(emitted, act_host)
+            host = self._host_expected(shape, act_host, lags)
             if self._best_width(host[0], host[1], drafting) == 1:
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
                 # the gates judge it as the trial it replaces, at their parts' drafting cost (EPYC VM, 2026-11-28:
@@ -542,7 +546,7 @@ class AdaptiveBudget:
             if host[3]:  # the drafted nodes' classes, where the outline had them pending (none: sibling ranks)
                 sigs = prop.signal.tolist() if prop.signal is not None else [sibling_ranks(par) for par, _, _ in shape]
                 shape = [(par, grp, sig[:len(par)]) for (par, grp, _), sig in zip(shape, sigs)]
-                host = self._host_expected(shape, act_host)
+                host = self._host_expected(shape, act_host, lags)
             return self._host_cut(prop, shape, host, parts, part_ms, active, t1)
         dev = tokens.device
         parents, depths, valid, mask = _per_sequence(tree, B, dev)
@@ -555,7 +559,11 @@ class AdaptiveBudget:
         P = torch.where(valid, torch.exp(torch.bmm(mask.float(), logr[:, :, None]))[:, :, 0], torch.zeros_like(rate))
         order = torch.sort(P, dim=1, descending=True, stable=True).indices  # root first, parents before children
         act = active.to(P.dtype)
-        expected = (P.gather(1, order).cumsum(1) * act[:, None]).sum(0).tolist()  # [T0]: tokens of the best w nodes
+        batched = int((act > 0).sum()) > 1
+        if batched:  # [T0]: the batch's expected progress with each sequence's best w nodes
+            expected = bottleneck_expected_tensor(P, order, depths, act, bottleneck_lags(emitted, active.tolist()))
+        else:  # one sequence: its expected tokens
+            expected = (P.gather(1, order).cumsum(1) * act[:, None]).sum(0).tolist()
         best = self._best_width(expected, T0, sum(part_ms))  # the drafting, paid already, by every width alike
         if best == T0:
             out, vp = prop, (keys, depths, valid, parents, groups)
@@ -580,6 +588,8 @@ class AdaptiveBudget:
                     mine = groups_kept == p
                     self.keep[p] = int(((mine & drafted).sum(1) * (act > 0)).max())
                     expect[p] = float((drafted_P * mine).sum())
+            if batched:
+                expect = _progress_shares(expect, expected[best - 1])
         self._charge(parts, part_ms, best, vp, act, t1, expect=expect)
         return out
 
@@ -594,7 +604,8 @@ class AdaptiveBudget:
             best = 1
         return best
 
-    def _host_expected(self, shape, active: list[int]) -> tuple[list[float], int, dict, bool]:
+    def _host_expected(self, shape, active: list[int], lags: list[int] | None = None
+                       ) -> tuple[list[float], int, dict, bool]:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys and rates, P (a product down the
         path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). A node whose
@@ -604,16 +615,18 @@ class AdaptiveBudget:
         is its gate's judgment), and the cut after drafting ranks the drafted classes (EPYC VM, 2026-11-29, 2k-token
         prompts, batch 1: taken at the most confident class, whose rate stayed the prior 0.4 where guesses that
         confident were rare, the check refused heads whose p in [0.45, 0.6) were accepted 0.83 of the time).
+        lags: bottleneck_lags' (None: none; one active sequence needs none).
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
         prefix is a subtree; its keys, a pending node's its best class's; P per node)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
-        keys, best = {}, {}  # active sequences only: a finished one's nodes count for nothing
+        keys, best, depths = {}, {}, {}  # active sequences only: a finished one's nodes count for nothing
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
             if not a:
                 continue
             depth = [0] * len(parents)
             for j in range(1, len(parents)):
                 depth[j] = depth[parents[j]] + 1
+            depths[b] = depth
             ks = []
             for g, d, x in zip(groups, depth, signal):
                 base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
@@ -635,6 +648,9 @@ class AdaptiveBudget:
             ranked[b] = (order, keys[b], P)
             for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
+        if len(ranked) > 1:  # the batch's progress: the sequence furthest behind's (bottleneck_expected)
+            expected = bottleneck_expected([([P[j] for j in order], [depths[b][j] for j in order],
+                                             lags[b] if lags else 0) for b, (order, _, P) in ranked.items()], T0)
         return expected, T0, ranked, bool(best)
 
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
@@ -684,6 +700,8 @@ class AdaptiveBudget:
             if b in ranked:
                 for j in ids[1:]:
                     expect[shape[b][1][j]] += ranked[b][2][j]
+        if len(ranked) > 1:
+            expect = _progress_shares(expect, expected[best - 1])
         self._charge(parts, part_ms, best, (keys_t, depths, valid, parents, groups_t), act, t1, expect=expect)
         return out
 
@@ -768,17 +786,18 @@ class AdaptiveBudget:
                 cap = MAX_WAIT_DEAR if dear(floor) else MAX_WAIT
                 max_wait = min(cap, max(2, math.ceil(trial / (self.probe_share * plain))))
                 min_wait = min(max_wait, floor)
-                g.judge(self._pays(p, parts, n_seq), max_wait, min_wait)
+                g.judge(self._pays(p, parts), max_wait, min_wait)
         self.last_t = self.clock()
         self.host_s += self.last_t - t0
 
-    def _pays(self, p: int, parts: tuple[bool, ...], n_seq: float) -> bool:
+    def _pays(self, p: int, parts: tuple[bool, ...]) -> bool:
         """Whether part p, beside the other parts that ran, pays (its gate's judgment, from the gates' recent means):
         its own rate beats the step's rate without it by the margin,
             gain / its_time > margin * tokens_without / time_without
         (at margin 1: the step's rate with it, (tokens_without + gain) / (time_without + its_time), beats the rate
         without it),
-        tokens_without = n_seq + the others' gains; time_without = a plain step + the others' drafting + their nodes'
+        tokens_without = 1 (a plain step's progress) + the others' gains (the gains in the batch's progress:
+        _progress_shares; at batch 1 a sequence's tokens); time_without = a plain step + the others' drafting + their nodes'
         rows; its_time = its drafting + the rows its nodes add to the others' (the drafted step's surcharge c paid
         once). EPYC VM, 2026-11-29: priced without the others' rows, the rate without a part looked higher than it
         was whenever two parts ran, and the n-gram, weighed against the heads' tokens but not their rows, was held
@@ -786,7 +805,7 @@ class AdaptiveBudget:
         g = self.gates[p]
         others = [q for q, r in enumerate(parts) if r and q != p]
         other_nodes = sum(self.gates[q].nodes for q in others)
-        tokens_without = n_seq + sum(self.gates[q].gain for q in others)
+        tokens_without = 1.0 + sum(self.gates[q].gain for q in others)
         time_without = self.costs.predict(1) + sum(self.gates[q].cost for q in others) + self.costs.rows(other_nodes)
         its_time = g.cost + self.costs.rows(other_nodes + g.nodes) - self.costs.rows(other_nodes)
         return g.gain * time_without > self.margin * its_time * tokens_without
@@ -860,3 +879,75 @@ def _cut(prop: Proposal, parents: torch.Tensor, depths: torch.Tensor, mask: torc
     probs = None if prop.draft_probs is None else \
         prop.draft_probs.gather(1, sel[:, :, None].expand(B, T, prop.draft_probs.shape[-1]))
     return Proposal(prop.tokens.gather(1, sel), TreeBatch.kept(parents, depths, mask, valid, sel), positions, probs)
+
+
+def _progress_shares(expect: list[float], progress: float) -> list[float]:
+    """The parts' expected tokens (their kept nodes' P, summed over the sequences) -> their shares of the step's expected
+    progress beyond a plain step's (progress - 1: bottleneck_expected's E[D] - 1), in proportion: what their gates
+    record as earned, in the units a plain step's 1 is in (_pays). Batched steps only: at one active sequence the two
+    are equal."""
+    total = sum(expect)
+    return [e * (progress - 1.0) / total for e in expect] if total > 0 else expect
+
+
+def bottleneck_lags(emitted: list[int] | None, active: list[int]) -> list[int] | None:
+    """Each active sequence's lead over the active sequence that has emitted the fewest tokens, g_b >= 0 (a finished
+    sequence's: 0, unused); None where emitted is unknown (every sequence taken as level)."""
+    if emitted is None:
+        return None
+    live = [e for e, a in zip(emitted, active) if a]
+    low = min(live, default=0)
+    return [e - low if a else 0 for e, a in zip(emitted, active)]
+
+
+def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int) -> list[float]:
+    """The batch's expected progress per verified width w = 1 .. T0, E[D](w), where each active sequence keeps its w
+    best nodes. seqs: per active sequence (its nodes' P in rank order, root first; their depths in the same order;
+    its lead g over the sequence furthest behind, bottleneck_lags).
+
+    Why not the sum of the sequences' expected tokens: generate() decodes a fixed batch, which ends when its last
+    sequence does (a finished sequence's rows are still computed), so its tokens per second are B * N / (the last
+    one's finishing time). A draft that only the sequences ahead accept finishes nobody sooner: Xeon AMX VM,
+    2026-11-30, batch 2, editing prompts, 64 tokens: one sequence copied its text through 6-node steps at 3.2x a
+    plain step's time while the other accepted nothing: 62 steps for plain decoding's 64, 930 ms against 647.
+    So a step is worth how far it moves the end: with r_b the tokens sequence b has left (the same cap for all, so
+    r_max - r_b = g_b) and a_b >= 1 the tokens it emits this step,
+        D = r_max - max_b (r_b - a_b) >= 1,   E[D] = sum_{k>=1} P(D >= k) = 1 + sum_{d>=1} prod_b S_b(d - g_b),
+    S_b(d) = P(a_b >= d + 1) = the sum of P over b's kept nodes at depth d (siblings are disjoint events), 1 for
+    d <= 0 (a sequence g ahead does not hold the end back for its first g tokens); the sequences' acceptances are
+    taken as independent. At one active sequence E[D] = 1 + the sum of its kept P: the single sequence's expected
+    tokens, as before. Under EOS a sequence's length is not its cap; a finished one leaves the product, and the
+    cap is the only length known beforehand."""
+    top = max((max(dep) for _, dep, g in seqs if g == 0), default=0)  # beyond the laggards' deepest node, a factor is 0
+    seqs = [s for s in seqs if s[2] < top]  # a lead past every depth in play: factor 1 throughout
+    S = [[0.0] * (top + 1) for _ in seqs]
+    expected = []
+    for w in range(T0):
+        for (P, dep, _), s in zip(seqs, S):
+            if w < len(P) and 0 < dep[w] <= top:  # the root (depth 0) is every sequence's first node
+                s[dep[w]] += P[w]
+        total = 1.0
+        for d in range(1, top + 1):
+            prod = 1.0
+            for (_, _, g), s in zip(seqs, S):
+                if d > g:
+                    prod *= s[d - g]
+            total += prod
+        expected.append(total)
+    return expected
+
+
+def bottleneck_expected_tensor(P: torch.Tensor, order: torch.Tensor, depths: torch.Tensor, act: torch.Tensor,
+                               lags: list[int] | None) -> list[float]:
+    """bottleneck_expected from propose()'s tensors: P [B, T0] (0 off the tree), order [B, T0] (each sequence's nodes
+    by P, root first), depths [B, T0], act [B] (0: finished, its factor 1)."""
+    B, T0 = P.shape
+    top = max(int(depths.max()), 1)
+    d = torch.arange(1, top + 1, device=P.device)
+    ds = depths.gather(1, order)
+    S = (P.gather(1, order)[:, :, None] * (ds[:, :, None] == d)).cumsum(1)  # [B, T0, top]: b's best w nodes' P at d
+    g = torch.tensor(lags if lags is not None else [0] * B, device=P.device)
+    src = d[None, :] - g[:, None]  # [B, top]: the depth of b's own that depth d of the batch's progress needs
+    Sg = S.gather(2, (src.clamp(min=1) - 1)[:, None, :].expand(B, T0, top))
+    Sg = torch.where((src[:, None, :] >= 1) & (act[:, None, None] > 0), Sg, torch.ones_like(Sg))
+    return (1.0 + Sg.prod(0).sum(-1)).tolist()

@@ -180,7 +180,8 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
                 parts = policy.plan()
                 prop = None
                 if any(parts):  # the parts that pay draft; the policy keeps the nodes that pay (None: none)
-                    prop = policy.propose(drafter, state, root, cache.seqlens, active, parts)
+                    emitted = [len(s) for s in emitter.sequences] if batch > 1 else None  # who holds the end back
+                    prop = policy.propose(drafter, state, root, cache.seqlens, active, parts, emitted)
                 else:
                     drafter.skip_step(state, root, cache.seqlens)
                     policy.plain_step()

@@ -8,6 +8,7 @@ and the default are wired as documented. Sampling exactness with the policy on: 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import random
 
@@ -87,21 +88,30 @@ def test_any_choice_of_the_policy_is_lossless(model, name, monkeypatch):  # noqa
     assert (checked[0] > 0) == (name in OUTLINED), checked
 
 
-def test_the_real_policy_is_lossless_on_the_real_model():
+def test_the_real_policy_is_lossless_on_the_real_model(monkeypatch):
     """The embedded SmolLM2 (quantized CPU base) and the shipped default drafter, timed costs (no
-    randomisation): identical to plain greedy, batch 1 and batch 3, and the policy's host time is reported."""
+    randomisation): identical to plain greedy, batch 1 and batch 3, and the policy's host time is reported. The
+    loop tells the policy what each sequence has emitted before each step (at batch 1: nothing, none needed)."""
     m, tok = hk.load_model()
     d = hk.load_drafter(model=m)
     from hydra_kernels.chat import chat_prompt_ids
 
+    told = []
+    propose = AdaptiveBudget.propose
+    monkeypatch.setattr(AdaptiveBudget, "propose", lambda self, *a: told.append(a[6]) or propose(self, *a))
     prompts = [chat_prompt_ids(tok, p) for p in ("Repeat after me: the quick brown fox jumps over the lazy dog. "
                                                  "The quick brown fox jumps over the lazy dog.",
                                                  "Name three colours.", "Write a haiku about rain.")]
     for batch in (prompts[:1], prompts):
+        told.clear()
         plain = generate(m, batch, max_new_tokens=40)
         out = generate(m, batch, drafter=d, max_new_tokens=40, budget="adaptive")
         assert out.sequences == plain.sequences
         assert out.policy_s > 0 and len(out.step_nodes) == out.num_steps
+        assert told, "the policy proposed no step"
+        for emitted in told:  # the prefill's token and each step's, as of some step s (the same s for all)
+            assert emitted is None if len(batch) == 1 else any(
+                emitted == [1 + sum(a[:s]) for a in out.accept_lengths] for s in range(out.num_steps))
 
 
 def test_a_cut_is_the_induced_subtree():
@@ -200,24 +210,121 @@ def learned_policy(rate: float, row_ms: float, batch: int = 2, drafter=None) -> 
     return p
 
 
-@pytest.mark.parametrize("rate, row_ms, width", [(0.9, 0.5, 5), (0.9, 100.0, 1), (0.05, 2.0, 1), (0.5, 1.0, 3),
-                                                 (0.2, 1.0, 1)])
-def test_the_policy_drafts_only_what_pays(rate, row_ms, width):
-    """Chain nodes accepted at `rate` each, a row costing row_ms beside a 10 ms step: the width chosen
-    maximises (1 + rate + rate^2 + ...) / (10 + row_ms (w - 1)) (0.5 / 1 ms: 1.75 / 12 beats 1.5 / 11 and
-    1.875 / 13), where it beats a plain step by adaptive.MARGIN (0.2 / 1 ms: 1.2 / 11 is 1.09x 1 / 10: plain)."""
+@pytest.mark.parametrize("rate, row_ms, batch, width", [(0.9, 0.5, 2, 5), (0.9, 100.0, 2, 1), (0.05, 2.0, 2, 1),
+                                                        (0.5, 1.0, 1, 3), (0.5, 1.0, 2, 1), (0.7, 0.5, 2, 4),
+                                                        (0.9, 0.5, 3, 5), (0.2, 1.0, 1, 2), (0.2, 1.0, 2, 1)])
+def test_the_policy_drafts_only_what_pays(rate, row_ms, batch, width):
+    """Chain nodes accepted at `rate` each, a row costing row_ms beside a 10 ms step, `batch` sequences level (none has
+    emitted more than another): the width chosen maximises the batch's expected progress per ms,
+    (1 + rate^B + rate^2B + ...) / (10 + row_ms (w - 1)) (depth d moves the end only where every sequence accepts
+    it: adaptive.bottleneck_expected; at batch 1 a sequence's expected tokens: 0.5 / 1 ms: 1.75 / 12 beats 1.5 / 11
+    and 1.875 / 13), where it beats a plain step by the margin (adaptive.MARGIN at batch >= 2: 0.5 / 1 ms at batch 2,
+    1.25 / 11 is 1.14x 1 / 10: plain; MARGIN_BATCH_1 at batch 1: 0.2 / 1 ms, 1.2 / 11 is 1.09x: drafted)."""
     for d in (OneChainDrafter(), OutlinedChainDrafter()):
-        p = learned_policy(rate, row_ms, drafter=d)
-        out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+        p = learned_policy(rate, row_ms, batch=batch, drafter=d)
+        out = p.propose(d, None, torch.zeros(batch, dtype=torch.long), None, torch.ones(batch, dtype=torch.long),
+                        (True,), [7] * batch)
         got = 1 if out is None else out.tree.num_nodes
         assert got == width
-        r = {w: sum(rate**k for k in range(w)) / (10 + row_ms * (w - 1)) for w in range(1, 6)}
+        r = {w: sum(rate**(batch * k) for k in range(w)) / (10 + row_ms * (w - 1)) for w in range(1, 6)}
         expect = max(r, key=r.get)
-        assert got == (expect if r[expect] >= p.margin * r[1] else 1) and p.margin == adaptive.MARGIN
+        assert got == (expect if r[expect] >= p.margin * r[1] else 1)
+        assert p.margin == (adaptive.MARGIN if batch > 1 else adaptive.MARGIN_BATCH_1)
         # a drafter whose outline shows the draft would be cut to the root is not asked to draft: it skips
         outlined = isinstance(d, OutlinedChainDrafter)
         assert getattr(d, "proposed", 0) == (0 if outlined and width == 1 else 1)
         assert getattr(d, "skipped", 0) == (1 if outlined and width == 1 else 0)
+
+
+def _enumerated_progress(trees, lags, w):
+    """E[D] of a batch by enumeration: each sequence keeps its w best nodes (P, ties to the lower id); it emits a >= 1
+    tokens with P(a >= d + 1) = the kept P at depth d; D = r_max - max_b (r_b - a_b), r_b = r_max - its lead."""
+    outcomes = []
+    for parents, P in trees:
+        depth = [0] * len(parents)
+        for j in range(1, len(parents)):
+            depth[j] = depth[parents[j]] + 1
+        S = {}
+        for j in sorted(range(len(P)), key=lambda j: -P[j])[:w]:
+            if depth[j]:
+                S[depth[j]] = S.get(depth[j], 0.0) + P[j]
+        s = lambda d: 1.0 if d <= 0 else S.get(d, 0.0)  # noqa: E731
+        outcomes.append([(a, s(a - 1) - s(a)) for a in range(1, max(S, default=0) + 2)])
+    E = 0.0
+    for combo in itertools.product(*outcomes):
+        E += math.prod(p for _, p in combo) * -max(-g - a for (a, _), g in zip(combo, lags))
+    return E
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_batchs_progress_is_what_moves_its_last_sequence(seed):
+    """bottleneck_expected (the host's) and bottleneck_expected_tensor give the expected progress of the batch's end
+    that enumerating every sequence's accepted length gives: random trees of 1-6 nodes per sequence (siblings' rates
+    summing to at most 1: disjoint events), 2-4 sequences, leads of 0-3 tokens, one with no draft, every width."""
+    rng = random.Random(seed)
+    for _ in range(25):
+        B = rng.randint(2, 4)
+        trees = []
+        for _ in range(B):
+            n = rng.randint(1, 6)
+            parents = [-1] + [rng.randrange(j) for j in range(1, n)]
+            rate = [1.0] * n
+            for q in set(parents[1:]):
+                kids = [j for j in range(1, n) if parents[j] == q]
+                w = [rng.random() for _ in kids]
+                for j, x in zip(kids, w):
+                    rate[j] = x / sum(w) * rng.uniform(0.3, 1.0)
+            P = [1.0]
+            for j in range(1, n):
+                P.append(P[parents[j]] * rate[j])
+            trees.append((parents, P))
+        lead = [rng.choice([0, 0, 1, 3]) for _ in range(B)]
+        lags = adaptive.bottleneck_lags(lead, [1] * B)
+        T0 = max(len(p) for p, _ in trees)
+        seqs, Pt, dt = [], torch.zeros(B, T0, dtype=torch.float64), torch.zeros(B, T0, dtype=torch.long)
+        for b, ((parents, P), g) in enumerate(zip(trees, lags)):
+            depth = [0] * len(parents)
+            for j in range(1, len(parents)):
+                depth[j] = depth[parents[j]] + 1
+            order = sorted(range(len(P)), key=lambda j: -P[j])
+            seqs.append(([P[j] for j in order], [depth[j] for j in order], g))
+            Pt[b, :len(P)], dt[b, :len(P)] = torch.tensor(P, dtype=torch.float64), torch.tensor(depth)
+        host = adaptive.bottleneck_expected(seqs, T0)
+        order = torch.sort(Pt, dim=1, descending=True, stable=True).indices
+        tensor = adaptive.bottleneck_expected_tensor(Pt, order, dt, torch.ones(B), lags)
+        for w in range(1, T0 + 1):
+            want = _enumerated_progress(trees, lags, w)
+            assert host[w - 1] == pytest.approx(want, rel=1e-12, abs=1e-12)
+            assert tensor[w - 1] == pytest.approx(want, rel=1e-12, abs=1e-12)
+    # a finished sequence (act 0) holds nothing back; a lead beyond every depth in play neither
+    P = torch.tensor([[1.0, 0.8, 0.6], [1.0, 0.0, 0.0]])
+    d, order = torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.tensor([[0, 1, 2], [0, 1, 2]])
+    assert adaptive.bottleneck_expected_tensor(P, order, d, torch.tensor([1.0, 0.0]), [0, 0]) == pytest.approx(
+        [1.0, 1.8, 2.4])
+    assert adaptive.bottleneck_expected_tensor(P, order, d, torch.ones(2), [0, 5]) == pytest.approx([1.0, 1.8, 2.4])
+    assert adaptive.bottleneck_expected([([1.0, 0.8, 0.6], [0, 1, 2], 0), ([1.0], [0], 5)], 3) == pytest.approx(
+        [1.0, 1.8, 2.4])
+
+
+@pytest.mark.parametrize("outlined", [False, True])
+def test_a_draft_only_the_sequences_ahead_accept_is_not_verified(outlined):
+    """Batch 2, a 4-node chain each, sequence 0's nodes accepted at 0.95, sequence 1's at 0.05 (its own counts), rows
+    cheap: drafted while sequence 0 is the one behind (sequence 1 ahead by more than the chain is deep: its nodes do not
+    hold the end back), not drafted while the two are level or sequence 0 is ahead (sequence 1's nodes would move the
+    end: E[D] = 1 + 0.95 * 0.05 + ... = 1.05 for 1.2x a plain step's time). The sum of the sequences' expected tokens
+    (the objective before 2026-11-30) drafted the whole chain in all three: 2 + 3.52 + 0.05 tokens against 2."""
+    widths = {}
+    for emitted in ([5, 10], [7, 7], [10, 5]):
+        d = OutlinedChainDrafter() if outlined else OneChainDrafter()
+        p = learned_policy(0.5, 0.5, batch=2, drafter=d)
+        keys = p.calib.keys(torch.zeros(4, dtype=torch.long), torch.arange(1, 5), torch.zeros(4, dtype=torch.long))
+        for b, rate in ((0, 0.95), (1, 0.05)):
+            p.calib.seq_tested[b, keys] = 1000.0
+            p.calib.seq_accepted[b, keys] = 1000.0 * rate
+        out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,),
+                        emitted)
+        widths[tuple(emitted)] = 1 if out is None else out.tree.num_nodes
+    assert widths == {(5, 10): 5, (7, 7): 1, (10, 5): 1}
 
 
 def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
@@ -227,11 +334,11 @@ def test_a_draft_stopped_by_its_outline_is_judged_at_its_parts_drafting_cost():
     d = OutlinedChainDrafter()
     p = learned_policy(0.05, 2.0, drafter=d)  # the draft would be cut to the root
     g = p.gates[0]
-    g.record(1.0, 1.0, 3.0)  # an earlier drafted trial: 1 token earned, 3 ms of drafting
+    g.record(0.5, 1.0, 3.0)  # an earlier drafted trial: half a plain step's progress earned, 3 ms of drafting
     assert p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,)) is None
     assert getattr(d, "proposed", 0) == 0 and d.skipped == 1
     p.observe(None)
-    assert g.cost == pytest.approx(3.0) and g.gain == pytest.approx(0.7)  # the mean gain: 0.7 * 1 + 0.3 * 0
+    assert g.cost == pytest.approx(3.0) and g.gain == pytest.approx(0.35)  # the mean gain: 0.7 * 0.5 + 0.3 * 0
     assert not g.open
     # its wait starts at the ramp's floor for a 3 ms trial beside a 10 ms plain step: ceil(3 / (RAMP_SHARE * 10)) = 3,
     # not the ramp's 2
@@ -246,7 +353,7 @@ def test_a_held_back_parts_trials_set_how_often_it_is_tried():
     d = OutlinedChainDrafter()
     p = learned_policy(0.05, 2.0, drafter=d)  # the draft would be cut to the root
     g = p.gates[0]
-    g.record(1.0, 1.0, 3.0)  # an earlier drafted step: 3 ms of drafting
+    g.record(0.5, 1.0, 3.0)  # an earlier drafted step: 3 ms of drafting
     g.open, g.wait = False, 16  # held back, its backoff at 16 steps
     assert p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,)) is None
     p.observe(None)
@@ -323,19 +430,20 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     monkeypatch.setattr(AdaptiveBudget, "_best_width",
                         lambda self, e, T0, d: seen.append(list(e)) or best(self, e, T0, d))
     active = torch.tensor([1, 1, 0, 1])
-    for with_signal in (True, False):
+    for with_signal, emitted in itertools.product((True, False), (None, [9, 7, 0, 11], [5, 9, 2, 5])):
         seen.clear()
         d = RandomTreeDrafter(seed * 2 + with_signal, B, with_signal)
-        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
+        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True), emitted)
         T0 = max(len(x) for x, _, _ in d.lists)
         if T0 == 1:  # nothing drafted anywhere: a plain step from the outline alone
             assert len(seen) == 1
             continue
-        assert len(seen) == 2, "the pre-check must pass where rows are free"  # then the host cut judges its values
+        # rows free: the pre-check passes wherever the batch's end can move (every sequence furthest behind drafted
+        # something); then the host cut judges its values
+        assert len(seen) == (2 if max(seen[0]) > 1.0 else 1), "the pre-check must pass where rows are free"
         d.outline = lambda state, batch: None  # no outline: the drafted proposal's tensors are judged
-        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True))
-        assert len(seen) == 3
-        assert seen[0] == pytest.approx(seen[2], rel=1e-5, abs=1e-5)
+        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True), emitted)
+        assert seen[0] == pytest.approx(seen[-1], rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -733,15 +841,15 @@ def test_a_sized_part_drafts_what_the_last_cut_kept_and_its_whole_draft_every_fe
     """Drafter.size_part: the first run drafts whole (nothing learned yet), then as many nodes as the last cut
     kept (root included), the whole draft again every EXPLORE_EVERY-th run; a run that kept nothing still
     drafts one node (a running part drafts something)."""
-    p = learned_policy(0.5, 1.0)  # the cut keeps 3 nodes (test_the_policy_drafts_only_what_pays)
+    p = learned_policy(0.5, 1.0, batch=1)  # the cut keeps 3 nodes (test_the_policy_drafts_only_what_pays)
     d = OneChainDrafter()
     for _ in range(2 * adaptive.EXPLORE_EVERY):
-        p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+        p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
     E = adaptive.EXPLORE_EVERY
     assert d.sizes == [None] + [None if (i + 1) % E == 0 else 3 for i in range(1, 2 * E)]
     p.costs.coef = [10.0, 100.0]  # rows too dear: the cut keeps nothing
-    p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
-    p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True,))
+    p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
+    p.propose(d, None, torch.zeros(1, dtype=torch.long), None, torch.ones(1, dtype=torch.long), (True,))
     assert p.keep == [0] and d.sizes[-1] == 2
 
 
@@ -1122,7 +1230,7 @@ def test_a_part_pays_where_its_rate_beats_the_steps_rate_without_it(seed):
                     tokens = 1 + sum(g.gain for g in others)
                     time = a + sum(g.cost for g in others) + rows(on, b, c)
                     its = p.gates[q].cost + rows(on + p.gates[q].nodes, b, c) - rows(on, b, c)
-                    pays = p._pays(q, parts, 1.0)
+                    pays = p._pays(q, parts)
                     assert pays == (p.gates[q].gain / its > margin * tokens / time)
                     if margin == 1.0:
                         assert pays == ((tokens + p.gates[q].gain) / (time + its) > tokens / time)
@@ -1135,6 +1243,6 @@ def test_a_part_pays_where_its_rate_beats_the_steps_rate_without_it(seed):
     for g, (gain, cost) in zip(p.gates, ((0.28, 0.2), (0.5, 1.0))):
         g.gain, g.nodes, g.cost = gain, 1.0, cost
     ngram, heads = p.gates
-    assert p._pays(0, (True, True), 1.0)
+    assert p._pays(0, (True, True))
     without_rows = ngram.gain * (p.costs.predict(1) + heads.cost) > (ngram.cost + p.costs.rows(ngram.nodes)) * (1 + heads.gain)
     assert not without_rows

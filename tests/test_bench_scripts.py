@@ -216,14 +216,16 @@ def test_bench_int8_agreement_runs(tmp_path):
 def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     """Variants of the adaptive budget on the machine's clock, interleaved with plain decoding: a row per variant, every
     output identical to plain decoding, a variant's constants set for its runs only; the drafts counted: the table's
-    one per drafted step, the adaptive budget's at least that (a draft its cut takes back to the root counts too); a
-    constant adaptive.py lacks and a bad context are refused before the model loads."""
+    one per drafted step, the adaptive budget's at least that (a draft its cut takes back to the root counts too); the
+    policy of a git revision (@HEAD: the commit checked out) run beside it, its steps timed too; a constant adaptive.py
+    lacks, a revision git cannot show and a bad context are refused before the model loads."""
     from hydra_kernels import adaptive
 
-    wait = adaptive.MAX_WAIT_DEAR
-    rows = _run_returning("ab_adaptive", ["--context", "600", "--prompts", "2", "--rounds", "1", "--new-tokens", "12",
-                                          "--variants", "table", "short:MAX_WAIT_DEAR=8", "--out", str(tmp_path)])
-    assert [r["variant"] for r in rows] == ["table", "short:MAX_WAIT_DEAR=8"]
+    wait, budget = adaptive.MAX_WAIT_DEAR, adaptive.AdaptiveBudget
+    ab = _script("ab_adaptive")
+    rows = ab.main(["--context", "600", "--prompts", "2", "--rounds", "1", "--new-tokens", "12", "--variants", "table",
+                    "short:MAX_WAIT_DEAR=8", "@HEAD", "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["table", "short:MAX_WAIT_DEAR=8", "@HEAD"]
     assert all(r["identical"] == "2/2" and r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] for r in rows)
     # the table drafts past 512 tokens (its buckets: 128 and 2048 on a log scale)
     assert rows[0]["drafts_per_answer"] == rows[0]["drafted_steps_per_answer"] > 0
@@ -231,16 +233,22 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert all(0 <= r["plain_step_share"] <= 1 for r in rows)
     # the adaptive variant's steps timed by kind (observe to observe), the table's not at all (it runs no policy)
     kinds = ("plain", "refused", "drafted")
-    table, short = rows
+    table, short, head = rows
     assert table["plain_decoding_step_ms"] > 0 and all(table[f"step_share_{k}"] is None for k in kinds)
+    assert all(r["plain_decoding_step_mean_ms"] > 0 for r in rows)
     assert abs(sum(short[f"step_share_{k}"] for k in kinds) - 1) < 1e-9
+    assert abs(sum(head[f"step_share_{k}"] for k in kinds) - 1) < 1e-9
     assert all((short[f"step_ms_{k}"] is None) == (short[f"step_share_{k}"] == 0) for k in kinds)
     assert all(short[f"step_ms_{k}"] > 0 for k in kinds if short[f"step_ms_{k}"] is not None)
     assert all((short[f"step_mean_ms_{k}"] is None) == (short[f"step_ms_{k}"] is None) for k in kinds)
     assert all(short[f"step_mean_ms_{k}"] > 0 for k in kinds if short[f"step_mean_ms_{k}"] is not None)
-    assert adaptive.MAX_WAIT_DEAR == wait
+    assert adaptive.MAX_WAIT_DEAR == wait and adaptive.AdaptiveBudget is budget
     assert adaptive.AdaptiveBudget.observe is adaptive.AdaptiveBudget.__dict__["observe"]  # the timing hook undone
-    assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench_12tok.csv")) == 2
+    at_head = ab.policy_at("HEAD")  # the class the run used (one load per revision)
+    assert at_head is not budget and "observe" not in at_head.__dict__  # the revision's own observe, unwrapped
+    assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench_12tok.csv")) == 3
+    with pytest.raises(SystemExit, match="git cannot show"):
+        _run("ab_adaptive", ["--variants", "@no-such-revision"])
     with pytest.raises(SystemExit, match="NO_SUCH"):
         _run("ab_adaptive", ["--variants", "x:NO_SUCH=1"])
     with pytest.raises(SystemExit):

@@ -289,9 +289,11 @@ def test_rejection_sampling_is_exact(model, name):
 
 @pytest.mark.parametrize("name", list(ADAPTIVE_SETTINGS))
 def test_adaptive_rejection_sampling_is_exact(model, name, monkeypatch):
-    """The adaptive policy decides each step's tree from the drafts and earlier steps, never from the
-    step's own draws, so rejection sampling stays exact; here its costs and gates are random (seeded
-    apart from the run's generator), so steps verify every width, plain steps and undrafted steps."""
+    """The adaptive policy decides each step's tree from the drafts and earlier steps (their accepted tokens: the
+    sequences' leads its batch objective weighs), never from the step's own draws, so rejection sampling stays exact;
+    here its costs, gates and expected progress are random (seeded apart from the run's generator; the progress the
+    real objective's, from the real leads, plus noise: a batch of hundreds of level sequences would draft nothing), so
+    steps verify every width, plain steps and undrafted steps."""
     import random
 
     from hydra_kernels import adaptive
@@ -300,6 +302,10 @@ def test_adaptive_rejection_sampling_is_exact(model, name, monkeypatch):
     monkeypatch.setattr(adaptive, "memory", lambda owner, name: {})  # no earlier run's learning: any test order
     monkeypatch.setattr(adaptive.StepCosts, "predict", lambda self, w: rng.uniform(1.0, 1.3))  # cuts of any width
     monkeypatch.setattr(adaptive.PartGate, "due", lambda self: rng.random() < 0.8)
+    for objective in ("bottleneck_expected", "bottleneck_expected_tensor"):
+        real = getattr(adaptive, objective)
+        monkeypatch.setattr(adaptive, objective, lambda *a, real=real: [e + rng.uniform(0.0, 1.0) * w
+                                                                        for w, e in enumerate(real(*a))])
     kind, temperature, n_prompts = ADAPTIVE_SETTINGS[name]
     prompts = PROMPTS[:n_prompts]
     drafter = make_drafter(model, kind)
