@@ -918,7 +918,11 @@ def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int)
     taken as independent. At one active sequence E[D] = 1 + the sum of its kept P: the single sequence's expected
     tokens, as before. Under EOS a sequence's length is not its cap; a finished one leaves the product, and the
     cap is the only length known beforehand."""
-    top = max((max(dep) for _, dep, g in seqs if g == 0), default=0)  # beyond the laggards' deepest node, a factor is 0
+    # past depth g_b + (b's deepest node) sequence b's factor is 0, so every depth beyond the least of those adds
+    # nothing: a sequence furthest behind with no draft makes every width's progress 1 at once (most checks at batch 16)
+    top = min((g + max(dep) for _, dep, g in seqs), default=0)
+    if top == 0:
+        return [1.0] * T0
     seqs = [s for s in seqs if s[2] < top]  # a lead past every depth in play: factor 1 throughout
     S = [[0.0] * (top + 1) for _ in seqs]
     expected = []
