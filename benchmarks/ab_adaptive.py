@@ -14,8 +14,8 @@ the noise, on a modelled clock; this says whether a ranking holds on the machine
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
 hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget="auto" (the drafter's budget table),
 "adaptive" the code as it is, "@REV" the policy of hydra_kernels/adaptive.py at git revision REV (the rest of the
-package as it is: a before / after A/B of a change to the policy in one process; its steps are timed by kind where that
-revision's policy keeps `step` as today's does). Each variant keeps its own learned state across answers (the drafter's and the model's
+package as it is: a before / after A/B of a change to the policy in one process; "@REV:CONST=VALUE" sets the
+revision's constant; its steps are timed by kind where that revision's policy keeps `step` as today's does). Each variant keeps its own learned state across answers (the drafter's and the model's
 adaptive memory), as one user's process would. Every output is checked against plain decoding.
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
@@ -74,8 +74,11 @@ def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision
     fewer). A revision git cannot show is refused."""
     if rev not in _cache:
         root = Path(__file__).resolve().parents[1]
-        shown = subprocess.run(["git", "-C", str(root), "show", f"{rev}:hydra_kernels/adaptive.py"],
-                               capture_output=True, text=True)
+        try:
+            shown = subprocess.run(["git", "-C", str(root), "show", f"{rev}:hydra_kernels/adaptive.py"],
+                                   capture_output=True, text=True)
+        except OSError as exc:  # no git on this machine
+            raise SystemExit(f"variant @{rev}: git cannot run here ({exc}); @REV variants need git and a checkout")
         if shown.returncode:
             raise SystemExit(f"variant @{rev}: git cannot show hydra_kernels/adaptive.py at {rev!r} "
                              f"({shown.stderr.strip()}); name a commit of this repository")
@@ -119,9 +122,12 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
 
     def timing(observe):
         def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
-            parts, width = policy.step[0], policy.step[2]
+            step = policy.step  # (parts ran, their ms, the verified width, ...) since 89f6306; else the step untimed
             observe(policy, *a, **k)
-            steps.append((time.perf_counter(), "plain" if not any(parts) else "refused" if width == 1 else "drafted"))
+            if isinstance(step, tuple) and len(step) > 2 and isinstance(step[0], tuple):
+                parts, width = step[0], step[2]
+                kind = "plain" if not any(parts) else "refused" if width == 1 else "drafted"
+                steps.append((time.perf_counter(), kind))
         return timed
 
     order = [("plain", {})] + parsed
@@ -183,22 +189,28 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
 
 
 def _decode(model, drafter, prompts, name: str, consts: dict, memories: dict, new_tokens: int):
-    """One variant's run: its constants set, its own learned state in place, an @REV variant's policy the one budget.py
-    builds; all restored after."""
-    old = {c: getattr(adaptive, c) for c in consts}
-    for c, v in consts.items():
-        setattr(adaptive, c, v)
-    drafter.__dict__["_adaptive_memory"], model.__dict__["_adaptive_costs"] = memories[name]
+    """One variant's run: its constants set (an @REV variant's in that revision's module too), its own learned state
+    in place, an @REV variant's policy the one budget.py builds; all restored after."""
+    modules = [adaptive] + ([revision_module(name[1:])] if name.startswith("@") else [])
+    old = {(m, c): getattr(m, c) for m in modules for c in consts}
     current = adaptive.AdaptiveBudget
-    if name.startswith("@"):
-        adaptive.AdaptiveBudget = policy_at(name[1:])  # budget.py imports it from the module at each call
     try:
+        for (m, c), v in zip(old, [v for _ in modules for v in consts.values()]):
+            setattr(m, c, v)
+        drafter.__dict__["_adaptive_memory"], model.__dict__["_adaptive_costs"] = memories[name]
+        if name.startswith("@"):
+            adaptive.AdaptiveBudget = policy_at(name[1:])  # budget.py imports it from the module at each call
         return generate(model, prompts, drafter=drafter, budget="auto" if name == "table" else "adaptive",
                         max_new_tokens=new_tokens, eos_token_id=[])
     finally:
         adaptive.AdaptiveBudget = current
-        for c, v in old.items():
-            setattr(adaptive, c, v)
+        for (m, c), v in old.items():
+            setattr(m, c, v)
+
+
+def revision_module(rev: str):
+    """The module policy_at(rev) loaded (its constants are read there, not in today's adaptive.py)."""
+    return sys.modules[policy_at(rev).__mro__[1].__module__]
 
 
 def plot(ax, rows) -> None:
@@ -231,9 +243,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for v in args.variants:
-        name, _ = parse_variant(v)  # a bad variant is refused before the model loads
+        name, consts = parse_variant(v)  # a bad variant is refused before the model loads
         if name.startswith("@"):
-            policy_at(name[1:])
+            missing = [c for c in consts if not hasattr(revision_module(name[1:]), c)]
+            if missing:
+                raise SystemExit(f"variant {v!r}: {missing} not constants of hydra_kernels/adaptive.py at {name[1:]}")
     if args.context != "short" and not args.context.isdigit():
         ap.error(f"--context must be 'short' or a token count, got {args.context!r}")
     if min(args.batch, args.prompts, args.rounds, args.new_tokens) < 1:

@@ -368,7 +368,9 @@ class PartGate:
     judge's min_wait, at most its max_wait; see judge)."""
 
     def __init__(self):
-        self.gain = None  # tokens per step its kept nodes were expected to earn (decayed mean over the steps it ran)
+        # the progress per step its kept nodes were expected to add (at batch 1 their expected tokens; batched: its share
+        # of the batch's, _progress_shares), a decayed mean over the steps it ran
+        self.gain = None
         self.nodes = 0.0  # rows per sequence its kept nodes took (decayed mean)
         self.cost = 0.0  # ms its drafting took (decayed mean)
         self.trial = None  # ms a trial took (decayed mean over the steps it ran while held back, its rows included)
@@ -442,7 +444,7 @@ class PartGate:
 
 class AdaptiveBudget:
     """One run's adaptive policy (see the module docstring). The loop calls, per step:
-    parts = plan() -> propose(drafter, state, root, seqlens, active, parts): the proposal to verify, or None
+    parts = plan() -> propose(drafter, state, root, seqlens, active, parts, emitted): the proposal to verify, or None
     for a plain step (no part ran: the loop calls skip_step and plain_step) -> observe(accept_indices) after
     the step's host read. `cap`: most nodes a sequence verifies per step; a drafter whose proposals are not
     prunable (lookahead: its nodes have fixed roles) has a proposal verified whole or drafts nothing."""
@@ -547,7 +549,7 @@ class AdaptiveBudget:
                 sigs = prop.signal.tolist() if prop.signal is not None else [sibling_ranks(par) for par, _, _ in shape]
                 shape = [(par, grp, sig[:len(par)]) for (par, grp, _), sig in zip(shape, sigs)]
                 host = self._host_expected(shape, act_host, lags)
-            return self._host_cut(prop, shape, host, parts, part_ms, active, t1)
+            return self._host_cut(prop, shape, host, parts, part_ms, active, t1, lags)
         dev = tokens.device
         parents, depths, valid, mask = _per_sequence(tree, B, dev)
         groups = prop.groups if prop.groups is not None else torch.zeros(B, T0, dtype=torch.long, device=dev)
@@ -588,8 +590,14 @@ class AdaptiveBudget:
                     mine = groups_kept == p
                     self.keep[p] = int(((mine & drafted).sum(1) * (act > 0)).max())
                     expect[p] = float((drafted_P * mine).sum())
-            if batched:
-                expect = _progress_shares(expect, expected[best - 1])
+            if batched:  # each part's marginal progress: E[D] without its nodes and those under them
+                mask = _per_sequence(out.tree, B, dev)[3].float()  # [B, w, w]: ancestor-or-self
+                flat = torch.arange(best, device=dev).expand(B, best)
+                lags = bottleneck_lags(emitted, active.tolist())
+                without = [bottleneck_expected_tensor(
+                    kept_P * (torch.bmm(mask, ((groups_kept == p) & drafted).float()[:, :, None])[:, :, 0] == 0),
+                    flat, depths_kept, act, lags)[-1] if run else None for p, run in enumerate(parts)]
+                expect = _progress_shares(expect, expected[best - 1], without)
         self._charge(parts, part_ms, best, vp, act, t1, expect=expect)
         return out
 
@@ -654,7 +662,7 @@ class AdaptiveBudget:
         return expected, T0, ranked, bool(best)
 
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
-                  t1: float) -> Proposal | None:
+                  t1: float, lags: list[int] | None = None) -> Proposal | None:
         """propose()'s cut where the drafted tree is the outline's: the width from the check's expected tokens (the
         same keys and rates as the proposal's tensors would give, P equal up to rounding: the host multiplies in float64
         where the tensors sum float32 logs, so nodes whose P tie may rank either way: tests/test_adaptive.py), each active sequence's
@@ -700,10 +708,30 @@ class AdaptiveBudget:
             if b in ranked:
                 for j in ids[1:]:
                     expect[shape[b][1][j]] += ranked[b][2][j]
-        if len(ranked) > 1:
-            expect = _progress_shares(expect, expected[best - 1])
+        if len(ranked) > 1:  # each part's marginal progress: E[D] without its nodes and those under them
+            without = [self._host_progress_without(p, shape, kept, ranked, lags) if run else None
+                       for p, run in enumerate(parts)]
+            expect = _progress_shares(expect, expected[best - 1], without)
         self._charge(parts, part_ms, best, (keys_t, depths, valid, parents, groups_t), act, t1, expect=expect)
         return out
+
+    @staticmethod
+    def _host_progress_without(p: int, shape, kept: list[list[int]], ranked: dict, lags: list[int] | None) -> float:
+        """E[D] of the host cut's kept nodes (kept[b]: node ids, root first, in tree order) with part p's nodes and
+        every node under one of them left out (their P is conditional on those), over the active sequences."""
+        seqs = []
+        for b, (order, _, P) in ranked.items():
+            parents, groups = shape[b][0], shape[b][1]
+            depth, out = {0: 0}, {0: False}  # per kept node: its depth, whether it or an ancestor is p's
+            masses, depths = [1.0], [0]
+            for j in kept[b][1:]:  # tree order: a parent before its children
+                depth[j] = depth[parents[j]] + 1
+                out[j] = out[parents[j]] or groups[j] == p
+                if not out[j]:
+                    masses.append(P[j])
+                    depths.append(depth[j])
+            seqs.append((masses, depths, lags[b] if lags else 0))
+        return bottleneck_expected(seqs, max(len(m) for m, _, _ in seqs))[-1]
 
     def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None,
                 n_seq: float | None = None, expect: list[float] | None = None) -> None:
@@ -881,13 +909,19 @@ def _cut(prop: Proposal, parents: torch.Tensor, depths: torch.Tensor, mask: torc
     return Proposal(prop.tokens.gather(1, sel), TreeBatch.kept(parents, depths, mask, valid, sel), positions, probs)
 
 
-def _progress_shares(expect: list[float], progress: float) -> list[float]:
-    """The parts' expected tokens (their kept nodes' P, summed over the sequences) -> their shares of the step's expected
-    progress beyond a plain step's (progress - 1: bottleneck_expected's E[D] - 1), in proportion: what their gates
-    record as earned, in the units a plain step's 1 is in (_pays). Batched steps only: at one active sequence the two
-    are equal."""
-    total = sum(expect)
-    return [e * (progress - 1.0) / total for e in expect] if total > 0 else expect
+def _progress_shares(expect: list[float], progress: float, without: list[float | None]) -> list[float]:
+    """The parts' shares of a batched step's expected progress beyond a plain step's (progress - 1: bottleneck_expected's
+    E[D] - 1 with the kept nodes), what their gates record as earned, in the units a plain step's 1 is in (_pays):
+    in proportion to each part's marginal progress, progress - without[p] (E[D] with part p's kept nodes and the nodes
+    under them left out; None: p did not run). Marginal, not by the P of its nodes: a part whose nodes only the
+    sequences ahead would accept moves nothing and earns nothing (its P there would have kept its gate open while the
+    other part moved the end). Where no part alone makes a difference (each one's nodes suffice), by their P (expect:
+    their kept nodes' P summed over the active sequences). Batched steps only: at one active sequence the progress is
+    the sum of P."""
+    marginal = [max(progress - w, 0.0) if w is not None else 0.0 for w in without]
+    weights = marginal if sum(marginal) > 0 else expect
+    total = sum(weights)
+    return [x * (progress - 1.0) / total for x in weights] if total > 0 else [0.0] * len(expect)
 
 
 def bottleneck_lags(emitted: list[int] | None, active: list[int]) -> list[int] | None:

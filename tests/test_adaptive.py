@@ -96,22 +96,24 @@ def test_the_real_policy_is_lossless_on_the_real_model(monkeypatch):
     d = hk.load_drafter(model=m)
     from hydra_kernels.chat import chat_prompt_ids
 
-    told = []
-    propose = AdaptiveBudget.propose
-    monkeypatch.setattr(AdaptiveBudget, "propose", lambda self, *a: told.append(a[6]) or propose(self, *a))
+    told, steps = [], [0]  # (emitted, the steps observed before it) per proposal
+    propose, observe = AdaptiveBudget.propose, AdaptiveBudget.observe
+    monkeypatch.setattr(AdaptiveBudget, "propose", lambda self, *a: told.append((a[6], steps[0])) or propose(self, *a))
+    monkeypatch.setattr(AdaptiveBudget, "observe",
+                        lambda self, *a, **k: steps.__setitem__(0, steps[0] + 1) or observe(self, *a, **k))
     prompts = [chat_prompt_ids(tok, p) for p in ("Repeat after me: the quick brown fox jumps over the lazy dog. "
                                                  "The quick brown fox jumps over the lazy dog.",
                                                  "Name three colours.", "Write a haiku about rain.")]
     for batch in (prompts[:1], prompts):
         told.clear()
+        steps[0] = 0
         plain = generate(m, batch, max_new_tokens=40)
         out = generate(m, batch, drafter=d, max_new_tokens=40, budget="adaptive")
         assert out.sequences == plain.sequences
         assert out.policy_s > 0 and len(out.step_nodes) == out.num_steps
         assert told, "the policy proposed no step"
-        for emitted in told:  # the prefill's token and each step's, as of some step s (the same s for all)
-            assert emitted is None if len(batch) == 1 else any(
-                emitted == [1 + sum(a[:s]) for a in out.accept_lengths] for s in range(out.num_steps))
+        for emitted, s in told:  # the prefill's token and each earlier step's (s steps before this one)
+            assert emitted == (None if len(batch) == 1 else [1 + sum(a[:s]) for a in out.accept_lengths])
 
 
 def test_a_cut_is_the_induced_subtree():
@@ -265,8 +267,8 @@ def test_the_batchs_progress_is_what_moves_its_last_sequence(seed):
     for _ in range(25):
         B = rng.randint(2, 4)
         trees = []
-        for _ in range(B):
-            n = rng.randint(1, 6)
+        for b in range(B):
+            n = 1 if b == B - 1 and rng.random() < 0.3 else rng.randint(1, 6)  # often one with no draft at all
             parents = [-1] + [rng.randrange(j) for j in range(1, n)]
             rate = [1.0] * n
             for q in set(parents[1:]):
@@ -408,6 +410,34 @@ class RandomTreeDrafter:
         return Proposal(tokens, tree, groups=groups, signal=signal)
 
 
+class FixedTreeDrafter(RandomTreeDrafter):
+    """RandomTreeDrafter with the trees given: per sequence (parents, parts, signals)."""
+
+    def __init__(self, lists):
+        self.lists = lists
+
+
+@pytest.mark.parametrize("outlined", [False, True])
+def test_a_part_earns_the_batchs_progress_its_nodes_make(outlined):
+    """Batch 2, sequence 1 four tokens ahead: part "a" drafts a 2-node chain for sequence 1 only, part "b" one for
+    sequence 0 (behind) only, every node's rate 0.9, rows free. The step moves the end by E[D] - 1 = 0.9 + 0.81, all of
+    it sequence 0's: part b's gate is credited all of it, part a's nothing (its nodes move nothing; by P it would have
+    been credited half). Host cut and tensor cut alike."""
+    d = FixedTreeDrafter([([-1, 0, 1], [0, 1, 1], [0, 0, 0]), ([-1, 0, 1], [0, 0, 0], [0, 0, 0])])
+    if not outlined:
+        d.outline = lambda state, batch: None
+    p = AdaptiveBudget(d, 2, 16, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+    p.calib.tested.fill_(1000.0)
+    p.calib.accepted.fill_(900.0)
+    p.calib.seq_tested.fill_(1000.0)
+    p.calib.seq_accepted.fill_(900.0)
+    p.costs.coef, p.margin = [10.0, 0.0], 1.0
+    out = p.propose(d, None, torch.zeros(2, dtype=torch.long), None, torch.ones(2, dtype=torch.long), (True, True),
+                    [5, 9])
+    assert out is not None and out.tree.num_nodes == 3
+    assert p.step[7] == pytest.approx([0.0, 0.9 + 0.81], rel=1e-4)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     """The host pre-check (Drafter.outline -> _host_expected) computes the expected tokens per width that the
@@ -440,9 +470,11 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
             continue
         # rows free: the pre-check passes wherever the batch's end can move (every sequence furthest behind drafted
         # something); then the host cut judges its values
-        assert len(seen) == (2 if max(seen[0]) > 1.0 else 1), "the pre-check must pass where rows are free"
+        n_host = len(seen)
+        assert n_host == (2 if max(seen[0]) > 1.0 else 1), "the pre-check must pass where rows are free"
         d.outline = lambda state, batch: None  # no outline: the drafted proposal's tensors are judged
         copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True), emitted)
+        assert len(seen) == n_host + 1  # the tensor path judged once
         assert seen[0] == pytest.approx(seen[-1], rel=1e-5, abs=1e-5)
 
 

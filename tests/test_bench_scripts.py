@@ -217,15 +217,16 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     """Variants of the adaptive budget on the machine's clock, interleaved with plain decoding: a row per variant, every
     output identical to plain decoding, a variant's constants set for its runs only; the drafts counted: the table's
     one per drafted step, the adaptive budget's at least that (a draft its cut takes back to the root counts too); the
-    policy of a git revision (@HEAD: the commit checked out) run beside it, its steps timed too; a constant adaptive.py
-    lacks, a revision git cannot show and a bad context are refused before the model loads."""
+    policy of a git revision (@HEAD: the commit checked out) run beside it with a constant of its own, its steps timed
+    too; a constant adaptive.py lacks, a revision git cannot show and a bad context are refused before the model
+    loads."""
     from hydra_kernels import adaptive
 
     wait, budget = adaptive.MAX_WAIT_DEAR, adaptive.AdaptiveBudget
     ab = _script("ab_adaptive")
     rows = ab.main(["--context", "600", "--prompts", "2", "--rounds", "1", "--new-tokens", "12", "--variants", "table",
-                    "short:MAX_WAIT_DEAR=8", "@HEAD", "--out", str(tmp_path)])
-    assert [r["variant"] for r in rows] == ["table", "short:MAX_WAIT_DEAR=8", "@HEAD"]
+                    "short:MAX_WAIT_DEAR=8", "@HEAD:MAX_WAIT_DEAR=8", "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == ["table", "short:MAX_WAIT_DEAR=8", "@HEAD:MAX_WAIT_DEAR=8"]
     assert all(r["identical"] == "2/2" and r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] for r in rows)
     # the table drafts past 512 tokens (its buckets: 128 and 2048 on a log scale)
     assert rows[0]["drafts_per_answer"] == rows[0]["drafted_steps_per_answer"] > 0
@@ -246,9 +247,12 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert adaptive.AdaptiveBudget.observe is adaptive.AdaptiveBudget.__dict__["observe"]  # the timing hook undone
     at_head = ab.policy_at("HEAD")  # the class the run used (one load per revision)
     assert at_head is not budget and "observe" not in at_head.__dict__  # the revision's own observe, unwrapped
+    assert ab.revision_module("HEAD").MAX_WAIT_DEAR == wait  # the revision's constant set for its runs only
     assert len(_rows(tmp_path / "ab_adaptive_combined_b1_600_mtbench_12tok.csv")) == 3
     with pytest.raises(SystemExit, match="git cannot show"):
         _run("ab_adaptive", ["--variants", "@no-such-revision"])
+    with pytest.raises(SystemExit, match="NO_SUCH"):
+        _run("ab_adaptive", ["--variants", "@HEAD:NO_SUCH=1"])
     with pytest.raises(SystemExit, match="NO_SUCH"):
         _run("ab_adaptive", ["--variants", "x:NO_SUCH=1"])
     with pytest.raises(SystemExit):
