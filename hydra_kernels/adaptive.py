@@ -627,6 +627,11 @@ class AdaptiveBudget:
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
         prefix is a subtree; its keys, a pending node's its best class's; P per node)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
+        live = [b for b, a in enumerate(active) if a]
+        if len(live) > 1 and any(len(shape[b][0]) == 1 and not (lags and lags[b]) for b in live):
+            # a sequence furthest behind drafts nothing: no width moves the batch's end (bottleneck_expected is 1 at
+            # every width), so the rates are not read (at batch 16 most checks: ~0.2 ms each)
+            return [1.0] * T0, T0, {}, False
         keys, best, depths = {}, {}, {}  # active sequences only: a finished one's nodes count for nothing
         for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
             if not a:

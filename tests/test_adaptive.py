@@ -460,6 +460,7 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     monkeypatch.setattr(AdaptiveBudget, "_best_width",
                         lambda self, e, T0, d: seen.append(list(e)) or best(self, e, T0, d))
     active = torch.tensor([1, 1, 0, 1])
+    stops = 0
     for with_signal, emitted in itertools.product((True, False), (None, [9, 7, 0, 11], [5, 9, 2, 5])):
         seen.clear()
         d = RandomTreeDrafter(seed * 2 + with_signal, B, with_signal)
@@ -476,6 +477,13 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
         copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True), emitted)
         assert len(seen) == n_host + 1  # the tensor path judged once
         assert seen[0] == pytest.approx(seen[-1], rel=1e-5, abs=1e-5)
+        lags = adaptive.bottleneck_lags(emitted, active.tolist())
+        if any(len(d.lists[b][0]) == 1 and not (lags and lags[b]) for b in range(B) if active[b]):
+            # a sequence furthest behind drafts nothing: the check answers 1 at every width without reading rates
+            expected, _, ranked, _ = p._host_expected(d.lists, active.tolist(), lags)
+            assert expected == [1.0] * T0 and ranked == {}
+            stops += 1
+    assert stops or seed % 2 == 0, "no batch here had a laggard with no draft"  # the odd seeds have (4 each)
 
 
 @pytest.mark.parametrize("seed", range(8))
