@@ -8,15 +8,16 @@ alike; the ratio is total plain time over total variant time, beside the median 
 ratios; and the proposals a variant drafted per answer (drafts) are counted: a deterministic figure a timing A/B can be
 read against. An adaptive variant's steps are also timed by kind (STEP_KINDS: plain, a refused trial, drafted; their
 shares, median and mean ms beside plain decoding's mean ms a step, plain_decoding_step_mean_ms), which says where its
-time goes (the means add up to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py ranks variants without
-the noise, on a modelled clock; this says whether a ranking holds on the machine.
+time goes (the means add up to the total: a kind's tail shows there, not in its median). benchmarks/replay_adaptive.py
+ranks variants without the noise, on a modelled clock; this says whether a ranking holds on the machine.
 
 A variant is NAME or NAME:CONST=VALUE[,CONST=VALUE...] (replay_adaptive.py's form: CONST a module constant of
 hydra_kernels/adaptive.py, set for that variant's runs only); "table" is budget="auto" (the drafter's budget table),
 "adaptive" the code as it is, "@REV" the policy of hydra_kernels/adaptive.py at git revision REV (the rest of the
 package as it is: a before / after A/B of a change to the policy in one process; "@REV:CONST=VALUE" sets the
-revision's constant; its steps are timed by kind where that revision's policy keeps `step` as today's does). Each variant keeps its own learned state across answers (the drafter's and the model's
-adaptive memory), as one user's process would. Every output is checked against plain decoding.
+revision's constant; its steps are timed by kind where that revision's policy keeps `step` as today's does). Each
+variant keeps its own learned state across answers (the drafter's and the model's adaptive memory), as one user's
+process would. Every output is checked against plain decoding.
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
         [--prompt-set mtbench|editing|sharegpt] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]

@@ -368,8 +368,8 @@ class PartGate:
     judge's min_wait, at most its max_wait; see judge)."""
 
     def __init__(self):
-        # the progress per step its kept nodes were expected to add (at batch 1 their expected tokens; batched: its share
-        # of the batch's, _progress_shares), a decayed mean over the steps it ran
+        # the progress per step its kept nodes were expected to add (at batch 1 their expected tokens; batched: its
+        # share of the batch's, _progress_shares), a decayed mean over the steps it ran
         self.gain = None
         self.nodes = 0.0  # rows per sequence its kept nodes took (decayed mean)
         self.cost = 0.0  # ms its drafting took (decayed mean)
@@ -562,8 +562,9 @@ class AdaptiveBudget:
         order = torch.sort(P, dim=1, descending=True, stable=True).indices  # root first, parents before children
         act = active.to(P.dtype)
         batched = int((act > 0).sum()) > 1
+        lags = bottleneck_lags(emitted, active.tolist()) if batched else None
         if batched:  # [T0]: the batch's expected progress with each sequence's best w nodes
-            expected = bottleneck_expected_tensor(P, order, depths, act, bottleneck_lags(emitted, active.tolist()))
+            expected = bottleneck_expected_tensor(P, order, depths, act, lags)
         else:  # one sequence: its expected tokens
             expected = (P.gather(1, order).cumsum(1) * act[:, None]).sum(0).tolist()
         best = self._best_width(expected, T0, sum(part_ms))  # the drafting, paid already, by every width alike
@@ -593,7 +594,6 @@ class AdaptiveBudget:
             if batched:  # each part's marginal progress: E[D] without its nodes and those under them
                 mask = _per_sequence(out.tree, B, dev)[3].float()  # [B, w, w]: ancestor-or-self
                 flat = torch.arange(best, device=dev).expand(B, best)
-                lags = bottleneck_lags(emitted, active.tolist())
                 without = [bottleneck_expected_tensor(
                     kept_P * (torch.bmm(mask, ((groups_kept == p) & drafted).float()[:, :, None])[:, :, 0] == 0),
                     flat, depths_kept, act, lags)[-1] if run else None for p, run in enumerate(parts)]
@@ -830,8 +830,8 @@ class AdaptiveBudget:
         (at margin 1: the step's rate with it, (tokens_without + gain) / (time_without + its_time), beats the rate
         without it),
         tokens_without = 1 (a plain step's progress) + the others' gains (the gains in the batch's progress:
-        _progress_shares; at batch 1 a sequence's tokens); time_without = a plain step + the others' drafting + their nodes'
-        rows; its_time = its drafting + the rows its nodes add to the others' (the drafted step's surcharge c paid
+        _progress_shares; at batch 1 a sequence's tokens); time_without = a plain step + the others' drafting + their
+        nodes' rows; its_time = its drafting + the rows its nodes add to the others' (the drafted step's surcharge c paid
         once). EPYC VM, 2026-11-29: priced without the others' rows, the rate without a part looked higher than it
         was whenever two parts ran, and the n-gram, weighed against the heads' tokens but not their rows, was held
         back on 2k-token prompts where it paid."""
@@ -915,8 +915,8 @@ def _cut(prop: Proposal, parents: torch.Tensor, depths: torch.Tensor, mask: torc
 
 
 def _progress_shares(expect: list[float], progress: float, without: list[float | None]) -> list[float]:
-    """The parts' shares of a batched step's expected progress beyond a plain step's (progress - 1: bottleneck_expected's
-    E[D] - 1 with the kept nodes), what their gates record as earned, in the units a plain step's 1 is in (_pays):
+    """The parts' shares of a batched step's expected progress beyond a plain step's (progress - 1:
+    bottleneck_expected's E[D] - 1 with the kept nodes), what their gates record as earned, in the units a plain step's 1 is in (_pays):
     in proportion to each part's marginal progress, progress - without[p] (E[D] with part p's kept nodes and the nodes
     under them left out; None: p did not run). Marginal, not by the P of its nodes: a part whose nodes only the
     sequences ahead would accept moves nothing and earns nothing (its P there would have kept its gate open while the
