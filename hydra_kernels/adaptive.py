@@ -516,8 +516,8 @@ class AdaptiveBudget:
             drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
             act_host = active.tolist()  # the check reads host values only: it runs every few steps (a trial)
             lags = bottleneck_lags(emitted, act_host)
-            host = self._host_expected(shape, act_host, lags)
-            if self._best_width(host[0], host[1], drafting) == 1:
+            host = self._host_expected(shape, act_host, lags, drafting)
+            if host is None or self._best_width(host[0], host[1], drafting) == 1:
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
                 # the gates judge it as the trial it replaces, at their parts' drafting cost (EPYC VM, 2026-11-28:
                 # charged at the check's ~0.2 ms, the parts looked cheap and drafted more, at batch 2 on the editing
@@ -612,8 +612,8 @@ class AdaptiveBudget:
             best = 1
         return best
 
-    def _host_expected(self, shape, active: list[int], lags: list[int] | None = None
-                       ) -> tuple[list[float], int, dict, bool]:
+    def _host_expected(self, shape, active: list[int], lags: list[int] | None = None, drafting: float | None = None
+                       ) -> tuple[list[float], int, dict, bool] | None:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys and rates, P (a product down the
         path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). A node whose
@@ -623,7 +623,9 @@ class AdaptiveBudget:
         is its gate's judgment), and the cut after drafting ranks the drafted classes (EPYC VM, 2026-11-29, 2k-token
         prompts, batch 1: taken at the most confident class, whose rate stayed the prior 0.4 where guesses that
         confident were rare, the check refused heads whose p in [0.45, 0.6) were accepted 0.83 of the time).
-        lags: bottleneck_lags' (None: none; one active sequence needs none).
+        lags: bottleneck_lags' (None: none; one active sequence needs none). drafting: the check's drafting price (ms),
+        given where a batched draft may be refused before every sequence is ranked (_ProgressBound): None is returned
+        then, exactly where _best_width of the whole result would be 1.
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
         prefix is a subtree; its keys, a pending node's its best class's; P per node)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
@@ -632,39 +634,60 @@ class AdaptiveBudget:
             # a sequence furthest behind drafts nothing: no width moves the batch's end (bottleneck_expected is 1 at
             # every width), so the rates are not read (at batch 16 most checks: ~0.2 ms each)
             return [1.0] * T0, T0, {}, False
-        keys, best, depths = {}, {}, {}  # active sequences only: a finished one's nodes count for nothing
-        for b, ((parents, groups, signal), a) in enumerate(zip(shape, active)):
-            if not a:
-                continue
-            depth = [0] * len(parents)
-            for j in range(1, len(parents)):
-                depth[j] = depth[parents[j]] + 1
-            depths[b] = depth
-            ks = []
-            for g, d, x in zip(groups, depth, signal):
-                base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
-                if x == PENDING_SIGNAL:  # its (part, depth)'s best class by the run's rates, shared by the sequences
-                    if base not in best:
-                        run = self.calib.host_run_rates(range(base, base + SIGNALS))
-                        best[base] = max(run, key=run.__getitem__)
-                    ks.append(best[base])
-                else:
-                    ks.append(base + min(max(x, 0), SIGNALS - 1))
-            keys[b] = ks
-        expected, ranked = [0.0] * T0, {}
-        for b, r in self.calib.host_rates(keys).items():
-            parents = shape[b][0]
-            P = [1.0]
-            for j in range(1, len(parents)):
-                P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
-            order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
-            ranked[b] = (order, keys[b], P)
+        best = {}  # (part, depth)'s base key -> the best class's key, for pending nodes
+        bound = None
+        if drafting is not None and len(live) > 1:
+            bound = _ProgressBound(shape, live, lags, self._least_paying(T0, drafting))
+            live = bound.order  # the sequences furthest behind first: they bound the progress most
+        ranked, depths = {}, {}
+        for b in live:
+            ranked[b], depths[b] = self._host_rank(b, shape[b], best)
+            if bound is not None and bound.refuses(ranked[b][2], depths[b], b):
+                return None
+        ranked = {b: ranked[b] for b in sorted(ranked)}  # sequence order (the cut's and the credit's)
+        expected = [0.0] * T0
+        for order, _, P in ranked.values():
             for w, total in enumerate(itertools.accumulate([P[j] for j in order] + [0.0] * (T0 - len(P)))):
                 expected[w] += total
         if len(ranked) > 1:  # the batch's progress: the sequence furthest behind's (bottleneck_expected)
             expected = bottleneck_expected([([P[j] for j in order], [depths[b][j] for j in order],
                                              lags[b] if lags else 0) for b, (order, _, P) in ranked.items()], T0)
         return expected, T0, ranked, bool(best)
+
+    def _host_rank(self, b: int, seq_shape, best: dict) -> tuple[tuple[list[int], list[int], list[float]], list[int]]:
+        """One active sequence's outline (parents, groups, signal) -> ((its node ids by P, its keys, P per node), depth
+        per node): _host_expected's per sequence. best: the pending classes chosen so far, shared by the sequences."""
+        parents, groups, signal = seq_shape
+        depth = [0] * len(parents)
+        for j in range(1, len(parents)):
+            depth[j] = depth[parents[j]] + 1
+        ks = []
+        for g, d, x in zip(groups, depth, signal):
+            base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
+            if x == PENDING_SIGNAL:  # its (part, depth)'s best class by the run's rates, shared by the sequences
+                if base not in best:
+                    run = self.calib.host_run_rates(range(base, base + SIGNALS))
+                    best[base] = max(run, key=run.__getitem__)
+                ks.append(best[base])
+            else:
+                ks.append(base + min(max(x, 0), SIGNALS - 1))
+        r = self.calib.host_rates({b: ks})[b]
+        P = [1.0]
+        for j in range(1, len(parents)):
+            P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
+        order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
+        return (order, ks, P), depth
+
+    def _least_paying(self, T0: int, drafting: float) -> float:
+        """The least expected progress at which _best_width could choose a width above 1 for a draft of T0 nodes a
+        sequence drafted at `drafting` ms: the least over w = 2 .. min(cap, T0) of margin * (drafting + cost(w)) /
+        (drafting + cost(1)) (a plain step's progress is 1). Below it at every width, the draft is refused; -inf where
+        a predicted time is not positive (no bound then)."""
+        plain = drafting + self.costs.predict(1)
+        times = [drafting + self.costs.predict(w) for w in range(2, min(self.cap, T0) + 1)]
+        if plain <= 0 or any(t <= 0 for t in times):
+            return -math.inf
+        return min((self.margin * t / plain for t in times), default=math.inf)
 
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
                   t1: float, lags: list[int] | None = None) -> Proposal | None:
@@ -953,9 +976,11 @@ def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int)
     r_max - r_b = g_b) and a_b >= 1 the tokens it emits this step,
         D = r_max - max_b (r_b - a_b) >= 1,   E[D] = sum_{k>=1} P(D >= k) = 1 + sum_{d>=1} prod_b S_b(d - g_b),
     S_b(d) = P(a_b >= d + 1) = the sum of P over b's kept nodes at depth d (siblings are disjoint events), 1 for
-    d <= 0 (a sequence g ahead does not hold the end back for its first g tokens); the sequences' acceptances are
-    taken as independent. At one active sequence E[D] = 1 + the sum of its kept P: the single sequence's expected
-    tokens, as before. Under EOS a sequence's length is not its cap; a finished one leaves the product, and the
+    d <= 0 (a sequence g ahead does not hold the end back for its first g tokens), capped at 1 (siblings' P can sum
+    past it: each node's rate is learned on its own, and the combined drafter's n-gram and head may guess the same
+    token); the sequences' acceptances are taken as independent. At one active sequence E[D] = 1 + the sum of its kept
+    P (where no depth's sum passes 1): the single sequence's expected tokens, which a batch of one (propose) uses
+    uncapped, as before. Under EOS a sequence's length is not its cap; a finished one leaves the product, and the
     cap is the only length known beforehand."""
     # past depth g_b + (b's deepest node) sequence b's factor is 0, so every depth beyond the least of those adds
     # nothing: a sequence furthest behind with no draft makes every width's progress 1 at once (most checks at batch 16)
@@ -974,10 +999,40 @@ def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int)
             prod = 1.0
             for (_, _, g), s in zip(seqs, S):
                 if d > g:
-                    prod *= s[d - g]
+                    prod *= min(s[d - g], 1.0)
             total += prod
         expected.append(total)
     return expected
+
+
+class _ProgressBound:
+    """An upper bound on bottleneck_expected at every width, tightened one sequence at a time, so that a batched check
+    refuses a draft as soon as the sequences ranked so far show that no width pays (_least_paying), without ranking the
+    rest: at batch 16 a check ranked 16 sequences (~0.27 ms, Xeon AMX VM, 2026-11-30) where the first few sequences'
+    nodes already bound the batch's progress below what pays. Exact: it refuses only where the whole check would.
+
+    Why it bounds: E[D](w) = 1 + sum_d prod_b S_b(d - g_b) grows with w (more nodes, more P at their depths), so its
+    value with every node kept bounds every width's; each factor S_b(d) is capped at 1 (bottleneck_expected: it is a
+    probability), so a sequence not ranked yet multiplies by at most 1; and past g_b + (b's drafted nodes) b's factor
+    is 0, so depths beyond the least of those add nothing."""
+
+    def __init__(self, shape, live: list[int], lags: list[int] | None, least: float):
+        lag = {b: lags[b] if lags else 0 for b in live}
+        self.order = sorted(live, key=lambda b: (lag[b], len(shape[b][0])))  # behind first, then the smaller drafts
+        self.lag, self.least = lag, least
+        self.top = min(lag[b] + len(shape[b][0]) - 1 for b in live)
+        self.prod = [1.0] * (self.top + 1)  # [d]: the product over the sequences ranked so far (d = 1 .. top)
+
+    def refuses(self, P: list[float], depth: list[int], b: int) -> bool:
+        """Sequence b ranked (P and depth per node): is the bound now below the least progress that pays?"""
+        S = [0.0] * (self.top + 1)
+        for p, d in zip(P, depth):
+            if 0 < d <= self.top:
+                S[d] += p
+        g = self.lag[b]
+        for d in range(g + 1, self.top + 1):
+            self.prod[d] *= min(S[d - g], 1.0)
+        return 1.0 + sum(self.prod[1:]) < self.least
 
 
 def bottleneck_expected_tensor(P: torch.Tensor, order: torch.Tensor, depths: torch.Tensor, act: torch.Tensor,
@@ -992,5 +1047,5 @@ def bottleneck_expected_tensor(P: torch.Tensor, order: torch.Tensor, depths: tor
     g = torch.tensor(lags if lags is not None else [0] * B, device=P.device)
     src = d[None, :] - g[:, None]  # [B, top]: the depth of b's own that depth d of the batch's progress needs
     Sg = S.gather(2, (src.clamp(min=1) - 1)[:, None, :].expand(B, T0, top))
-    Sg = torch.where((src[:, None, :] >= 1) & (act[:, None, None] > 0), Sg, torch.ones_like(Sg))
+    Sg = torch.where((src[:, None, :] >= 1) & (act[:, None, None] > 0), Sg.clamp(max=1.0), torch.ones_like(Sg))
     return (1.0 + Sg.prod(0).sum(-1)).tolist()

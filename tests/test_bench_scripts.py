@@ -237,6 +237,7 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     table, short, head = rows
     assert table["plain_decoding_step_ms"] > 0 and all(table[f"step_share_{k}"] is None for k in kinds)
     assert all(r["plain_decoding_step_mean_ms"] > 0 for r in rows)
+    assert table["policy_ms_per_step"] == 0 and short["policy_ms_per_step"] > 0 and head["policy_ms_per_step"] > 0
     assert abs(sum(short[f"step_share_{k}"] for k in kinds) - 1) < 1e-9
     assert abs(sum(head[f"step_share_{k}"] for k in kinds) - 1) < 1e-9
     assert all((short[f"step_ms_{k}"] is None) == (short[f"step_share_{k}"] == 0) for k in kinds)
