@@ -164,6 +164,27 @@ def test_bench_one_prompt_runs(tmp_path):
     assert len(_rows(tmp_path / "one_prompt.csv")) == 3
 
 
+
+def test_the_demo_times_both_paths_interleaved(monkeypatch):
+    """make demo's timing (demo.timed_rounds): its prompt decoded speculatively and plainly, the order alternating round
+    by round, medians of each path's tokens/s, every output checked against the streamed answer's (a wrong one shows)."""
+    import hydra_kernels as hk
+    import hydra_kernels.generate as gen
+    from hydra_kernels.chat import chat_prompt_ids
+    from hydra_kernels.demo import PROMPT, timed_rounds
+    from hydra_kernels.drafters.registry import default_kind
+
+    model, tok = hk.load_model()
+    drafter = hk.load_drafter(model=model, kind=default_kind(batch_1=True))
+    ids = chat_prompt_ids(tok, PROMPT)
+    want = gen.generate(model, [ids], max_new_tokens=6).sequences
+    order, real = [], gen.generate
+    monkeypatch.setattr(gen, "generate", lambda *a, drafter=None, **k: order.append(drafter is not None) or real(
+        *a, drafter=drafter, **k))
+    spec, plain, same = timed_rounds(model, [ids], drafter, 6, tok, want, 3)
+    assert order == [False, True, True, False, False, True] and same and spec > 0 and plain > 0
+    assert not timed_rounds(model, [ids], drafter, 6, tok, [want[0][:-1] + [want[0][-1] + 1]], 1)[2]
+
 def test_bench_cpu_peers_runs(tmp_path, capsys):
     """Our quantized plain and speculative decoding beside the fp32 path (llama.cpp and transformers are peers
     the smoke run leaves out: an optional build, and slow), one MT-Bench prompt and one --long prompt of
