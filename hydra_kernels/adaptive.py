@@ -180,21 +180,23 @@ class Calibration:
         seq = _shrink(self.seq_accepted, self.seq_tested, run, SEQ_PRIOR_WEIGHT, self.P)  # [B, K]
         return seq.gather(1, keys)
 
-    def host_rates(self, keys: dict[int, list[int]]) -> dict[int, list[float]]:
+    def host_rates(self, keys: dict[int, list[int]], run: dict[int, float] | None = None) -> dict[int, list[float]]:
         """rates() of keys {b: [T] keys of sequence b} computed on the host, as floats: for the pre-check of a
         draft not drafted yet, where a few dozen keys are read and the tensor ops' dispatch would cost more
-        than the arithmetic. The counts' pending decay f enters as (accepted * f + w * prior) / (tested * f + w)."""
-        run = self.host_run_rates(k for ks in keys.values() for k in ks)  # the sequences share most keys
+        than the arithmetic. The counts' pending decay f enters as (accepted * f + w * prior) / (tested * f + w).
+        run: the run's rates read so far (host_run_rates' cache), shared by calls that rank one sequence each."""
+        run = self.host_run_rates((k for ks in keys.values() for k in ks), run)  # the sequences share most keys
         _, _, _, seq_tested, seq_accepted, _, _, seq_t_sum, seq_a_sum = self._host_counts()
         f = DECAY ** self.pending
         return {b: [_shrunk(seq_accepted[b], seq_tested[b], seq_a_sum[b], seq_t_sum[b], k, run[k], SEQ_PRIOR_WEIGHT, f)
                     for k in ks] for b, ks in keys.items()}
 
-    def host_run_rates(self, keys) -> dict[int, float]:
-        """The run's rate of each key (host_rates' prior of every sequence's): {key: rate}."""
+    def host_run_rates(self, keys, run: dict[int, float] | None = None) -> dict[int, float]:
+        """The run's rate of each key (host_rates' prior of every sequence's): {key: rate}, added to `run` where given
+        (a cache of the rates already read: the counts do not change within a check)."""
         tested, accepted, prior, _, _, t_sum, a_sum, _, _ = self._host_counts()
         f = DECAY ** self.pending
-        run = {}
+        run = {} if run is None else run
         for k in keys:
             if k not in run:
                 run[k] = _shrunk(accepted, tested, a_sum, t_sum, k, prior[k], RUN_PRIOR_WEIGHT, f)
@@ -634,14 +636,14 @@ class AdaptiveBudget:
             # a sequence furthest behind drafts nothing: no width moves the batch's end (bottleneck_expected is 1 at
             # every width), so the rates are not read (at batch 16 most checks: ~0.2 ms each)
             return [1.0] * T0, T0, {}, False
-        best = {}  # (part, depth)'s base key -> the best class's key, for pending nodes
+        best, run = {}, {}  # pending nodes' (part, depth) base key -> its best class's key; the run's rates read
         bound = None
         if drafting is not None and len(live) > 1:
             bound = _ProgressBound(shape, live, lags, self._least_paying(T0, drafting))
             live = bound.order  # the sequences furthest behind first: they bound the progress most
         ranked, depths = {}, {}
         for b in live:
-            ranked[b], depths[b] = self._host_rank(b, shape[b], best)
+            ranked[b], depths[b] = self._host_rank(b, shape[b], best, run)
             if bound is not None and bound.refuses(ranked[b][2], depths[b], b):
                 return None
         ranked = {b: ranked[b] for b in sorted(ranked)}  # sequence order (the cut's and the credit's)
@@ -654,9 +656,11 @@ class AdaptiveBudget:
                                              lags[b] if lags else 0) for b, (order, _, P) in ranked.items()], T0)
         return expected, T0, ranked, bool(best)
 
-    def _host_rank(self, b: int, seq_shape, best: dict) -> tuple[tuple[list[int], list[int], list[float]], list[int]]:
+    def _host_rank(self, b: int, seq_shape, best: dict, run: dict) -> tuple[tuple[list[int], list[int], list[float]],
+                                                                             list[int]]:
         """One active sequence's outline (parents, groups, signal) -> ((its node ids by P, its keys, P per node), depth
-        per node): _host_expected's per sequence. best: the pending classes chosen so far, shared by the sequences."""
+        per node): _host_expected's per sequence. best: the pending classes chosen so far; run: the run's rates read so
+        far (Calibration.host_run_rates' cache); both shared by the sequences of one check."""
         parents, groups, signal = seq_shape
         depth = [0] * len(parents)
         for j in range(1, len(parents)):
@@ -666,12 +670,13 @@ class AdaptiveBudget:
             base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
             if x == PENDING_SIGNAL:  # its (part, depth)'s best class by the run's rates, shared by the sequences
                 if base not in best:
-                    run = self.calib.host_run_rates(range(base, base + SIGNALS))
-                    best[base] = max(run, key=run.__getitem__)
+                    classes = range(base, base + SIGNALS)
+                    self.calib.host_run_rates(classes, run)
+                    best[base] = max(classes, key=run.__getitem__)
                 ks.append(best[base])
             else:
                 ks.append(base + min(max(x, 0), SIGNALS - 1))
-        r = self.calib.host_rates({b: ks})[b]
+        r = self.calib.host_rates({b: ks}, run)[b]
         P = [1.0]
         for j in range(1, len(parents)):
             P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
@@ -854,8 +859,8 @@ class AdaptiveBudget:
         without it),
         tokens_without = 1 (a plain step's progress) + the others' gains (the gains in the batch's progress:
         _progress_shares; at batch 1 a sequence's tokens); time_without = a plain step + the others' drafting + their
-        nodes' rows; its_time = its drafting + the rows its nodes add to the others' (the drafted step's surcharge c paid
-        once). EPYC VM, 2026-11-29: priced without the others' rows, the rate without a part looked higher than it
+        nodes' rows; its_time = its drafting + the rows its nodes add to the others' (the drafted step's surcharge c
+        paid once). EPYC VM, 2026-11-29: priced without the others' rows, the rate without a part looked higher than it
         was whenever two parts ran, and the n-gram, weighed against the heads' tokens but not their rows, was held
         back on 2k-token prompts where it paid."""
         g = self.gates[p]
@@ -939,13 +944,13 @@ def _cut(prop: Proposal, parents: torch.Tensor, depths: torch.Tensor, mask: torc
 
 def _progress_shares(expect: list[float], progress: float, without: list[float | None]) -> list[float]:
     """The parts' shares of a batched step's expected progress beyond a plain step's (progress - 1:
-    bottleneck_expected's E[D] - 1 with the kept nodes), what their gates record as earned, in the units a plain step's 1 is in (_pays):
-    in proportion to each part's marginal progress, progress - without[p] (E[D] with part p's kept nodes and the nodes
-    under them left out; None: p did not run). Marginal, not by the P of its nodes: a part whose nodes only the
-    sequences ahead would accept moves nothing and earns nothing (its P there would have kept its gate open while the
-    other part moved the end). Where no part alone makes a difference (each one's nodes suffice), by their P (expect:
-    their kept nodes' P summed over the active sequences). Batched steps only: at one active sequence the progress is
-    the sum of P."""
+    bottleneck_expected's E[D] - 1 with the kept nodes), what their gates record as earned, in the units a plain
+    step's 1 is in (_pays): in proportion to each part's marginal progress, progress - without[p] (E[D] with part
+    p's kept nodes and the nodes under them left out; None: p did not run). Marginal, not by the P of its nodes: a
+    part whose nodes only the sequences ahead would accept moves nothing and earns nothing (its P there would have
+    kept its gate open while the other part moved the end). Where no part alone makes a difference (each one's nodes
+    suffice), by their P (expect: their kept nodes' P summed over the active sequences). Batched steps only: at one
+    active sequence the progress is the sum of P."""
     marginal = [max(progress - w, 0.0) if w is not None else 0.0 for w in without]
     weights = marginal if sum(marginal) > 0 else expect
     total = sum(weights)

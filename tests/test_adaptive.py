@@ -537,8 +537,8 @@ def test_a_batched_check_stops_early_only_where_the_whole_check_refuses(seed, mo
 
 
 def test_the_progress_bound_bounds_every_width():
-    """_ProgressBound after all sequences is at least bottleneck_expected's largest width, which caps each depth's summed P
-    at 1: siblings whose P sum past 1 (two guesses of 0.9 at depth 1) count 1 (a probability)."""
+    """_ProgressBound after all sequences is at least bottleneck_expected's largest width, which caps each depth's
+    summed P at 1: siblings whose P sum past 1 (two guesses of 0.9 at depth 1) count 1 (a probability)."""
     rng = random.Random(5)
     for _ in range(200):
         B = rng.randint(2, 5)

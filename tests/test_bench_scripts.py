@@ -166,8 +166,9 @@ def test_bench_one_prompt_runs(tmp_path):
 
 
 def test_the_demo_times_both_paths_interleaved(monkeypatch):
-    """make demo's timing (demo.timed_rounds): its prompt decoded speculatively and plainly, the order alternating round
-    by round, medians of each path's tokens/s, every output checked against the streamed answer's (a wrong one shows)."""
+    """make demo's timing (demo.timed_rounds): its prompt decoded speculatively and plainly, the order alternating
+    round by round, medians of each path's tokens/s, every output checked against the streamed answer's (a wrong one
+    shows)."""
     import hydra_kernels as hk
     import hydra_kernels.generate as gen
     from hydra_kernels.chat import chat_prompt_ids
