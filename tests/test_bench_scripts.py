@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import load_script
 
@@ -280,6 +281,36 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
         _run("ab_adaptive", ["--variants", "x:NO_SUCH=1"])
     with pytest.raises(SystemExit):
         _run("ab_adaptive", ["--context", "long"])
+
+
+def test_ab_adaptive_reuses_a_prefill_bit_for_bit(smollm2):
+    """ReusedPrefill (each group prefilled once per A/B): a repeated prefill of the same ragged batch leaves the KV rows
+    and lengths a fresh prefill leaves and returns its hidden states, bit for bit, for all_hidden and for the last rows
+    alone (gathered from the saved rows), into a cache that held other rows before; a different batch is prefilled
+    anew; leaving restores the model's own prefill."""
+    model, _ = smollm2
+    ab = _script("ab_adaptive")
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 37), generator=g)
+    lengths = torch.tensor([37, 23], dtype=torch.int32)
+    fresh = model.new_kv_cache(2, 64)
+    with torch.inference_mode():
+        want_all = model.prefill(tokens, lengths, fresh, all_hidden=True)
+        want_last = model.prefill(tokens, lengths, model.new_kv_cache(2, 64))
+        with ab.ReusedPrefill(model) as reuse:
+            first = model.new_kv_cache(2, 64)
+            got_last = model.prefill(tokens, lengths, first)  # a miss: prefilled (with all_hidden) and saved
+            for all_hidden, want in ((True, want_all), (False, want_last)):
+                cache = model.new_kv_cache(2, 64)
+                cache.kv.normal_(generator=g)  # rows an earlier run left
+                got = model.prefill(tokens, lengths, cache, all_hidden=all_hidden)
+                assert torch.equal(got, want) and torch.equal(cache.kv[:, :, :, :37], fresh.kv[:, :, :, :37])
+                assert torch.equal(cache.seqlens, lengths)
+            assert torch.equal(got_last, want_last) and reuse.hits == 2
+            other = tokens.flip(0)
+            model.prefill(other, lengths, model.new_kv_cache(2, 64))
+            assert reuse.hits == 2 and len(reuse.saved) == 2
+    assert "prefill" not in model.__dict__
 
 
 def test_ab_adaptive_refuses_more_prompts_than_its_set_has(smollm2):
