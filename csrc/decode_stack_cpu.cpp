@@ -192,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
     const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
     at::TensorList norms, double eps, int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& cos_in,
     const at::Tensor& sin_in, const at::Tensor& kv, const at::Tensor& rows_in, const at::Tensor& seqlens,
-    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture) {
+    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture, const std::optional<at::Tensor>& attend) {
   TORCH_CHECK(x_in.dim() == 3 && x_in.scalar_type() == at::kFloat, "decode_stack: x must be fp32 [B, T, H], got ",
               x_in.scalar_type(), " ", x_in.sizes());
   const int64_t L = kv.size(0), B = x_in.size(0), T = x_in.size(1), H = x_in.size(2);
@@ -253,8 +253,21 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
     bias_ptrs[i] = b->data_ptr<float>();
   }
   const Shape s{B, T, H, n_heads, n_kv_heads, D, intermediate, S};
+  // the prefix each sequence attends over: its committed length, or none where attend is 0 (a finished sequence of
+  // the batch, whose outputs nobody reads): at 8k tokens a sequence's attention is ~3/4 of its share of a step
+  // (Xeon AMX VM, 2026-11-30, benchmarks/bench_verify_step.py --context 8000: batch 1 25 ms, batch 2 44 ms), which a
+  // batch kept paying for every sequence that had finished, until its last one did
+  at::Tensor attend_lens = lens;
+  if (attend.has_value()) {
+    TORCH_CHECK(attend->dim() == 1 && attend->size(0) == B && attend->scalar_type() == at::kLong,
+                "decode_stack: attend must be int64 [B = ", B, "], got ", attend->scalar_type(), " ", attend->sizes());
+    attend_lens = lens.clone();
+    const at::Tensor a = attend->contiguous();
+    for (int64_t b = 0; b < B; ++b)
+      if (a.data_ptr<int64_t>()[b] == 0) attend_lens.data_ptr<int64_t>()[b] = 0;
+  }
   // the step's lengths and trees, once for all layers (each reads them the same way)
-  TreeAttentionStep attn = tree_attention_step(seqlens, tree_mask, B, T, n_heads, n_kv_heads, D, kv_len,
+  TreeAttentionStep attn = tree_attention_step(attend_lens, tree_mask, B, T, n_heads, n_kv_heads, D, kv_len,
                                                1.0 / std::sqrt(static_cast<double>(D)));
   Workspace ws(s, x_in.options());
   // layer outputs alternate between two buffers; the last layer writes the returned tensor
@@ -283,7 +296,7 @@ TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
   m.def(
       "decode_stack(Tensor x, Tensor[] weights, int[] kinds, Tensor?[] biases, Tensor[] norms, float eps, int n_heads, "
       "int n_kv_heads, int intermediate, Tensor cos, Tensor sin, Tensor(a!) kv, Tensor rows, Tensor seqlens, "
-      "Tensor tree_mask, int kv_len, int[] capture) -> (Tensor, Tensor)");
+      "Tensor tree_mask, int kv_len, int[] capture, Tensor? attend=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) {

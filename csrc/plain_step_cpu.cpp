@@ -54,7 +54,8 @@ void embed_rows_into(const at::Tensor& embed, int64_t embed_kind, int64_t embed_
 // token int64 [B, T], the final-normed hidden states [B, T, H]). Everything is checked before the stack writes a row.
 std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::Tensor& tokens, const int64_t* positions,
                                                       const at::Tensor& tree_mask, const GreedyModel& m,
-                                                      const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len) {
+                                                      const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len,
+                                                      const std::optional<at::Tensor>& attend) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(), op,
               ": tokens must be contiguous int64, got ", tokens.scalar_type(), " ", tokens.sizes());
   const int64_t B = tokens.size(0), T = tokens.size(1), N = B * T;
@@ -101,7 +102,7 @@ std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::
   // a row (each projection's panels are the caller's: stack_weights takes them from the model's own layers)
   const at::Tensor h = std::get<0>(decode_stack_cpu(x, m.weights, m.kinds, m.biases, m.norms, m.eps, m.n_heads,
                                                     m.n_kv_heads, m.intermediate, cos, sin, kv, rows, seqlens, tree_mask,
-                                                    kv_len, {}));
+                                                    kv_len, {}, attend));
   at::Tensor hn = at::empty({B, T, H}, f32), logits = at::empty({N, m.vocab}, f32);
   rms_norm_rows_into(h.data_ptr<float>(), m.final_norm.data_ptr<float>(), static_cast<float>(m.final_eps), N, H,
                      hn.data_ptr<float>());
@@ -121,14 +122,17 @@ namespace {
 // embed_rows rows (embed_kind: the quantized kind, 100 * fp16 scales + 10 * bits + offset). The stack's arguments as
 // decode_stack's; final_norm fp32 [H] with final_eps; head: the LM head's panels of `vocab` rows (head_kind as a stack
 // weight's kind: 0 packed fp32 / bf16, else quantized), no bias; cos_table / sin_table fp32 [n, D], rows >= every
-// position; attention over cache rows [0, kv_len).
+// position; attention over cache rows [0, kv_len). attend: int64 [B] or none (decode_stack's: a sequence with attend 0,
+// one whose next token nobody reads, skips its attention and gets an unspecified token and hidden state; the others'
+// are the same bit for bit).
 std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& tokens, const at::Tensor& embed, int64_t embed_kind, int64_t embed_rows,
                                  at::TensorList weights, at::IntArrayRef kinds,
                                  const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, double eps,
                                  int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& final_norm,
                                  double final_eps, const at::Tensor& head, int64_t head_kind, int64_t vocab,
                                  const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& kv,
-                                 at::Tensor seqlens, int64_t kv_len, bool commit) {
+                                 at::Tensor seqlens, int64_t kv_len, bool commit,
+                                 const std::optional<at::Tensor>& attend) {
   TORCH_CHECK(tokens.dim() == 1 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
               "plain_greedy_step: tokens must be contiguous int64 [B], got ", tokens.scalar_type(), " ", tokens.sizes());
   const int64_t B = tokens.size(0);
@@ -140,7 +144,7 @@ std::tuple<at::Tensor, at::Tensor> plain_greedy_step_cpu(const at::Tensor& token
                       intermediate, final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table};
   const at::Tensor one_node = at::ones({1, 1}, tokens.options().dtype(at::kBool));
   auto [next, hn] = greedy_forward_cpu("plain_greedy_step", tokens.view({B, 1}), positions.data(), one_node, m, kv,
-                                       seqlens, kv_len);
+                                       seqlens, kv_len, attend);
   if (commit) {
     int32_t* spw = seqlens.data_ptr<int32_t>();
     for (int64_t b = 0; b < B; ++b) ++spw[b];  // the step's row committed (KVCache.advance)
@@ -155,7 +159,7 @@ TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
       "plain_greedy_step(Tensor tokens, Tensor embed, int embed_kind, int embed_rows, Tensor[] weights, int[] kinds, "
       "Tensor?[] biases, Tensor[] norms, float eps, int n_heads, int n_kv_heads, int intermediate, Tensor final_norm, "
       "float final_eps, Tensor head, int head_kind, int vocab, Tensor cos_table, Tensor sin_table, Tensor(a!) kv, "
-      "Tensor(b!) seqlens, int kv_len, bool commit=True) -> (Tensor, Tensor)");
+      "Tensor(b!) seqlens, int kv_len, bool commit=True, Tensor? attend=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hydra_kernels, CPU, m) { m.impl("plain_greedy_step", &plain_greedy_step_cpu); }

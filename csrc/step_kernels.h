@@ -80,12 +80,16 @@ void rms_norm_rows_into(const float* x, const float* w, float eps, int64_t M, in
 // the layers in `capture` concatenated [B, T, len(capture) * H], or an empty tensor). Per layer l: weights[4l .. 4l
 // + 3] = wqkv, wo, w13, w2 with kinds and biases alike; norms[2l], norms[2l + 1] = attention_norm, ffn_norm (one
 // eps). kv the whole cache [L, 2, B, S, Hkv, D], written at rows [B, T]; attention over rows [0, kv_len)
-// (tree_attention, which checks seqlens and the mask). cos/sin [B, T, D].
+// (tree_attention, which checks seqlens and the mask). cos/sin [B, T, D]. attend: int64 [B] or none; a sequence with
+// attend 0 is one whose rows nobody reads (a finished sequence of a batch): its attention reads no prefix (only its
+// first T cache rows, as if its prefix were empty), so its outputs are unspecified (finite where the cache is); every
+// other sequence's are the same, bit for bit, as without attend (a row's attention depends only on its own keys).
 std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
     const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
     at::TensorList norms, double eps, int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& cos_in,
     const at::Tensor& sin_in, const at::Tensor& kv, const at::Tensor& rows_in, const at::Tensor& seqlens,
-    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture);
+    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture,
+    const std::optional<at::Tensor>& attend = std::nullopt);
 
 // The model a native greedy step runs (plain_step_cpu.cpp, tree_step_cpu.cpp): the token embedding (fp32 [V, H] with
 // embed_kind -1, or quantized panels of embed_rows rows), the stack's arguments as decode_stack's, the final norm fp32
@@ -110,10 +114,12 @@ struct GreedyModel {
 // tokens int64 [B, T] at RoPE positions[b * T + i], node i of sequence b written at cache row seqlens[b] + i and
 // attending per tree_mask (bool [T, T] or [B, T, T]) over rows [0, kv_len) -> (each node's argmax token int64 [B, T]:
 // torch.argmax's first maximum, a NaN the maximum; the final-normed hidden states fp32 [B, T, H]). `op` names the
-// caller in error messages; everything is checked before a cache row is written.
+// caller in error messages; everything is checked before a cache row is written. attend: decode_stack's (a sequence
+// with attend 0: its outputs unspecified, its attention skipped).
 std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::Tensor& tokens, const int64_t* positions,
                                                       const at::Tensor& tree_mask, const GreedyModel& m,
-                                                      const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len);
+                                                      const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len,
+                                                      const std::optional<at::Tensor>& attend = std::nullopt);
 
 // The greedy_verify and commit_kv ops' input checks and CPU kernels (ops.cpp).
 void check_greedy_verify(const at::Tensor& target, const at::Tensor& tokens, const at::Tensor& paths);

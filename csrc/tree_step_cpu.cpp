@@ -29,7 +29,8 @@ namespace {
 // [B, P, D + 1] (the leaf paths, -1 padded), active int64 [B] (0: a finished sequence commits nothing); the model's
 // arguments as plain_greedy_step's -> (the final-normed hidden states [B, T, H], the argmax after every node [B, T],
 // accept_lengths [B], accept_indices [B, D + 1], next_root [B], last_node [B], the committed lengths n [B]), the
-// accepted rows moved after each prefix and seqlens advanced by n.
+// accepted rows moved after each prefix and seqlens advanced by n. attend: int64 [B] or none (decode_stack's: a
+// sequence with attend 0 skips its attention, its outputs unspecified; give it active 0 too, or it commits them).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tree_greedy_step_cpu(
     const at::Tensor& tokens, const at::Tensor& tree_mask, const at::Tensor& depths,
     const std::optional<at::Tensor>& positions, const at::Tensor& paths, const at::Tensor& active,
@@ -37,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const c10::List<std::optional<at::Tensor>>& biases, at::TensorList norms, double eps, int64_t n_heads,
     int64_t n_kv_heads, int64_t intermediate, const at::Tensor& final_norm, double final_eps, const at::Tensor& head,
     int64_t head_kind, int64_t vocab, const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& kv,
-    at::Tensor seqlens, int64_t kv_len) {
+    at::Tensor seqlens, int64_t kv_len, const std::optional<at::Tensor>& attend) {
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
               "tree_greedy_step: tokens must be contiguous int64 [B, T], got ", tokens.scalar_type(), " ", tokens.sizes());
   const int64_t B = tokens.size(0), T = tokens.size(1);
@@ -73,7 +74,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   const GreedyModel m{embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads,
                       intermediate, final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table};
-  auto [target, hidden] = greedy_forward_cpu("tree_greedy_step", tokens, pos.data(), tree_mask, m, kv, seqlens, kv_len);
+  auto [target, hidden] = greedy_forward_cpu("tree_greedy_step", tokens, pos.data(), tree_mask, m, kv, seqlens, kv_len,
+                                             attend);
   auto [len, idx, next_root, last] = greedy_verify_cpu(target, tokens, paths);
   const at::Tensor n = len * active;  // a finished sequence commits nothing (commit_step)
   commit_kv_cpu(kv, seqlens, idx, n);
@@ -90,7 +92,8 @@ TORCH_LIBRARY_FRAGMENT(hydra_kernels, m) {
       "tree_greedy_step(Tensor tokens, Tensor tree_mask, Tensor depths, Tensor? positions, Tensor paths, Tensor active, "
       "Tensor embed, int embed_kind, int embed_rows, Tensor[] weights, int[] kinds, Tensor?[] biases, Tensor[] norms, "
       "float eps, int n_heads, int n_kv_heads, int intermediate, Tensor final_norm, float final_eps, Tensor head, "
-      "int head_kind, int vocab, Tensor cos_table, Tensor sin_table, Tensor(a!) kv, Tensor(b!) seqlens, int kv_len) -> "
+      "int head_kind, int vocab, Tensor cos_table, Tensor sin_table, Tensor(a!) kv, Tensor(b!) seqlens, int kv_len, "
+      "Tensor? attend=None) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -106,8 +106,10 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
             _emit_step(drafter, state, report, so.target if greedy else None, host_seqlens, emitter, active)
             last_accept[0] = None  # the runner's report holds no node ids
             return root
-        if greedy and native_tree is not None:  # the same step in one native call
-            feats, target, v, n = native_tree(tokens, tr, active, prop.positions, kv_len)
+        if greedy and native_tree is not None:  # the same step in one native call; a finished sequence (active 0)
+            # skips its attention (its rows are not read): at long context most of its share of the step
+            attend = active if any(emitter.done) else None
+            feats, target, v, n = native_tree(tokens, tr, active, prop.positions, kv_len, attend)
         elif greedy:  # forward, acceptance, commit in one function with no host read (greedy_verify_step)
             feats, target, v, n = greedy_verify_step(model, cache, tokens, tr, active, positions=prop.positions,
                                                      kv_len=kv_len, backends=backends, capture=capture)
@@ -295,8 +297,8 @@ def _plain_greedy_step(model, drafter, state, cache, root, active, backends, cap
     if native is not None and not any(emitter.done):  # every sequence active (active[b] drops to 0 only where
         # done[b]): plain decoding's own step (the commit advances every row, as advance(active) would here)
         return _native_plain_greedy_step(drafter, state, root, active, context, host_seqlens, emitter, stats, native)
-    if native is not None:
-        nxt, hidden = native(root, context + 1, commit=False)  # [B], [B, H]
+    if native is not None:  # a finished sequence (active 0) skips its attention: its token is not read
+        nxt, hidden = native(root, context + 1, commit=False, attend=active)  # [B], [B, H]
         feats = hidden[:, None]  # [B, 1, H]: Llama.step's output
     else:
         hidden = model.step(root[:, None], cache, kv_len=context + 1, backends=backends, capture=capture)

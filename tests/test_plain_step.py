@@ -45,11 +45,12 @@ def two_prefilled(m):
     return cache
 
 
-def decode(m, B: int, steps: int, native: bool, forced=None, commit: bool = True):
+def decode(m, B: int, steps: int, native: bool, forced=None, commit: bool = True, attend=None):
     """Prefill a ragged batch (NaN-poisoned cache), then `steps` plain greedy steps on the native step or the module
     path. forced [steps, B]: the tokens fed after each step (both paths then see the same inputs even where their
     outputs would differ). Returns (each step's tokens [steps, B], final hidden states [steps, B, H], the cache's kv,
-    seqlens). commit=False steps (a speculative run's) advance seqlens after the step, as the caller does."""
+    seqlens). commit=False steps (a speculative run's) advance seqlens after the step, as the caller does. attend: the
+    native step's (int64 [B]: 0 skips that sequence's attention)."""
     gen = torch.Generator().manual_seed(3)
     lengths = torch.tensor([9, 5, 7][:B], dtype=torch.int32)
     cache = m.new_kv_cache(B, 40)
@@ -62,7 +63,7 @@ def decode(m, B: int, steps: int, native: bool, forced=None, commit: bool = True
     for i in range(steps):
         kv_len += 1
         if native:
-            nxt, hidden = step(nxt, kv_len, commit)
+            nxt, hidden = step(nxt, kv_len, commit, attend)
             if not commit:
                 cache.advance(1)
         else:
@@ -89,6 +90,28 @@ def assert_same_decoding(m, B: int, steps: int = 6, commit: bool = True):
 @pytest.mark.parametrize("B,bias", [(1, False), (3, True)])
 def test_native_step_is_the_module_path_bit_for_bit(quantized, B, bias):
     assert_same_decoding(model_of(quantized, bias, seed=B), B)
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_a_finished_sequence_skips_its_attention_and_changes_nothing_else(commit):
+    """attend 0 for a finished sequence (plain decoding's and a speculative run's plain steps, once one has finished):
+    its attention is skipped, so its tokens and hidden states move (finite), and every other sequence's tokens, hidden
+    states and cache rows are the module path's bit for bit, its own prompt rows untouched. The same tokens fed to both
+    paths after each step (forced), since the skipped sequence's own choices differ."""
+    m = model_of("a", True, seed=33)
+    forced = torch.randint(0, V, (6, 3), generator=torch.Generator().manual_seed(4))
+    want = decode(m, 3, 6, native=False, forced=forced)
+    attend = torch.tensor([1, 0, 1])
+    got = decode(m, 3, 6, native=True, forced=forced, commit=commit, attend=attend)
+    live = attend > 0
+    assert torch.equal(got[0][:, live], want[0][:, live]) and torch.equal(got[1][:, live], want[1][:, live])
+    assert torch.isfinite(got[1]).all() and not torch.equal(got[1][:, 1], want[1][:, 1])  # the skip ran
+    kv_got, kv_want = got[2].nan_to_num(7.0), want[2].nan_to_num(7.0)
+    assert torch.equal(kv_got[:, :, live], kv_want[:, :, live])
+    assert torch.equal(kv_got[:, :, 1, :5], kv_want[:, :, 1, :5])  # the finished sequence's prompt rows
+    assert torch.equal(got[3], want[3])
+    with pytest.raises(RuntimeError, match="attend must be int64"):
+        plain_step.native_plain_step(m, two_prefilled(m), "native")(torch.tensor([1, 2]), 8, True, torch.ones(2))
 
 
 def test_without_commit_the_caller_commits():
@@ -219,20 +242,21 @@ def test_op_passes_torch_library_opcheck():
 
 
 def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):
-    """The embedded model: the same tokens as the module path for a ragged batch; one native call per step; sampling
-    never calls it."""
+    """The embedded model: the same tokens as the module path for a ragged batch (the steps after one answer ends skip
+    its attention: attend given, with a 0); one native call per step; sampling never calls it."""
     model, tok = smollm2
     prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.")]
     calls = []
     real = plain_step.PLAIN_GREEDY_STEP
 
     def counting(*a):
-        calls.append(1)
+        calls.append(a[-1])  # attend
         return real(*a)
 
     monkeypatch.setattr(plain_step, "PLAIN_GREEDY_STEP", counting)
     got = generate(model, prompts, max_new_tokens=24)
     assert len(calls) == got.num_steps > 0
+    assert calls[0] is None and calls[-1].tolist() in ([0, 1], [1, 0])  # the finished answer's attention skipped
     monkeypatch.setattr(generate_module, "native_plain_step", lambda *a: None)
     want = generate(model, prompts, max_new_tokens=24)
     assert got.sequences == want.sequences

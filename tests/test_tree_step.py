@@ -80,14 +80,18 @@ def tree_for(step: int, B: int, gen) -> tuple[object, torch.Tensor]:
     return tb, tb.parents
 
 
-def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool = True, positions: bool = False):
+def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool = True, positions: bool = False,
+                      attend: bool = False):
+    """The native step against the module path, step by step. attend: the native step also gets attend = active, so
+    a finished sequence skips its attention: its outputs are then unspecified (finite) and its rows past its committed
+    length differ, where every active sequence's outputs and cache rows, and every committed row, stay the same."""
     gen = torch.Generator().manual_seed(seed)
     want_cache, root = prefilled(m, B, seed)
     got_cache, _ = prefilled(m, B, seed)
     native = tree_step.native_tree_step(m, got_cache, "native")
     assert native is not None
     active = torch.ones(B, dtype=torch.long)
-    lengths = set()
+    lengths, skipped = set(), False
     for i in range(steps):
         if finished and B > 1 and i == 2:
             active[1] = 0  # sequence 1 finished: it commits nothing from here
@@ -102,20 +106,26 @@ def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool =
         if i % 2:  # a drafter's tokens may come as a non-contiguous view (MLPSpeculator's candidates)
             tokens = tokens.t().contiguous().t()
             assert not tokens.is_contiguous() or min(tokens.shape) == 1
-        got = native(tokens, tree, active, pos, kv_len)
-        assert torch.isfinite(got[0]).all() and torch.equal(got[0], want[0]), f"step {i}: hidden states"
-        assert torch.equal(got[1], want[1]), f"step {i}: argmax tokens"
+        got = native(tokens, tree, active, pos, kv_len, active.clone() if attend else None)
+        live = active > 0 if attend else torch.ones(B, dtype=torch.bool)  # the rows compared
+        skipped |= not torch.equal(got[0][~live], want[0][~live])  # the skip ran (a finished row's outputs moved)
+        assert torch.isfinite(got[0]).all() and torch.equal(got[0][live], want[0][live]), f"step {i}: hidden states"
+        assert torch.equal(got[1][live], want[1][live]), f"step {i}: argmax tokens"
         for name, g, w in zip(want[2]._fields, got[2], want[2]):
-            assert torch.equal(g, w), f"step {i}: {name} {g.tolist()} != {w.tolist()}"
+            assert torch.equal(g[live], w[live]), f"step {i}: {name} {g.tolist()} != {w.tolist()}"
         assert torch.equal(got[3], want[3])
         ref = reference.greedy_verify(got[1], tokens, tree.paths)  # the acceptance's definition (ops/reference.py)
         for name, g, r in zip(got[2]._fields, got[2], ref):
             assert torch.equal(g, r), f"step {i}: {name} against the reference"
         assert torch.equal(got[3], got[2].accept_lengths * active)
-        assert torch.equal(got_cache.kv.nan_to_num(7.0), want_cache.kv.nan_to_num(7.0)), f"step {i}: KV cache"
+        rows = torch.arange(got_cache.max_seq_len)[None, :] < got_cache.seqlens[:, None].long()  # [B, S]: committed
+        rows |= live[:, None]  # a finished sequence's rows past its length are the skipped step's, not compared
+        g_kv, w_kv = (c.kv.nan_to_num(7.0).permute(2, 3, 0, 1, 4, 5)[rows] for c in (got_cache, want_cache))
+        assert torch.equal(g_kv, w_kv), f"step {i}: KV cache"
         assert torch.equal(got_cache.seqlens, want_cache.seqlens)
         lengths.update(want[2].accept_lengths[active > 0].tolist())
         root = want[2].next_root
+    assert skipped == (attend and finished and B > 1)
     return lengths
 
 
@@ -124,6 +134,15 @@ def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool =
 def test_native_verify_step_is_the_module_path_bit_for_bit(quantized, B, bias):
     lengths = assert_same_steps(model_of(quantized, bias, seed=B + 10), B, seed=B)
     assert len(lengths) >= 3, f"accept lengths seen: {lengths}"  # short and long accepted paths both ran
+
+
+def test_a_finished_sequence_skips_its_attention_and_changes_nothing_else():
+    """attend = active (the speculative loop's, once a sequence has finished): the finished sequence's attention is
+    skipped, and every active sequence's hidden states, tokens, acceptance, commits and cache rows are the module
+    path's bit for bit; the finished one's committed rows untouched, its outputs finite. Shared, per-sequence and
+    one-node trees; fp32 and quantized layers."""
+    for quantized in (False, "a"):
+        assert_same_steps(model_of(quantized, True, seed=31), 3, steps=6, seed=9, attend=True)
 
 
 def test_quantized_head_and_embedding_and_given_positions():
@@ -188,8 +207,9 @@ def test_cases_it_does_not_take_keep_the_module_path():
 
 def test_generate_runs_it_for_every_drafted_greedy_step(smollm2, monkeypatch):
     """The embedded model and its shipped drafter at a pinned budget: one native call per drafted step, the tokens
-    of the module path and of plain decoding, for a ragged batch where one answer ends early; sampling and a run that
-    captures layers (EAGLE-3) never call it."""
+    of the module path and of plain decoding, for a ragged batch where one answer ends early (its later steps skip the
+    finished sequence's attention: attend given, with a 0); sampling and a run that captures layers (EAGLE-3) never
+    call it."""
     model, tok = smollm2
     prompts = [chat_prompt_ids(tok, q) for q in ("Name three rivers in Africa.", "What is 17*23? Explain.")]
     want = generate(model, prompts, max_new_tokens=24)
@@ -197,10 +217,11 @@ def test_generate_runs_it_for_every_drafted_greedy_step(smollm2, monkeypatch):
     drafter = hk.load_drafter(model=model)
     calls = []
     real = tree_step.TREE_GREEDY_STEP
-    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP", lambda *a: calls.append(a[-1]) or real(*a))
     got = generate(model, prompts, drafter=drafter, max_new_tokens=24, budget=6)
     assert got.sequences == want.sequences
     assert len(calls) == got.num_steps > 0 and set(got.step_nodes) == {6}
+    assert calls[0] is None and any(a is not None and 0 in a.tolist() for a in calls)  # a finished row skipped
     monkeypatch.setattr(speculative, "native_tree_step", lambda *a: None)  # the module path
     assert generate(model, prompts, drafter=drafter, max_new_tokens=24, budget=6).sequences == want.sequences
     monkeypatch.undo()

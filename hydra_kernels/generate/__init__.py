@@ -250,10 +250,14 @@ def _plain_loop(model, cache, nxt, emitter: Emitter, pick, backends, kv_len: int
     greedy (pick is the argmax): on the CPU the whole step runs as one native call where it applies
     (model/plain_step.py: the same tokens)."""
     native = native_plain_step(model, cache, backends) if greedy else None
+    attend, finished = None, 0  # the native step's attend: 0 for a finished sequence (its attention skipped)
     while not emitter.all_done:
         kv_len += 1  # host-side bound on every seqlens[b] + 1
         if native is not None:
-            nxt, _ = native(nxt, kv_len)  # step, commit and argmax in one call
+            if sum(emitter.done) != finished:  # a sequence finished: its token is not read from now on
+                finished = sum(emitter.done)
+                attend = torch.tensor([0 if d else 1 for d in emitter.done], dtype=torch.long)
+            nxt, _ = native(nxt, kv_len, attend=attend)  # step, commit and argmax in one call
         else:
             hidden = model.step(nxt[:, None], cache, kv_len=kv_len, backends=backends)  # [B, 1, H]
             cache.advance(1)

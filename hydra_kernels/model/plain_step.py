@@ -88,15 +88,19 @@ def native_step_model(model, cache, backends) -> Callable[[], tuple] | None:
 
 
 def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """step(tokens, kv_len, commit=True) for greedy plain decoding of `cache`'s batch: tokens int64 [B] (each
-    sequence's last token, written at its row seqlens[b]) -> (the next tokens int64 [B], the final-normed hidden
+    """step(tokens, kv_len, commit=True, attend=None) for greedy plain decoding of `cache`'s batch: tokens int64 [B]
+    (each sequence's last token, written at its row seqlens[b]) -> (the next tokens int64 [B], the final-normed hidden
     states [B, H] that chose them: Llama.step's output, a drafter's features), with commit seqlens advanced by one
-    (without: the caller commits); kv_len a host bound on every seqlens + 1. None where the native step does not
-    apply (the module path then runs)."""
+    (without: the caller commits); kv_len a host bound on every seqlens + 1. attend int64 [B] or None: a sequence with
+    attend 0 (finished: nobody reads its token) skips its attention and gets an unspecified token and hidden state,
+    the others' bit for bit the same (csrc/decode_stack_cpu.cpp). None where the native step does not apply (the
+    module path then runs)."""
     model_args = native_step_model(model, cache, backends)
     if model_args is None:
         return None
 
-    def step(tokens: torch.Tensor, kv_len: int, commit: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        return PLAIN_GREEDY_STEP(tokens, *model_args(), cache.kv, cache.seqlens, min(kv_len, cache.max_seq_len), commit)
+    def step(tokens: torch.Tensor, kv_len: int, commit: bool = True,
+             attend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return PLAIN_GREEDY_STEP(tokens, *model_args(), cache.kv, cache.seqlens, min(kv_len, cache.max_seq_len), commit,
+                                 attend)
     return step

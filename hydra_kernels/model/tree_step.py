@@ -25,19 +25,22 @@ TREE_GREEDY_STEP = extension_op("tree_greedy_step")
 
 
 def native_tree_step(model, cache, backends) -> Callable | None:
-    """step(tokens, tree, active, positions, kv_len) for the greedy verify steps of `cache`'s batch: tokens int64
-    [B, T] over `tree` (a Tree or TreeBatch), active int64 [B] (0: commits nothing), positions [B, T] or None
-    (seqlens + the tree's depths), kv_len a host bound on seqlens + T -> (the final hidden states [B, T, H], the
+    """step(tokens, tree, active, positions, kv_len, attend=None) for the greedy verify steps of `cache`'s batch:
+    tokens int64 [B, T] over `tree` (a Tree or TreeBatch), active int64 [B] (0: commits nothing), positions [B, T] or
+    None (seqlens + the tree's depths), kv_len a host bound on seqlens + T -> (the final hidden states [B, T, H], the
     argmax after every node [B, T], the Verification, the committed lengths n [B]), as greedy_verify_step returns
-    them; seqlens advanced by n. None where it does not apply (the module path then runs)."""
+    them; seqlens advanced by n. attend int64 [B] or None: a sequence with attend 0 (finished: give it active 0 too)
+    skips its attention, its outputs unspecified, the others' bit for bit the same. None where it does not apply (the
+    module path then runs)."""
     model_args = native_step_model(model, cache, backends) if TREE_GREEDY_STEP is not None else None
     if model_args is None:
         return None
 
-    def step(tokens: torch.Tensor, tree, active: torch.Tensor, positions: torch.Tensor | None, kv_len: int):
+    def step(tokens: torch.Tensor, tree, active: torch.Tensor, positions: torch.Tensor | None, kv_len: int,
+             attend: torch.Tensor | None = None):
         # a drafter's tokens may be a view (MLPSpeculator's candidates): the op reads contiguous int64
         hidden, target, *v, n = TREE_GREEDY_STEP(tokens.contiguous(), tree.mask, tree.depths, positions, tree.paths,
                                                  active, *model_args(), cache.kv, cache.seqlens,
-                                                 min(kv_len, cache.max_seq_len))
+                                                 min(kv_len, cache.max_seq_len), attend)
         return hidden, target, Verification(*v), n
     return step
