@@ -56,10 +56,9 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
     drafter.after_prefill(state, prefill_hidden, lengths)
     drafter.observe_tokens(state, [p + s[:1] for p, s in zip(prompts, emitter.sequences)])  # prompt + root
     active = torch.ones(B, dtype=torch.long, device=dev) if runner is None else buffers.active
-    if runner is not None:  # the host's copy of active is `not emitter.done` (_runner_plain_greedy_step)
-        for b in range(batch):
-            if emitter.done[b]:
-                active[b] = 0
+    for b in range(batch):  # the host's copy of active is `not emitter.done`: a sequence done at its first token
+        if emitter.done[b]:  # (max_new_tokens 1, an EOS) commits nothing and skips its attention from the start
+            active[b] = 0
     greedy = acceptance == "greedy" or temperature == 0.0
     target = None
     filtered = top_k > 0 or top_p < 1.0

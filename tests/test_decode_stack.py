@@ -324,3 +324,4 @@ def test_ops_pass_torch_library_opcheck():
     args = (torch.randn(2, 2, 64, generator=gen), weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
             cos, sin, kv, torch.tensor([[4, 5], [9, 10]]), torch.tensor([4, 9], dtype=torch.int32), mask, 12, [0, 2])
     torch.library.opcheck(torch.ops.hydra_kernels.decode_stack.default, args)
+    torch.library.opcheck(torch.ops.hydra_kernels.decode_stack.default, (*args, torch.tensor([0, 1])))  # attend

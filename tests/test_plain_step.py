@@ -239,6 +239,7 @@ def test_op_passes_torch_library_opcheck():
     args = (torch.tensor([5, 6]), *emb, weights, kinds, biases, norms, eps, a.n_heads, a.n_kv_heads, f.inter,
             m.norm.weight, m.norm.eps, *head, V, cos, sin, cache.kv, cache.seqlens, 8)
     torch.library.opcheck(torch.ops.hydra_kernels.plain_greedy_step.default, args)
+    torch.library.opcheck(torch.ops.hydra_kernels.plain_greedy_step.default, (*args, False, torch.tensor([1, 0])))
 
 
 def test_generate_runs_it_for_greedy_plain_decoding(smollm2, monkeypatch):

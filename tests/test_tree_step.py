@@ -81,10 +81,12 @@ def tree_for(step: int, B: int, gen) -> tuple[object, torch.Tensor]:
 
 
 def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool = True, positions: bool = False,
-                      attend: bool = False):
+                      attend: bool = False, finish: int = 1):
     """The native step against the module path, step by step. attend: the native step also gets attend = active, so
     a finished sequence skips its attention: its outputs are then unspecified (finite) and its rows past its committed
-    length differ, where every active sequence's outputs and cache rows, and every committed row, stay the same."""
+    length differ, where every active sequence's outputs and cache rows, and every committed row, stay the same.
+    finish: the sequence that finishes (prompts of 9, 5 and 7 tokens: 0 is the longest, whose skip changes the step's
+    longest prefix and the attention's scratch sizes)."""
     gen = torch.Generator().manual_seed(seed)
     want_cache, root = prefilled(m, B, seed)
     got_cache, _ = prefilled(m, B, seed)
@@ -94,7 +96,7 @@ def assert_same_steps(m, B: int, steps: int = 6, seed: int = 0, finished: bool =
     lengths, skipped = set(), False
     for i in range(steps):
         if finished and B > 1 and i == 2:
-            active[1] = 0  # sequence 1 finished: it commits nothing from here
+            active[finish] = 0  # it finished: it commits nothing from here
         tree, parents = tree_for(i, B, gen)
         T = tree.num_nodes
         kv_len = int(want_cache.seqlens.max()) + T + 2
@@ -141,8 +143,28 @@ def test_a_finished_sequence_skips_its_attention_and_changes_nothing_else():
     skipped, and every active sequence's hidden states, tokens, acceptance, commits and cache rows are the module
     path's bit for bit; the finished one's committed rows untouched, its outputs finite. Shared, per-sequence and
     one-node trees; fp32 and quantized layers."""
-    for quantized in (False, "a"):
-        assert_same_steps(model_of(quantized, True, seed=31), 3, steps=6, seed=9, attend=True)
+    for quantized, finish in ((False, 1), ("a", 1), (False, 0)):
+        assert_same_steps(model_of(quantized, True, seed=31), 3, steps=6, seed=9, attend=True, finish=finish)
+
+
+def test_a_sequence_done_at_its_first_token_skips_from_the_first_step(smollm2, monkeypatch):
+    """A sequence whose first token (the prefill's) is an EOS is finished before the loop: it commits nothing and its
+    attention is skipped from the first drafted step, and the other's tokens are plain decoding's."""
+    model, tok = smollm2
+    questions = ("Name three rivers in Africa.", "What is 17*23? Explain.", "Write a haiku about rain.",
+                 "List two prime numbers.", "Translate 'good morning' into French.", "Say hello.")
+    firsts = generate(model, [chat_prompt_ids(tok, q) for q in questions], max_new_tokens=1).sequences
+    other = next(i for i, f in enumerate(firsts) if f != firsts[0])  # a second prompt whose first token differs
+    prompts = [chat_prompt_ids(tok, questions[0]), chat_prompt_ids(tok, questions[other])]
+    first = [firsts[0], firsts[other]]
+    want = generate(model, prompts, max_new_tokens=12, eos_token_id=first[0])
+    assert want.sequences[0] == first[0] and len(want.sequences[1]) > 1
+    calls = []
+    real = tree_step.TREE_GREEDY_STEP
+    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP", lambda *a: calls.append(a[-1].clone()) or real(*a))
+    got = generate(model, prompts, drafter=hk.load_drafter(model=model), max_new_tokens=12, eos_token_id=first[0],
+                   budget=6)
+    assert got.sequences == want.sequences and calls and all(c.tolist()[0] == 0 for c in calls)
 
 
 def test_quantized_head_and_embedding_and_given_positions():
@@ -190,6 +212,7 @@ def test_op_passes_torch_library_opcheck():
     args = (torch.tensor([[5, 6, 7], [1, 2, 3]]), tb.mask, tb.depths, None, tb.paths, torch.tensor([1, 0]),
             *plain_step.native_step_model(m, cache, "native")(), cache.kv, cache.seqlens, 8)
     torch.library.opcheck(torch.ops.hydra_kernels.tree_greedy_step.default, args)
+    torch.library.opcheck(torch.ops.hydra_kernels.tree_greedy_step.default, (*args, torch.tensor([1, 0])))  # attend
 
 
 def test_cases_it_does_not_take_keep_the_module_path():
@@ -217,7 +240,7 @@ def test_generate_runs_it_for_every_drafted_greedy_step(smollm2, monkeypatch):
     drafter = hk.load_drafter(model=model)
     calls = []
     real = tree_step.TREE_GREEDY_STEP
-    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP", lambda *a: calls.append(a[-1]) or real(*a))
+    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP", lambda *a: calls.append(None if a[-1] is None else a[-1].clone()) or real(*a))
     got = generate(model, prompts, drafter=drafter, max_new_tokens=24, budget=6)
     assert got.sequences == want.sequences
     assert len(calls) == got.num_steps > 0 and set(got.step_nodes) == {6}

@@ -92,8 +92,8 @@ def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tenso
     (each sequence's last token, written at its row seqlens[b]) -> (the next tokens int64 [B], the final-normed hidden
     states [B, H] that chose them: Llama.step's output, a drafter's features), with commit seqlens advanced by one
     (without: the caller commits); kv_len a host bound on every seqlens + 1. attend int64 [B] or None: a sequence with
-    attend 0 (finished: nobody reads its token) skips its attention and gets an unspecified token and hidden state,
-    the others' bit for bit the same (csrc/decode_stack_cpu.cpp). None where the native step does not apply (the
+    attend 0 (finished: nobody reads its token) attends over its first cache rows alone, not its prefix, and gets an
+    unspecified token and hidden state, the others' bit for bit the same (csrc/decode_stack_cpu.cpp). None where the native step does not apply (the
     module path then runs)."""
     model_args = native_step_model(model, cache, backends)
     if model_args is None:

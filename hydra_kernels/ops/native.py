@@ -79,7 +79,7 @@ def _register() -> bool:
 
     @torch.library.register_fake("hydra_kernels::decode_stack")
     def _(x, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate, cos, sin, kv, rows, seqlens,
-          tree_mask, kv_len, capture):  # the last layer's output, the captured inputs; kv (Tensor(a!)) written in place
+          tree_mask, kv_len, capture, attend=None):  # the last layer's output, the captured inputs; kv written in place
         B, T, H = x.shape
         return torch.empty_like(x), x.new_empty((B, T, len(capture) * H) if capture else (0,))
 
@@ -90,14 +90,15 @@ def _register() -> bool:
 
     @torch.library.register_fake("hydra_kernels::plain_greedy_step")
     def _(tokens, embed, embed_kind, embed_rows, weights, kinds, biases, norms, eps, n_heads, n_kv_heads, intermediate,
-          final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table, kv, seqlens, kv_len, commit=True):
+          final_norm, final_eps, head, head_kind, vocab, cos_table, sin_table, kv, seqlens, kv_len, commit=True,
+          attend=None):
         # the next tokens, the final hidden states; kv (and, with commit, seqlens) written in place
         return torch.empty_like(tokens), final_norm.new_empty(tokens.shape[0], final_norm.shape[0])
 
     @torch.library.register_fake("hydra_kernels::tree_greedy_step")
     def _(tokens, tree_mask, depths, positions, paths, active, embed, embed_kind, embed_rows, weights, kinds, biases,
           norms, eps, n_heads, n_kv_heads, intermediate, final_norm, final_eps, head, head_kind, vocab, cos_table,
-          sin_table, kv, seqlens, kv_len):
+          sin_table, kv, seqlens, kv_len, attend=None):
         B, T = tokens.shape
         D1 = paths.shape[-1]
         return (final_norm.new_empty(B, T, final_norm.shape[0]), tokens.new_empty(B, T), tokens.new_empty(B),
