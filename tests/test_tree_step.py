@@ -240,7 +240,8 @@ def test_generate_runs_it_for_every_drafted_greedy_step(smollm2, monkeypatch):
     drafter = hk.load_drafter(model=model)
     calls = []
     real = tree_step.TREE_GREEDY_STEP
-    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP", lambda *a: calls.append(None if a[-1] is None else a[-1].clone()) or real(*a))
+    monkeypatch.setattr(tree_step, "TREE_GREEDY_STEP",  # attend cloned: the loop changes active after the call
+                        lambda *a: calls.append(None if a[-1] is None else a[-1].clone()) or real(*a))
     got = generate(model, prompts, drafter=drafter, max_new_tokens=24, budget=6)
     assert got.sequences == want.sequences
     assert len(calls) == got.num_steps > 0 and set(got.step_nodes) == {6}

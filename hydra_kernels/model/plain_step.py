@@ -93,8 +93,8 @@ def native_plain_step(model, cache, backends) -> Callable[..., tuple[torch.Tenso
     states [B, H] that chose them: Llama.step's output, a drafter's features), with commit seqlens advanced by one
     (without: the caller commits); kv_len a host bound on every seqlens + 1. attend int64 [B] or None: a sequence with
     attend 0 (finished: nobody reads its token) attends over its first cache rows alone, not its prefix, and gets an
-    unspecified token and hidden state, the others' bit for bit the same (csrc/decode_stack_cpu.cpp). None where the native step does not apply (the
-    module path then runs)."""
+    unspecified token and hidden state, the others' bit for bit the same (csrc/decode_stack_cpu.cpp). None where the
+    native step does not apply (the module path then runs)."""
     model_args = native_step_model(model, cache, backends)
     if model_args is None:
         return None
