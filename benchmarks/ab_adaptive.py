@@ -119,7 +119,7 @@ class ReusedPrefill:
     group at 8k with SmolLM2-135M)."""
 
     def __init__(self, model):
-        self.model, self.saved, self.hits = model, {}, 0
+        self.model, self.saved, self.hits, self.runs = model, {}, 0, 0
 
     def __enter__(self):
         prefill = self.model.prefill
@@ -136,6 +136,7 @@ class ReusedPrefill:
             else:
                 out = prefill(tokens, lengths, cache, all_hidden=True, capture=capture, **kw)
                 self.saved[key] = (cache.kv[:, :, :, :L].clone(), cache.seqlens.clone(), out)
+                self.runs += 1
             last = (torch.arange(tokens.shape[0], device=tokens.device), lengths.long() - 1)
             return _each(out, lambda h: h.clone() if all_hidden else h[last])
 
@@ -184,27 +185,26 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
         cls.observe = timing(cls.observe)
     reuse = ReusedPrefill(model)
     try:
-        reuse.__enter__()
-        for name, consts in parsed:  # warm-up: first calls, each variant's policy ops
-            _decode(model, drafter, groups[0], name, consts, memories, 8)
-        generate(model, groups[0], max_new_tokens=8, eos_token_id=[])
-        memories.update({name: ({}, {}) for name, _ in parsed})  # the warm-up's learning forgotten
-        for r in tqdm(range(rounds), desc="rounds"):
-            for i, g in enumerate(groups):
-                k = (r + i) % len(order)
-                for name, consts in order[k:] + order[:k]:
-                    drafts[0] = 0
-                    steps.clear()
-                    if name == "plain":
-                        out = generate(model, g, max_new_tokens=new_tokens, eos_token_id=[])
-                    else:
-                        out = _decode(model, drafter, g, name, consts, memories, new_tokens)
-                        for (t0, _), (t1, kind) in zip(steps, steps[1:]):  # observe to observe: a whole step
-                            step_ms[name][kind].append((t1 - t0) * 1e3)
-                    runs[name].append((out.decode_s, drafts[0], out))
+        with reuse:
+            for name, consts in parsed:  # warm-up: first calls, each variant's policy ops
+                _decode(model, drafter, groups[0], name, consts, memories, 8)
+            generate(model, groups[0], max_new_tokens=8, eos_token_id=[])
+            memories.update({name: ({}, {}) for name, _ in parsed})  # the warm-up's learning forgotten
+            for r in tqdm(range(rounds), desc="rounds"):
+                for i, g in enumerate(groups):
+                    k = (r + i) % len(order)
+                    for name, consts in order[k:] + order[:k]:
+                        drafts[0] = 0
+                        steps.clear()
+                        if name == "plain":
+                            out = generate(model, g, max_new_tokens=new_tokens, eos_token_id=[])
+                        else:
+                            out = _decode(model, drafter, g, name, consts, memories, new_tokens)
+                            for (t0, _), (t1, kind) in zip(steps, steps[1:]):  # observe to observe: a whole step
+                                step_ms[name][kind].append((t1 - t0) * 1e3)
+                        runs[name].append((out.decode_s, drafts[0], out))
     finally:
-        print(f"prefills: {len(reuse.saved)} run, {reuse.hits} reused (ReusedPrefill)")
-        reuse.__exit__()
+        print(f"prefills: {reuse.runs} run, {reuse.hits} reused (ReusedPrefill)")
         drafter.propose = propose
         for cls, observe in own.items():
             if observe is None:

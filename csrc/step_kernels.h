@@ -88,8 +88,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack_cpu(
     const at::Tensor& x_in, at::TensorList weights, at::IntArrayRef kinds, const c10::List<std::optional<at::Tensor>>& biases,
     at::TensorList norms, double eps, int64_t n_heads, int64_t n_kv_heads, int64_t intermediate, const at::Tensor& cos_in,
     const at::Tensor& sin_in, const at::Tensor& kv, const at::Tensor& rows_in, const at::Tensor& seqlens,
-    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture,
-    const std::optional<at::Tensor>& attend = std::nullopt);
+    const at::Tensor& tree_mask, int64_t kv_len, at::IntArrayRef capture, const std::optional<at::Tensor>& attend);
 
 // The model a native greedy step runs (plain_step_cpu.cpp, tree_step_cpu.cpp): the token embedding (fp32 [V, H] with
 // embed_kind -1, or quantized panels of embed_rows rows), the stack's arguments as decode_stack's, the final norm fp32
@@ -119,7 +118,7 @@ struct GreedyModel {
 std::tuple<at::Tensor, at::Tensor> greedy_forward_cpu(const char* op, const at::Tensor& tokens, const int64_t* positions,
                                                       const at::Tensor& tree_mask, const GreedyModel& m,
                                                       const at::Tensor& kv, const at::Tensor& seqlens, int64_t kv_len,
-                                                      const std::optional<at::Tensor>& attend = std::nullopt);
+                                                      const std::optional<at::Tensor>& attend);
 
 // The greedy_verify and commit_kv ops' input checks and CPU kernels (ops.cpp).
 void check_greedy_verify(const at::Tensor& target, const at::Tensor& tokens, const at::Tensor& paths);

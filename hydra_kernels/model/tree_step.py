@@ -31,8 +31,7 @@ def native_tree_step(model, cache, backends) -> Callable | None:
     argmax after every node [B, T], the Verification, the committed lengths n [B]), as greedy_verify_step returns
     them; seqlens advanced by n. attend int64 [B] or None: a sequence with attend 0 (finished: give it active 0 too)
     attends over its first T cache rows alone, not its prefix; its outputs are unspecified, the others' bit for bit
-    the same. None where it does not apply (the
-    module path then runs)."""
+    the same. None where it does not apply (the module path then runs)."""
     model_args = native_step_model(model, cache, backends) if TREE_GREEDY_STEP is not None else None
     if model_args is None:
         return None
