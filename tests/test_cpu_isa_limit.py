@@ -1,7 +1,7 @@
 """HK_CPU_ISA (csrc/cpu_features.h): the embedded model's greedy decoding with every kernel limited to AVX2 runs the
 native plain step, and a drafted run the native verify step, on the AVX2 quantized kernels with the module path's
 tokens (the only whole-step test of those paths on an AVX-512 machine; on an AVX2-only one, the path it always
-takes); a bad value is refused at import. Kept apart from test_plain_step.py, whose tests need the AVX-512 packed
+takes), a finished sequence's skipped attention (attend) included; a bad value is refused at import. Kept apart from test_plain_step.py, whose tests need the AVX-512 packed
 kernel: these need neither."""
 import os
 import subprocess
@@ -49,6 +49,19 @@ adaptive = generate_module.generate(model, prompts, drafter=hk.load_drafter(mode
                                     budget="adaptive")
 assert adaptive.sequences == want.sequences, (adaptive.sequences, want.sequences)
 assert len(calls) == adaptive.step_nodes.count(1) >= len(lean) > 0, (len(calls), len(lean), adaptive.step_nodes)
+# a finished sequence skips its attention (attend 0) on the AVX2 path too: 24 tokens, where one answer ends early, the
+# other's tokens the module path's, in plain decoding and in a drafted run
+attends = []
+generate_module.native_plain_step = plain_step.native_plain_step
+plain_step.PLAIN_GREEDY_STEP = lambda *a: attends.append(a[-1]) or real(*a)
+tree_step.TREE_GREEDY_STEP = lambda *a: attends.append(None if a[-1] is None else a[-1].clone()) or real_tree(*a)
+long = generate_module.generate(model, prompts, max_new_tokens=24)
+long_spec = generate_module.generate(model, prompts, drafter=hk.load_drafter(model=model), max_new_tokens=24, budget=6)
+generate_module.native_plain_step = lambda *a: None
+long_want = generate_module.generate(model, prompts, max_new_tokens=24)
+assert long.sequences == long_want.sequences == long_spec.sequences, (long.sequences, long_spec.sequences)
+assert min(map(len, long_want.sequences)) < 24
+assert sum(a is not None and 0 in a.tolist() for a in attends) >= 2, attends
 """
 
 
