@@ -1,8 +1,8 @@
 """HK_CPU_ISA (csrc/cpu_features.h): the embedded model's greedy decoding with every kernel limited to AVX2 runs the
 native plain step, and a drafted run the native verify step, on the AVX2 quantized kernels with the module path's
 tokens (the only whole-step test of those paths on an AVX-512 machine; on an AVX2-only one, the path it always
-takes), a finished sequence's skipped attention (attend) included; a bad value is refused at import. Kept apart from test_plain_step.py, whose tests need the AVX-512 packed
-kernel: these need neither."""
+takes), a finished sequence's skipped attention (attend) included; a bad value is refused at import. Kept apart
+from test_plain_step.py, whose tests need the AVX-512 packed kernel: these need neither."""
 import os
 import subprocess
 import sys
