@@ -9,8 +9,8 @@ Per step, two decisions:
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
    4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT (MAX_WAIT_DEAR for a dear part),
    and no more rarely than lets its trials cost PROBE_SHARE of the time (PROBE_SHARE_BATCHED at batch >= 2); the
-   wait carries over to the next run, whose new text brings a cheap part's next trial forward, where a dear part
-   keeps its backoff (PartGate.new_text).
+   wait carries over to the next run, whose new text brings a cheap part's next trial forward (at batch >= 2 to no
+   sooner than half its cap: NEW_TEXT_CAP_SHARE), where a dear part keeps its backoff (PartGate.new_text).
    No part running is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work
    grows with its nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time
    (EXPLORE_EVERY).
@@ -130,6 +130,13 @@ MARGIN_BATCH_1 = 1.0
 # a run starts on new text: a part the last run held back is tried within this many steps, whatever wait it had left
 # (PartGate.new_text)
 NEW_TEXT_TRIAL = 4
+# and at batch >= 2 within this share of its probe cap (the wait PROBE_SHARE_BATCHED's price allows), if that is longer:
+# restarted at NEW_TEXT_TRIAL, each run's ramp (4, 8, 16 ... up to the cap) spent more on trials than the probe share.
+# Xeon AMX VM, 2026-11-30, batch 2, MT-Bench, the default drafter (12 answers of 64 tokens, every trial counted): the
+# heads were tried 5.25 times an answer at ~1.3 ms each (drafted, then cut: 1.6% of the decoding time, their cap 40
+# steps), the n-gram 10.75 times at ~0.23 ms (0.6%), where the table drafts nothing there and the policy ran 0.95-0.97x
+# plain (its table 0.98-0.99x in the same runs)
+NEW_TEXT_CAP_SHARE = 0.5
 # a part whose work grows with the nodes it drafts (a head per depth: Drafter.size_part) drafts as many nodes
 # as its last drafted step kept (at least one), and its whole draft every EXPLORE_EVERY-th run, where the
 # deeper nodes' rates are learned (EPYC VM, 2026-11-28: the shipped chain's second head cost ~0.45 ms a step
@@ -378,9 +385,10 @@ class PartGate:
         self.trial = None  # ms a trial took (decayed mean over the steps it ran while held back, its rows included)
         self.open, self.wait, self.left = True, 1, 0
         self.floor = 2  # the shortest wait after a step that does not pay (judge's last min_wait)
+        self.cap = MAX_WAIT  # the longest (judge's last max_wait: at most what its trials' price allows, PROBE_SHARE)
         self.fresh = False  # the next record starts the gain afresh (new_text)
 
-    def new_text(self) -> None:
+    def new_text(self, batched: bool = False) -> None:
         """A new run (its prompts' text): what the part earned on the last run's text (its kept nodes' expected tokens,
         priced by that text's rates) is not evidence about this one, so its first step here sets its gain (record), a
         held-back part is tried within NEW_TEXT_TRIAL steps, and its backoff goes back to at most NEW_TEXT_TRIAL; its
@@ -402,12 +410,19 @@ class PartGate:
         rounds: MLPSpeculator 0.963 -> 0.982x plain, Amphista 0.928 -> 0.962x; batch 4, 6 x 4 prompts x 3 rounds:
         MLPSpeculator 0.957 -> 0.980x (3.1 -> 0.6 drafts an answer). Whether a part is dear follows its drafting's
         running mean (PartGate.cost): a part that drafts every step, sized (size_part), may turn cheap; a run's first
-        draft is whole (AdaptiveBudget.keep starts unknown)."""
+        draft is whole (AdaptiveBudget.keep starts unknown).
+
+        batched (batch >= 2): the restart goes no lower than NEW_TEXT_CAP_SHARE of the part's probe cap (judge's last
+        max_wait), so a run's trials stay near the probe share: a draft there pays only where every sequence behind
+        accepts, and restarted at NEW_TEXT_TRIAL the heads' ramp (4, 8, 16, 32 steps) tried them 5 times a 64-token
+        answer where their cap allowed 1-2 (NEW_TEXT_CAP_SHARE). A cheap part (the n-gram lookup: a cap of a few
+        steps) restarts as before."""
         self.fresh = True
         if dear(self.floor):  # its backoff kept whole (see above)
             return
-        self.left = min(self.left, NEW_TEXT_TRIAL)
-        self.wait = min(self.wait, NEW_TEXT_TRIAL)
+        restart = max(NEW_TEXT_TRIAL, math.ceil(NEW_TEXT_CAP_SHARE * self.cap)) if batched else NEW_TEXT_TRIAL
+        self.left = min(self.left, restart)
+        self.wait = min(self.wait, restart)
 
     def due(self) -> bool:
         if self.open:
@@ -436,7 +451,7 @@ class PartGate:
         pays for several steps brings it down to 1, and the part is tried again 2 steps after the burst (min_wait
         after it, for a dear part). min_wait: the shortest wait after a step that does not pay (RAMP_SHARE: what a dear
         part's trial price sets), capped by max_wait."""
-        self.floor = min_wait
+        self.floor, self.cap = min_wait, max_wait
         if pays:
             self.open, self.wait = True, max(1, self.wait // 2)
         else:
@@ -466,7 +481,7 @@ class AdaptiveBudget:
         self.gate_key = ("gates", batch, device.type, torch.get_num_threads())  # a part's price is the threads' too
         self.gates = [copy.copy(g) for g in self.memory.get(self.gate_key, ())] or [PartGate() for _ in self.parts]
         for g in self.gates:
-            g.new_text()
+            g.new_text(batched=batch > 1)
         self.clock = clock
         self.first = not self.costs.known  # without an earlier run's costs the first step is plain: it times a
         self.host_s = 0.0  # the policy's own host time
@@ -791,8 +806,11 @@ class AdaptiveBudget:
         only from the accepted path."""
         t0 = self.clock()
         parts, part_ms, width, vp, act, gate_ms, n_seq, expect = self.step
+        wall_ms = None  # the step's wall time, loop iteration to this call, and a plain step's before it (predict(1))
+        plain_before = max(self.costs.coef[0], 1e-3)
         if self.last_t is not None:
-            self.costs.observe(width, (t0 - self.last_t) * 1e3 - sum(part_ms))
+            wall_ms = (t0 - self.last_t) * 1e3
+            self.costs.observe(width, wall_ms - sum(part_ms))
         self.first = False
         self.calib.decay()
         if not any(parts):  # a plain step no part ran in: nothing to learn or judge (most steps of most runs)
@@ -829,13 +847,26 @@ class AdaptiveBudget:
         # charged, so it was tried every 2 steps, ~1.5% of the decoding time). A cost propose fixed (gate_ms) is
         # recorded as it is
         own = (self.clock() - t0) * 1e3 / max(sum(parts), 1)
+        # a trial verified as a plain step (refused by the check, or cut to the root): its price is what the step took
+        # beyond a plain step where that is more than the host time it was charged. Xeon AMX VM, 2026-11-30, MT-Bench:
+        # a refused n-gram trial was charged 0.14-0.17 ms (the lookups, the check, this call) where its step took
+        # 0.2-0.3 ms more than a plain one at batch 2-4 (the call around the policy, the drafter's skip_step, and at
+        # batch 4 the next native step 0.12 ms slower, the lookups' memory in its caches), so its trials, capped at
+        # PROBE_SHARE_BATCHED of the time by that price, were ~1/4 of the steps and cost ~1% (batch 4, editing: 1.3%).
+        # Shared among the parts that ran in proportion to what each was charged
+        charged = sum(m for m, r in zip(part_ms, parts) if r)
         for p, ran in enumerate(parts):
             if ran:
                 g = self.gates[p]
+                plain = self.costs.predict(1)
                 if not g.open:  # a trial: what it took, its rows included (a refused check: the check alone)
-                    g.record_trial(part_ms[p] + own + self.costs.rows(rows[p]))
+                    price = part_ms[p] + own + self.costs.rows(rows[p])
+                    if width == 1 and wall_ms is not None:  # what the step took beyond a plain step, its share
+                        share = part_ms[p] / charged if charged > 0 else 1.0 / sum(parts)
+                        price = max(price, (wall_ms + own * sum(parts) - plain_before) * share)
+                    g.record_trial(price)
                 cost = gate_ms[p] if gate_ms is not None and gate_ms[p] else part_ms[p] + own
-                g.record(earned[p], rows[p], cost, self.costs.predict(1))
+                g.record(earned[p], rows[p], cost, plain)
         for p, ran in enumerate(parts):
             if ran:
                 g = self.gates[p]

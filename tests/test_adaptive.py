@@ -369,6 +369,37 @@ def test_a_held_back_parts_trials_set_how_often_it_is_tried():
     assert opened.gates[0].trial is None
 
 
+
+def test_a_refused_trial_is_priced_at_what_its_step_took_beyond_a_plain_one():
+    """A trial verified as a plain step records as its price what the step took beyond a plain step (its wall time, loop
+    iteration to observe, minus the fit's plain step) where that exceeds the host time charged to it: the call around
+    the policy, the drafter's skip_step and a slower next step (the lookups' memory in the caches) are the trial's too.
+    Where the step took no more than its charge, the charge stands; a step with no trial (the part open) records none."""
+    now = [0.0]
+    d = OutlinedChainDrafter()
+    p = AdaptiveBudget(d, 2, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: now[0])
+    p.calib.tested.fill_(1000.0)
+    p.calib.accepted.fill_(50.0)  # a 0.05 rate: every draft cut to the root by the check
+    p.costs.coef = [10.0, 2.0]
+    g = p.gates[0]
+    g.record(0.5, 1.0, 3.0)
+    g.open, g.wait = False, 16
+    zeros, ones = torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long)
+    plain = p.costs.predict(1)
+    for wall, price in ((plain + 0.6, 0.6), (plain - 0.4, 0.0)):  # ms: the step's wall time, the trial's price
+        p.begin()
+        assert p.propose(d, None, zeros, None, ones, (True,)) is None  # refused: the clock stands, 0 ms charged
+        now[0] += wall / 1e3
+        g.trial, g.open = None, False
+        p.observe(None)
+        assert g.trial == pytest.approx(price, abs=1e-6)
+    g.open, g.trial = True, None
+    p.begin()
+    assert p.propose(d, None, zeros, None, ones, (True,)) is None
+    now[0] += (plain + 5.0) / 1e3
+    p.observe(None)
+    assert g.trial is None  # an open part's step is not a trial
+
 class RandomTreeDrafter:
     """Per sequence a random tree of parts and signals (a Proposal with groups and signal, or without a
     signal: sibling ranks), its outline the same lists."""
@@ -1076,6 +1107,43 @@ def test_a_new_runs_text_gets_fresh_gates():
     assert dear.wait == 128
 
 
+
+def test_a_batched_runs_new_text_restarts_no_lower_than_half_the_probe_cap():
+    """At batch >= 2 a new run restarts a held-back part's backoff at NEW_TEXT_CAP_SHARE of its probe cap (judge's last
+    max_wait: what its trials' price allows) where that is above NEW_TEXT_TRIAL, so a part whose trials are dear
+    beside a step (the heads at batch 2: ~1.3 ms a trial, a 40-step cap) is tried about once per cap, not on a fresh
+    ramp (4, 8, 16, 32) every run; a part with a short cap (the n-gram lookup) restarts at NEW_TEXT_TRIAL as at batch
+    1, and batch 1 restarts every cheap part there."""
+    def held_back(cap):
+        g = adaptive.PartGate()
+        for _ in range(6):
+            g.judge(False, max_wait=cap)
+        assert g.wait == g.left == cap and g.cap == cap
+        return g
+
+    heads = held_back(40)
+    heads.new_text(batched=True)
+    assert heads.wait == heads.left == 20 and heads.fresh  # half its cap, its gain set afresh as before
+    heads.judge(False, max_wait=40)
+    assert heads.wait == 40  # the ramp from there: the next trial one cap later
+    lookup = held_back(6)
+    lookup.new_text(batched=True)
+    assert lookup.wait == lookup.left == adaptive.NEW_TEXT_TRIAL
+    single = held_back(40)
+    single.new_text()
+    assert single.wait == single.left == adaptive.NEW_TEXT_TRIAL  # batch 1 as before
+    short = held_back(40)
+    for _ in range(37):
+        short.due()
+    short.new_text(batched=True)
+    assert short.left == 3 and short.wait == 20  # a trial already nearer than the restart keeps its turn
+    # through AdaptiveBudget: a batch of 2 restarts the remembered gate at half its cap, a batch of 1 at NEW_TEXT_TRIAL
+    for batch, expected in ((2, 20), (1, adaptive.NEW_TEXT_TRIAL)):
+        d = OneChainDrafter()
+        adaptive.memory(d, "memory")[("gates", batch, "cpu", torch.get_num_threads())] = [held_back(40)]
+        p = AdaptiveBudget(d, batch, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
+        assert p.gates[0].wait == p.gates[0].left == expected
+
 class TimedChainDrafter(OneChainDrafter):
     """The chain, each draft timed at `ms` of drafting (Drafter.part_times)."""
 
@@ -1094,7 +1162,8 @@ def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_ne
     steps, over NEW_TEXT_TRIAL) whose trial did not pay waits up to what the probe share allows, ceil(8 / (0.01 * 10))
     = 80 steps at batch 1 (PROBE_SHARE), 160 at batch 2 (PROBE_SHARE_BATCHED, 0.005; here 128, twice its last wait),
     past MAX_WAIT (capped by MAX_WAIT_DEAR), and the next run keeps that backoff; a cheap part (1 ms: 10 / 20 steps) is
-    capped by MAX_WAIT and restarts within NEW_TEXT_TRIAL steps of the next run's text."""
+    capped by MAX_WAIT and restarts within NEW_TEXT_TRIAL steps of the next run's text at batch 1, within half its cap (10
+    steps) at batch 2 (NEW_TEXT_CAP_SHARE)."""
     d = TimedChainDrafter(ms)
     p = learned_policy(0.05, 2.0, batch=batch, drafter=d)  # every draft cut to the root: no trial pays
     g = p.gates[0]
@@ -1115,7 +1184,9 @@ def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_ne
     if dear:
         assert (nxt.wait, nxt.left) == (g.wait, g.left)
     else:
-        assert nxt.left <= adaptive.NEW_TEXT_TRIAL and nxt.wait == max(adaptive.NEW_TEXT_TRIAL, floor)
+        restart = adaptive.NEW_TEXT_TRIAL if batch == 1 else math.ceil(adaptive.NEW_TEXT_CAP_SHARE * g.wait)
+        assert restart == (4 if batch == 1 else 10)
+        assert nxt.left <= restart and nxt.wait == max(restart, floor)
 
 
 def test_budget_argument():
