@@ -296,9 +296,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     names = [parse_variant(v)[0] for v in args.variants]
-    if len(set(names)) < len(names):  # each variant's runs, learned state and rows are keyed by its name
-        raise SystemExit(f"variants {args.variants} repeat a name: give each its own (NAME:CONST=VALUE, e.g. "
-                         f"m10:MARGIN=1.0 beside adaptive)")
+    if len(set(names)) < len(names) or "plain" in names:  # runs, learned state and rows are keyed by the name
+        raise SystemExit(f"variants {args.variants} repeat a name or use 'plain' (plain decoding's): give each its own "
+                         f"(NAME:CONST=VALUE, e.g. m10:MARGIN=1.0 beside adaptive)")
     for v in args.variants:
         name, consts = parse_variant(v)  # a bad variant is refused before the model loads
         if name.startswith("@"):

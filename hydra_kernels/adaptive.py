@@ -9,8 +9,9 @@ Per step, two decisions:
    back is tried again after a wait doubled by each step that does not pay and halved by each that does (2,
    4, 8 ... steps; a dear part's from the floor RAMP_SHARE sets), at most MAX_WAIT (MAX_WAIT_DEAR for a dear part),
    and no more rarely than lets its trials cost PROBE_SHARE of the time (PROBE_SHARE_BATCHED at batch >= 2); the
-   wait carries over to the next run, whose new text brings a cheap part's next trial forward (at batch >= 2 to no
-   sooner than half its cap: NEW_TEXT_CAP_SHARE), where a dear part keeps its backoff (PartGate.new_text).
+   wait carries over to the next run, whose new text brings a cheap part's next trial forward (to within
+   NEW_TEXT_TRIAL steps; at batch >= 2 within max(NEW_TEXT_TRIAL, half its cap): NEW_TEXT_CAP_SHARE), where a dear
+   part keeps its backoff (PartGate.new_text).
    No part running is a plain step (Drafter.skip_step), with no drafting cost. A running part whose work
    grows with its nodes (Drafter.size_part: a head per depth) drafts about as many as the cut kept last time
    (EXPLORE_EVERY).
@@ -863,7 +864,10 @@ class AdaptiveBudget:
                     price = part_ms[p] + own + self.costs.rows(rows[p])
                     if width == 1 and wall_ms is not None:  # what the step took beyond a plain step, its share
                         share = part_ms[p] / charged if charged > 0 else 1.0 / sum(parts)
-                        price = max(price, (wall_ms + own * sum(parts) - plain_before) * share)
+                        # the wall time clamped as StepCosts.observe clamps a step: one stall (a page fault, the
+                        # collector) must not set a part's trial price, and its cadence, for many trials
+                        wall = min(wall_ms, 2.0 * plain_before + 2.0)
+                        price = max(price, (wall + own * sum(parts) - plain_before) * share)
                     g.record_trial(price)
                 cost = gate_ms[p] if gate_ms is not None and gate_ms[p] else part_ms[p] + own
                 g.record(earned[p], rows[p], cost, plain)

@@ -369,7 +369,6 @@ def test_a_held_back_parts_trials_set_how_often_it_is_tried():
     assert opened.gates[0].trial is None
 
 
-
 def test_a_refused_trial_is_priced_at_what_its_step_took_beyond_a_plain_one():
     """A trial verified as a plain step records as its price what the step took beyond a plain step (its wall time, loop
     iteration to observe, minus the fit's plain step) where that exceeds the host time charged to it: the call around
@@ -386,13 +385,15 @@ def test_a_refused_trial_is_priced_at_what_its_step_took_beyond_a_plain_one():
     g.open, g.wait = False, 16
     zeros, ones = torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long)
     plain = p.costs.predict(1)
-    for wall, price in ((plain + 0.6, 0.6), (plain - 0.4, 0.0)):  # ms: the step's wall time, the trial's price
+    # ms: the step's wall time, the trial's price (a stall counts at most to twice a plain step + 2 ms, as in the fit)
+    for wall, price in ((plain + 0.6, 0.6), (plain - 0.4, 0.0), (10 * plain, None)):
         p.begin()
         assert p.propose(d, None, zeros, None, ones, (True,)) is None  # refused: the clock stands, 0 ms charged
         now[0] += wall / 1e3
         g.trial, g.open = None, False
+        before = max(p.costs.coef[0], 1e-3)  # the fit's plain step before the step is observed
         p.observe(None)
-        assert g.trial == pytest.approx(price, abs=1e-6)
+        assert g.trial == pytest.approx(price if price is not None else before + 2.0, abs=1e-6)
     g.open, g.trial = True, None
     p.begin()
     assert p.propose(d, None, zeros, None, ones, (True,)) is None
@@ -1144,6 +1145,7 @@ def test_a_batched_runs_new_text_restarts_no_lower_than_half_the_probe_cap():
         p = AdaptiveBudget(d, batch, 5, OneChainDrafter(), torch.device("cpu"), clock=lambda: 0.0)
         assert p.gates[0].wait == p.gates[0].left == expected
 
+
 class TimedChainDrafter(OneChainDrafter):
     """The chain, each draft timed at `ms` of drafting (Drafter.part_times)."""
 
@@ -1184,7 +1186,7 @@ def test_a_dear_part_waits_up_to_max_wait_dear_and_keeps_its_backoff_into_the_ne
     if dear:
         assert (nxt.wait, nxt.left) == (g.wait, g.left)
     else:
-        restart = adaptive.NEW_TEXT_TRIAL if batch == 1 else math.ceil(adaptive.NEW_TEXT_CAP_SHARE * g.wait)
+        restart = adaptive.NEW_TEXT_TRIAL if batch == 1 else math.ceil(adaptive.NEW_TEXT_CAP_SHARE * g.cap)
         assert restart == (4 if batch == 1 else 10)
         assert nxt.left <= restart and nxt.wait == max(restart, floor)
 
@@ -1391,6 +1393,33 @@ class TwoPartDrafter(OneChainDrafter):
     """The chain stand-in with two parts (as the combined drafter's n-gram and heads), for the gates' judgment."""
 
     parts = ("ngram", "heads")
+
+
+def test_two_parts_tried_together_share_their_steps_excess_by_their_charges():
+    """Two held-back parts tried in one step that is verified plain: the step's excess over a plain step (its wall time
+    plus observe's own, minus the fit's plain step) is shared in proportion to what each was charged. Here the step
+    ran 1.1 ms over the plain step and observe took 0.1 ms (0.05 charged to each part): an excess of 1.2 ms, so parts
+    charged 0.1 and 0.3 ms record 0.3 and 0.9; where one was charged more than its share (1.3 of 1.4 ms: 1.11), it
+    keeps its charge (1.35)."""
+    now = [0.0]
+    tick = [0.0]  # ms the clock moves at each reading (observe's own time)
+
+    def clock():
+        now[0] += tick[0] / 1e3
+        return now[0]
+
+    p = AdaptiveBudget(TwoPartDrafter(), 2, 5, OneChainDrafter(), torch.device("cpu"), clock=clock)
+    p.costs.coef = [10.0, 2.0]
+    for part_ms, want in (([0.1, 0.3], [0.3, 0.9]), ([0.1, 1.3], [0.15, 1.35])):
+        p.begin()
+        for g in p.gates:
+            g.open, g.trial = False, None
+        p.step = ((True, True), part_ms, 1, None, None, None, 2.0, None)  # a refused check of both parts
+        now[0] += (max(p.costs.coef[0], 1e-3) + 1.0) / 1e3  # the step: 1 ms over a plain one, + 0.1 at observe's t0
+        tick[0] = 0.1  # each clock reading moves 0.1 ms: t0, then observe's own time (0.1 ms, 0.05 a part)
+        p.observe(None)
+        tick[0] = 0.0
+        assert [g.trial for g in p.gates] == pytest.approx(want, abs=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -241,8 +241,8 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     output identical to plain decoding, a variant's constants set for its runs only; the drafts counted: the table's
     one per drafted step, the adaptive budget's at least that (a draft its cut takes back to the root counts too); the
     policy of a git revision (@HEAD: the commit checked out) run beside it with a constant of its own, its steps timed
-    too; a constant adaptive.py lacks, a revision git cannot show, a bad context and two variants of one name (their
-    runs would be pooled under it) are refused before the model loads."""
+    too; a constant adaptive.py lacks, a revision git cannot show, a bad context, two variants of one name (their
+    runs would be pooled under it) and a variant named plain (plain decoding's) are refused before the model loads."""
     from hydra_kernels import adaptive
 
     wait, budget = adaptive.MAX_WAIT_DEAR, adaptive.AdaptiveBudget
@@ -283,6 +283,8 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
         _run("ab_adaptive", ["--context", "long"])
     with pytest.raises(SystemExit, match="repeat a name"):  # their runs would be pooled under one name
         _run("ab_adaptive", ["--variants", "adaptive", "adaptive:MARGIN=1.0"])
+    with pytest.raises(SystemExit, match="use 'plain'"):  # plain decoding's runs are keyed by it
+        _run("ab_adaptive", ["--variants", "plain:MARGIN=1.0"])
 
 
 def test_ab_adaptive_reuses_a_prefill_bit_for_bit(smollm2):
