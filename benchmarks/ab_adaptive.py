@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from replay_adaptive import parse_variant
+from replay_adaptive import parse_variant, parse_variants
 from report import drafter_by_name, print_table, write_results
 from tqdm.auto import tqdm
 
@@ -295,12 +295,8 @@ def main(argv=None) -> list[dict]:
                     help="the base model's (hk.load_model(activations=...)): int8 is llama.cpp's arithmetic, opt-in")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    names = [parse_variant(v)[0] for v in args.variants]
-    if len(set(names)) < len(names) or "plain" in names:  # runs, learned state and rows are keyed by the name
-        raise SystemExit(f"variants {args.variants} repeat a name or use 'plain' (plain decoding's): give each its own "
-                         f"(NAME:CONST=VALUE, e.g. m10:MARGIN=1.0 beside adaptive)")
-    for v in args.variants:
-        name, consts = parse_variant(v)  # a bad variant is refused before the model loads
+    for v, (name, consts) in zip(args.variants, parse_variants(args.variants, reserved=("plain",))):
+        # a bad variant is refused before the model loads (parse_variants: a repeated name, or plain decoding's)
         if name.startswith("@"):
             missing = [c for c in consts if not hasattr(revision_module(name[1:]), c)]
             if missing:

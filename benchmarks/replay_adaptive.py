@@ -162,6 +162,18 @@ def parse_variant(text: str) -> tuple[str, dict[str, float]]:
     return name, consts
 
 
+def parse_variants(texts: list[str], reserved: tuple[str, ...] = ()) -> list[tuple[str, dict[str, float]]]:
+    """parse_variant of each; two variants of one NAME (their runs, learned state and rows are keyed by it: pooled, an A/B
+    of adaptive beside adaptive:MARGIN=1.0 read 0.51x) or a reserved one (ab_adaptive.py's plain decoding) are refused."""
+    parsed = [parse_variant(v) for v in texts]
+    names = [name for name, _ in parsed]
+    if len(set(names)) < len(names) or set(names) & set(reserved):
+        taken = f" or use {', '.join(repr(r) for r in reserved)}" if reserved else ""
+        raise SystemExit(f"variants {texts} repeat a name{taken}: give each its own (NAME:CONST=VALUE, e.g. "
+                         f"m10:MARGIN=1.0 beside adaptive)")
+    return parsed
+
+
 def replay(model, drafter, prompts: list[list[int]], variants: list[str], rounds: int, new_tokens: int,
            clock: ModelledClock, step: StepModel) -> list[dict]:
     """Every variant on every prompt (batch 1), `rounds` times -> one row per variant: the geometric mean of its
@@ -220,8 +232,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--policy-ms", type=float)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    for v in args.variants:
-        parse_variant(v)  # a bad variant is refused before the model loads
+    parse_variants(args.variants)  # a bad variant is refused before the model loads
     torch.set_grad_enabled(False)
     (a, c, b), heads, lookup, policy = DEFAULT_COSTS[args.context]
     step = StepModel(*(args.step_ms or (a, c, b)))

@@ -283,7 +283,7 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
         _run("ab_adaptive", ["--context", "long"])
     with pytest.raises(SystemExit, match="repeat a name"):  # their runs would be pooled under one name
         _run("ab_adaptive", ["--variants", "adaptive", "adaptive:MARGIN=1.0"])
-    with pytest.raises(SystemExit, match="use 'plain'"):  # plain decoding's runs are keyed by it
+    with pytest.raises(SystemExit, match="or use 'plain'"):  # plain decoding's runs are keyed by it
         _run("ab_adaptive", ["--variants", "plain:MARGIN=1.0"])
 
 
@@ -337,7 +337,7 @@ def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
     """The adaptive budget's decisions on a modelled clock: every output identical to plain decoding, a variant's
     constants set for its runs only, everything the replay patched restored, and the replay deterministic: a second run
     under a wall clock that jumps at random gives the same figures (no wall time reaches the policy). A constant
-    adaptive.py lacks is refused."""
+    adaptive.py lacks and two variants of one name are refused."""
     from hydra_kernels import adaptive
 
     observe, margin = adaptive.AdaptiveBudget.observe, adaptive.MARGIN_BATCH_1
@@ -362,3 +362,5 @@ def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
     assert len(_rows(tmp_path / "replay_adaptive_short_mtbench.csv")) == 3
     with pytest.raises(SystemExit, match="MARGIN_BATCH_2"):
         _run("replay_adaptive", ["--variants", "x:MARGIN_BATCH_2=1.0"])
+    with pytest.raises(SystemExit, match="repeat a name"):  # their runs would be pooled under one name
+        _run("replay_adaptive", ["--variants", "adaptive", "adaptive:MARGIN=1.0"])
