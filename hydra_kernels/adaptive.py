@@ -309,10 +309,20 @@ class StepCosts:
         self.r = [self.weight * s * x for s, x in zip(self.PRIOR_SCALE, prior)]
         self.coef, self.spec = prior[:2], prior[2]  # coef: [a, b]; spec: c
 
+    def plain(self) -> float:
+        """A plain step (ms), as predict(1) gives it."""
+        return max(self.coef[0], 1e-3)
+
     def predict(self, width: int) -> float:
         """A step of `width` nodes: never cheaper than a plain step, nor than a narrower one (a fit from few widths
         may give c < 0 or b < 0)."""
-        return max(self.coef[0], 1e-3) + (self.rows(width - 1) if width > 1 else 0.0)
+        return self.plain() + (self.rows(width - 1) if width > 1 else 0.0)
+
+    @staticmethod
+    def bounded(ms: float, predicted: float) -> float:
+        """A step's time as the fit takes it: at most twice its prediction plus 2 ms (the class docstring: a one-time
+        cost must not teach the policy that rows are dear)."""
+        return min(ms, 2.0 * predicted + 2.0)
 
     def rows(self, nodes: float) -> float:
         """What `nodes` verified nodes per sequence (a part's mean: a fraction where it keeps some steps none) add to a
@@ -326,7 +336,7 @@ class StepCosts:
                 self._reset([ms, ms * self.row_share, 0.0])
                 return
         self.wide_seen = self.wide_seen or width > 1
-        ms = min(ms, 2.0 * self.predict(width) + 2.0)
+        ms = self.bounded(ms, self.predict(width))
         # the normal equations decayed toward the prior (not toward zero), plus x x^T and x ms, x = (1, T - 1, [T > 1]);
         # written out, as _solve3 is: observe runs after every step, right after the native step on caches it left
         # cold. Xeon AMX VM, 2026-11-30: 2.8 us warm where the loops and list comprehensions took 10.8 (the same fit to
@@ -807,8 +817,8 @@ class AdaptiveBudget:
         only from the accepted path."""
         t0 = self.clock()
         parts, part_ms, width, vp, act, gate_ms, n_seq, expect = self.step
-        wall_ms = None  # the step's wall time, loop iteration to this call, and a plain step's before it (predict(1))
-        plain_before = max(self.costs.coef[0], 1e-3)
+        wall_ms = None  # the step's wall time, loop iteration to this call, and a plain step's before it
+        plain_before = self.costs.plain()
         if self.last_t is not None:
             wall_ms = (t0 - self.last_t) * 1e3
             self.costs.observe(width, wall_ms - sum(part_ms))
@@ -864,9 +874,9 @@ class AdaptiveBudget:
                     price = part_ms[p] + own + self.costs.rows(rows[p])
                     if width == 1 and wall_ms is not None:  # what the step took beyond a plain step, its share
                         share = part_ms[p] / charged if charged > 0 else 1.0 / sum(parts)
-                        # the wall time clamped as StepCosts.observe clamps a step: one stall (a page fault, the
-                        # collector) must not set a part's trial price, and its cadence, for many trials
-                        wall = min(wall_ms, 2.0 * plain_before + 2.0)
+                        # the wall time bounded as the fit bounds a step: one stall (a page fault, the collector)
+                        # must not set a part's trial price, and its cadence, for many trials
+                        wall = StepCosts.bounded(wall_ms, plain_before)
                         price = max(price, (wall + own * sum(parts) - plain_before) * share)
                     g.record_trial(price)
                 cost = gate_ms[p] if gate_ms is not None and gate_ms[p] else part_ms[p] + own

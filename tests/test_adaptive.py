@@ -391,7 +391,7 @@ def test_a_refused_trial_is_priced_at_what_its_step_took_beyond_a_plain_one():
         assert p.propose(d, None, zeros, None, ones, (True,)) is None  # refused: the clock stands, 0 ms charged
         now[0] += wall / 1e3
         g.trial, g.open = None, False
-        before = max(p.costs.coef[0], 1e-3)  # the fit's plain step before the step is observed
+        before = p.costs.plain()  # the fit's plain step before the step is observed
         p.observe(None)
         assert g.trial == pytest.approx(price if price is not None else before + 2.0, abs=1e-6)
     g.open, g.trial = True, None
@@ -1415,7 +1415,7 @@ def test_two_parts_tried_together_share_their_steps_excess_by_their_charges():
         for g in p.gates:
             g.open, g.trial = False, None
         p.step = ((True, True), part_ms, 1, None, None, None, 2.0, None)  # a refused check of both parts
-        now[0] += (max(p.costs.coef[0], 1e-3) + 1.0) / 1e3  # the step: 1 ms over a plain one, + 0.1 at observe's t0
+        now[0] += (p.costs.plain() + 1.0) / 1e3  # the step: 1 ms over a plain one, + 0.1 at observe's t0
         tick[0] = 0.1  # each clock reading moves 0.1 ms: t0, then observe's own time (0.1 ms, 0.05 a part)
         p.observe(None)
         tick[0] = 0.0
