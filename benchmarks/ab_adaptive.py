@@ -19,10 +19,12 @@ revision's constant; its steps are timed by kind where that revision's policy ke
 variant keeps its own learned state across answers (the drafter's and the model's adaptive memory), as one user's
 process would. Every output is checked against plain decoding. Each answer's prompts are prefilled once per A/B and the
 rows reused by every later run of them (ReusedPrefill: an 8k A/B ran ~5x faster, its timed decoding unchanged).
+--calibration adds, per adaptive variant, the forecast P of the nodes its drafted steps verified beside the share of
+them accepted, per drafter part and depth (forecast_calibration.py): where the forecasts err.
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
         [--prompt-set mtbench|editing|sharegpt] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]
-        [--variants adaptive table NAME:CONST=VALUE ...] [--activations fp32|int8] [--out DIR]
+        [--variants adaptive table NAME:CONST=VALUE ...] [--activations fp32|int8] [--calibration] [--out DIR]
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from forecast_calibration import ForecastCalibration
 from replay_adaptive import parse_variant, parse_variants
 from report import drafter_by_name, print_table, write_results
 from tqdm.auto import tqdm
@@ -152,8 +155,10 @@ def _each(out, f):
     return tuple(f(o) for o in out) if isinstance(out, tuple) else f(out)
 
 
-def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], rounds: int, new_tokens: int) -> list[dict]:
-    """Plain decoding and every variant on every group, `rounds` times, the order rotating -> one row per variant."""
+def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], rounds: int, new_tokens: int,
+       calibration: bool = False) -> list[dict]:
+    """Plain decoding and every variant on every group, `rounds` times, the order rotating -> one row per variant;
+    calibration: each adaptive variant's forecasts against its outcomes too (forecast_calibration.py)."""
     parsed = [parse_variant(v) for v in variants]
     memories = {name: ({}, {}) for name, _ in parsed}
     runs = {name: [] for name in ["plain"] + [n for n, _ in parsed]}  # (decode s, drafts, output) per answer
@@ -161,6 +166,8 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
     propose = drafter.propose
     steps = []  # the adaptive policy's steps in the current run: (time at its observe, kind of step)
     step_ms = {name: {k: [] for k in STEP_KINDS} for name, _ in parsed}  # per variant and kind: the steps' ms
+    calib = {name: ForecastCalibration() for name, _ in parsed} if calibration else None
+    running = [None]  # the variant decoding now
     current = adaptive.AdaptiveBudget
     policies = {name: policy_at(name[1:]) if name.startswith("@") else current for name, _ in parsed}
 
@@ -171,6 +178,8 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
     def timing(observe):
         def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
             step = policy.step  # (parts ran, their ms, the verified width, ...) since 89f6306; else the step untimed
+            if calib is not None:
+                calib[running[0]].record(policy, step, a[0] if a else k.get("accept_indices"))
             observe(policy, *a, **k)
             if isinstance(step, tuple) and len(step) > 2 and isinstance(step[0], tuple):
                 parts, width = step[0], step[2]
@@ -187,15 +196,19 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
     try:
         with reuse:
             for name, consts in parsed:  # warm-up: first calls, each variant's policy ops
+                running[0] = name
                 _decode(model, drafter, groups[0], name, consts, memories, 8)
             generate(model, groups[0], max_new_tokens=8, eos_token_id=[])
             memories.update({name: ({}, {}) for name, _ in parsed})  # the warm-up's learning forgotten
+            for c in (calib or {}).values():  # and its forecasts
+                c.sums.clear()
             for r in tqdm(range(rounds), desc="rounds"):
                 for i, g in enumerate(groups):
                     k = (r + i) % len(order)
                     for name, consts in order[k:] + order[:k]:
                         drafts[0] = 0
                         steps.clear()
+                        running[0] = name
                         if name == "plain":
                             out = generate(model, g, max_new_tokens=new_tokens, eos_token_id=[])
                         else:
@@ -238,6 +251,8 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
             rows[-1][f"step_share_{kind}"] = len(ms) / timed_steps if timed_steps else None
             rows[-1][f"step_ms_{kind}"] = statistics.median(ms) if ms else None
             rows[-1][f"step_mean_ms_{kind}"] = statistics.mean(ms) if ms else None  # what adds up to the total
+        if calib is not None:
+            rows[-1].update(calib[name].columns(tuple(drafter.parts)))
     return rows
 
 
@@ -293,6 +308,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--variants", nargs="+", default=["adaptive", "table"])
     ap.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
                     help="the base model's (hk.load_model(activations=...)): int8 is llama.cpp's arithmetic, opt-in")
+    ap.add_argument("--calibration", action="store_true",
+                    help="also each adaptive variant's forecast P against its accepted share, per part and depth "
+                         "(forecast_calibration.py; ~0.1 ms a drafted step inside the timings)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for v, (name, consts) in zip(args.variants, parse_variants(args.variants, reserved=("plain",))):
@@ -308,7 +326,7 @@ def main(argv=None) -> list[dict]:
     torch.set_grad_enabled(False)
     model, tok = hk.load_model(activations=args.activations)  # int8 on a CPU without its kernel: refused first
     drafter = drafter_by_name(args.kind, model) if args.kind else hk.load_drafter(model=model)
-    rows = ab(model, drafter, prompt_groups(tok, args), args.variants, args.rounds, args.new_tokens)
+    rows = ab(model, drafter, prompt_groups(tok, args), args.variants, args.rounds, args.new_tokens, args.calibration)
     for r in rows:
         r.update(kind=drafter.kind, activations=args.activations, batch=args.batch, context=args.context,
                  prompt_set=args.prompt_set, answers=args.prompts, rounds=args.rounds, new_tokens=args.new_tokens)

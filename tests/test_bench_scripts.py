@@ -242,13 +242,14 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     one per drafted step, the adaptive budget's at least that (a draft its cut takes back to the root counts too); the
     policy of a git revision (@HEAD: the commit checked out) run beside it with a constant of its own, its steps timed
     too; a constant adaptive.py lacks, a revision git cannot show, a bad context, two variants of one name (their
-    runs would be pooled under it) and a variant named plain (plain decoding's) are refused before the model loads."""
+    runs would be pooled under it) and a variant named plain (plain decoding's) are refused before the model loads; with
+    --calibration, each adaptive variant's forecasts beside their accepted share."""
     from hydra_kernels import adaptive
 
     wait, budget = adaptive.MAX_WAIT_DEAR, adaptive.AdaptiveBudget
     ab = _script("ab_adaptive")
     rows = ab.main(["--context", "600", "--prompts", "2", "--rounds", "1", "--new-tokens", "12", "--variants", "table",
-                    "short:MAX_WAIT_DEAR=8", "@HEAD:MAX_WAIT_DEAR=8", "--out", str(tmp_path)])
+                    "short:MAX_WAIT_DEAR=8", "@HEAD:MAX_WAIT_DEAR=8", "--calibration", "--out", str(tmp_path)])
     assert [r["variant"] for r in rows] == ["table", "short:MAX_WAIT_DEAR=8", "@HEAD:MAX_WAIT_DEAR=8"]
     assert all(r["identical"] == "2/2" and r["ratio_min"] <= r["ratio_median"] <= r["ratio_max"] for r in rows)
     # the table drafts past 512 tokens (its buckets: 128 and 2048 on a log scale)
@@ -267,6 +268,14 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert all(short[f"step_ms_{k}"] > 0 for k in kinds if short[f"step_ms_{k}"] is not None)
     assert all((short[f"step_mean_ms_{k}"] is None) == (short[f"step_ms_{k}"] is None) for k in kinds)
     assert all(short[f"step_mean_ms_{k}"] > 0 for k in kinds if short[f"step_mean_ms_{k}"] is not None)
+    # --calibration: the forecasts of each adaptive variant's verified nodes beside their accepted share (the table runs
+    # no policy: none); the adaptive variants verified some drafted nodes here
+    cols = [(f"nodes_{p}_d{d}", f"forecast_{p}_d{d}", f"accepted_{p}_d{d}") for p in ("ngram", "heads") for d in (1, 2, 3)]
+    assert all(table[n] == 0 and table[f] is None and table[a] is None for n, f, a in cols)
+    for r in (short, head):
+        assert sum(r[n] for n, _, _ in cols) > 0
+        assert all((r[f] is None) == (r[n] == 0) for n, f, _ in cols)
+        assert all(0 < r[f] <= 1 and 0 <= r[a] <= 1 for n, f, a in cols if r[n])
     assert adaptive.MAX_WAIT_DEAR == wait and adaptive.AdaptiveBudget is budget
     assert adaptive.AdaptiveBudget.observe is adaptive.AdaptiveBudget.__dict__["observe"]  # the timing hook undone
     at_head = ab.policy_at("HEAD")  # the class the run used (one load per revision)
@@ -364,3 +373,35 @@ def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
         _run("replay_adaptive", ["--variants", "x:MARGIN_BATCH_2=1.0"])
     with pytest.raises(SystemExit, match="repeat a name"):  # their runs would be pooled under one name
         _run("replay_adaptive", ["--variants", "adaptive", "adaptive:MARGIN=1.0"])
+
+
+def test_forecast_calibration_sums_each_verified_nodes_path_forecast_and_acceptance():
+    """forecast_calibration.ForecastCalibration.record: per (part, depth) the verified nodes of the active sequences,
+    each one's forecast P (the product of its path's conditional rates, the root's 1) and whether it lies on the
+    accepted path. Two sequences, the second finished (not counted); sequence 0's tree: root, 1 (part 0, rate 0.8),
+    2 under 1 (part 0, 0.5), 3 under the root (part 1, 0.6), 4 under 2 (part 0, depth 3, 0.9); accepted: 0, 1, 2."""
+    cal = _script("forecast_calibration")
+
+    class Calib:
+        def rates(self, keys):
+            return torch.tensor([0.0, 0.8, 0.5, 0.6, 0.9])[keys]
+
+    class Policy:
+        calib = Calib()
+
+    keys = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    depths = torch.tensor([[0, 1, 2, 1, 3], [0, 1, 2, 1, 3]])
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    parents = torch.tensor([[-1, 0, 1, 0, 2], [-1, 0, 1, 0, 2]])
+    groups = torch.tensor([[0, 0, 0, 1, 0], [0, 0, 0, 1, 0]])
+    step = ((True, True), [0.0, 0.0], 5, (keys, depths, valid, parents, groups), torch.tensor([1.0, 0.0]))
+    c = cal.ForecastCalibration()
+    c.record(Policy(), step, torch.tensor([[0, 1, 2, -1], [0, 3, -1, -1]]))
+    c.record(Policy(), step[:3] + (None, step[4]), torch.tensor([[0, -1, -1, -1]] * 2))  # a plain step: nothing
+    c.record(Policy(), step, None)
+    got = c.columns(("ngram", "heads"))
+    assert got["nodes_ngram_d1"] == 1 and got["forecast_ngram_d1"] == pytest.approx(0.8) and got["accepted_ngram_d1"] == 1
+    assert got["nodes_ngram_d2"] == 1 and got["forecast_ngram_d2"] == pytest.approx(0.4) and got["accepted_ngram_d2"] == 1
+    assert got["nodes_ngram_d3"] == 1 and got["forecast_ngram_d3"] == pytest.approx(0.36) and got["accepted_ngram_d3"] == 0
+    assert got["nodes_heads_d1"] == 1 and got["forecast_heads_d1"] == pytest.approx(0.6) and got["accepted_heads_d1"] == 0
+    assert got["nodes_heads_d2"] == 0 and got["forecast_heads_d2"] is None and got["accepted_heads_d2"] is None
