@@ -20,7 +20,7 @@ variant keeps its own learned state across answers (the drafter's and the model'
 process would. Every output is checked against plain decoding. Each answer's prompts are prefilled once per A/B and the
 rows reused by every later run of them (ReusedPrefill: an 8k A/B ran ~5x faster, its timed decoding unchanged).
 --calibration adds, per adaptive variant, the forecast P of the nodes its drafted steps verified beside the share of
-them accepted, per drafter part and depth (forecast_calibration.py): where the forecasts err.
+them right, per drafter part and depth (forecast_calibration.py): where the forecasts err.
 
     python benchmarks/ab_adaptive.py [--kind KIND] [--batch 1] [--context short|2048|...]
         [--prompt-set mtbench|editing|sharegpt] [--prompts 16] [--start 20] [--rounds 2] [--new-tokens 64]
@@ -178,8 +178,12 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
     def timing(observe):
         def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
             step = policy.step  # (parts ran, their ms, the verified width, ...) since 89f6306; else the step untimed
-            if calib is not None:
-                calib[running[0]].record(policy, step, a[0] if a else k.get("accept_indices"))
+            if calib is not None:  # its time handed back to the policy's clock (forecast_calibration.py)
+                t0 = time.perf_counter()
+                args = list(a) + [k.get(n) for n in ("accept_indices", "tokens", "target")[len(a):]]
+                calib[running[0]].record(policy, step, *args[:3])
+                if getattr(policy, "last_t", None) is not None:
+                    policy.last_t += time.perf_counter() - t0
             observe(policy, *a, **k)
             if isinstance(step, tuple) and len(step) > 2 and isinstance(step[0], tuple):
                 parts, width = step[0], step[2]
@@ -309,8 +313,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--activations", default="fp32", choices=["fp32", "int8"],
                     help="the base model's (hk.load_model(activations=...)): int8 is llama.cpp's arithmetic, opt-in")
     ap.add_argument("--calibration", action="store_true",
-                    help="also each adaptive variant's forecast P against its accepted share, per part and depth "
-                         "(forecast_calibration.py; ~0.1 ms a drafted step inside the timings)")
+                    help="also each adaptive variant's forecast P against the share of those nodes right, per part and "
+                         "depth (forecast_calibration.py; its time is kept from the policy, not from the timings)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     for v, (name, consts) in zip(args.variants, parse_variants(args.variants, reserved=("plain",))):

@@ -243,7 +243,7 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     policy of a git revision (@HEAD: the commit checked out) run beside it with a constant of its own, its steps timed
     too; a constant adaptive.py lacks, a revision git cannot show, a bad context, two variants of one name (their
     runs would be pooled under it) and a variant named plain (plain decoding's) are refused before the model loads; with
-    --calibration, each adaptive variant's forecasts beside their accepted share."""
+    --calibration, each adaptive variant's forecasts beside the share of those nodes right."""
     from hydra_kernels import adaptive
 
     wait, budget = adaptive.MAX_WAIT_DEAR, adaptive.AdaptiveBudget
@@ -268,9 +268,9 @@ def test_ab_adaptive_runs_and_restores_what_it_set(tmp_path):
     assert all(short[f"step_ms_{k}"] > 0 for k in kinds if short[f"step_ms_{k}"] is not None)
     assert all((short[f"step_mean_ms_{k}"] is None) == (short[f"step_ms_{k}"] is None) for k in kinds)
     assert all(short[f"step_mean_ms_{k}"] > 0 for k in kinds if short[f"step_mean_ms_{k}"] is not None)
-    # --calibration: the forecasts of each adaptive variant's verified nodes beside their accepted share (the table runs
-    # no policy: none); the adaptive variants verified some drafted nodes here
-    cols = [(f"nodes_{p}_d{d}", f"forecast_{p}_d{d}", f"accepted_{p}_d{d}") for p in ("ngram", "heads") for d in (1, 2, 3)]
+    # --calibration: the forecasts of each adaptive variant's verified nodes beside the share of them right (the table
+    # runs no policy: none); the adaptive variants verified some drafted nodes here
+    cols = [(f"nodes_{p}_d{d}", f"forecast_{p}_d{d}", f"right_{p}_d{d}") for p in ("ngram", "heads") for d in (1, 2, 3)]
     assert all(table[n] == 0 and table[f] is None and table[a] is None for n, f, a in cols)
     for r in (short, head):
         assert sum(r[n] for n, _, _ in cols) > 0
@@ -375,33 +375,50 @@ def test_replay_adaptive_runs_and_replays_alike(tmp_path, monkeypatch):
         _run("replay_adaptive", ["--variants", "adaptive", "adaptive:MARGIN=1.0"])
 
 
-def test_forecast_calibration_sums_each_verified_nodes_path_forecast_and_acceptance():
+def test_forecast_calibration_sums_each_verified_nodes_path_forecast_and_whether_it_was_right():
     """forecast_calibration.ForecastCalibration.record: per (part, depth) the verified nodes of the active sequences,
-    each one's forecast P (the product of its path's conditional rates, the root's 1) and whether it lies on the
-    accepted path. Two sequences, the second finished (not counted); sequence 0's tree: root, 1 (part 0, rate 0.8),
-    2 under 1 (part 0, 0.5), 3 under the root (part 1, 0.6), 4 under 2 (part 0, depth 3, 0.9); accepted: 0, 1, 2."""
+    each one's forecast P (the product of its path's conditional rates as Calibration.host_rates reads them, clamped to
+    [1e-6, 1]; the root's 1) and whether it was right: under greedy acceptance every node on the base model's own
+    continuation (a right sibling the accepted path did not take included), under sampled acceptance the accepted path.
+    Sequence 0's tree: root, 1 (part 0, rate 0.8), 2 under 1 (part 0, 0.5), 3 under the root (part 1, 0.6, the same
+    token as node 1), 4 under 2 (part 0, depth 3, rate 1.3: clamped to 1), 5 padding; sequence 1 finished (not
+    counted); a plain step and a step without accept_indices count nothing; the rates are read without settling the
+    counts' pending decay."""
     cal = _script("forecast_calibration")
 
     class Calib:
+        def host_rates(self, keys):
+            table = [0.0, 0.8, 0.5, 0.6, 1.3, 0.2]
+            return {b: [table[k] for k in ks] for b, ks in keys.items()}
+
         def rates(self, keys):
-            return torch.tensor([0.0, 0.8, 0.5, 0.6, 0.9])[keys]
+            raise AssertionError("rates() settles the pending decay: not a read")
 
     class Policy:
         calib = Calib()
 
-    keys = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
-    depths = torch.tensor([[0, 1, 2, 1, 3], [0, 1, 2, 1, 3]])
-    valid = torch.ones(2, 5, dtype=torch.bool)
-    parents = torch.tensor([[-1, 0, 1, 0, 2], [-1, 0, 1, 0, 2]])
-    groups = torch.tensor([[0, 0, 0, 1, 0], [0, 0, 0, 1, 0]])
-    step = ((True, True), [0.0, 0.0], 5, (keys, depths, valid, parents, groups), torch.tensor([1.0, 0.0]))
-    c = cal.ForecastCalibration()
-    c.record(Policy(), step, torch.tensor([[0, 1, 2, -1], [0, 3, -1, -1]]))
-    c.record(Policy(), step[:3] + (None, step[4]), torch.tensor([[0, -1, -1, -1]] * 2))  # a plain step: nothing
-    c.record(Policy(), step, None)
-    got = c.columns(("ngram", "heads"))
-    assert got["nodes_ngram_d1"] == 1 and got["forecast_ngram_d1"] == pytest.approx(0.8) and got["accepted_ngram_d1"] == 1
-    assert got["nodes_ngram_d2"] == 1 and got["forecast_ngram_d2"] == pytest.approx(0.4) and got["accepted_ngram_d2"] == 1
-    assert got["nodes_ngram_d3"] == 1 and got["forecast_ngram_d3"] == pytest.approx(0.36) and got["accepted_ngram_d3"] == 0
-    assert got["nodes_heads_d1"] == 1 and got["forecast_heads_d1"] == pytest.approx(0.6) and got["accepted_heads_d1"] == 0
-    assert got["nodes_heads_d2"] == 0 and got["forecast_heads_d2"] is None and got["accepted_heads_d2"] is None
+    keys = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]])
+    depths = torch.tensor([[0, 1, 2, 1, 3, 0], [0, 1, 2, 1, 3, 0]])
+    valid = torch.tensor([[True] * 5 + [False]] * 2)
+    parents = torch.tensor([[-1, 0, 1, 0, 2, -1], [-1, 0, 1, 0, 2, -1]])
+    groups = torch.tensor([[0, 0, 0, 1, 0, 0], [0, 0, 0, 1, 0, 0]])
+    tokens = torch.tensor([[0, 7, 8, 7, 9, 0], [0, 7, 8, 7, 9, 0]])
+    target = torch.tensor([[7, 8, 2, 8, 1, 1], [7, 8, 2, 8, 1, 1]])  # the base argmax after each node: 7, 8, then not 9
+    step = ((True, True), [0.0, 0.0], 6, (keys, depths, valid, parents, groups), torch.tensor([1.0, 0.0]))
+    path = torch.tensor([[0, 1, 2, -1], [0, 3, -1, -1]])  # the accepted path takes node 1 (node 3 ties with it)
+    greedy, sampled = cal.ForecastCalibration(), cal.ForecastCalibration()
+    greedy.record(Policy(), step, path, tokens, target)
+    sampled.record(Policy(), step, path)
+    for c in (greedy, sampled):
+        c.record(Policy(), step[:3] + (None, step[4]), torch.tensor([[0, -1, -1, -1]] * 2))  # a plain step: nothing
+        c.record(Policy(), step, None)
+    g, s_ = greedy.columns(("ngram", "heads")), sampled.columns(("ngram", "heads"))
+    for got in (g, s_):
+        assert got["nodes_ngram_d1"] == 1 and got["forecast_ngram_d1"] == pytest.approx(0.8)
+        assert got["nodes_ngram_d2"] == 1 and got["forecast_ngram_d2"] == pytest.approx(0.4)
+        assert got["nodes_ngram_d3"] == 1 and got["forecast_ngram_d3"] == pytest.approx(0.4)  # 0.4 * min(1.3, 1)
+        assert got["nodes_heads_d1"] == 1 and got["forecast_heads_d1"] == pytest.approx(0.6)
+        assert got["nodes_heads_d2"] == 0 and got["forecast_heads_d2"] is None and got["right_heads_d2"] is None
+        assert got["right_ngram_d1"] == 1 and got["right_ngram_d2"] == 1 and got["right_ngram_d3"] == 0
+    assert g["right_heads_d1"] == 1  # right, though the path took its twin
+    assert s_["right_heads_d1"] == 0  # not on the accepted path
