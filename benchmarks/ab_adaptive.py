@@ -175,13 +175,15 @@ def ab(model, drafter, groups: list[list[list[int]]], variants: list[str], round
         drafts[0] += 1
         return propose(*a, **k)
 
+    def observed(accept_indices, tokens=None, target=None):  # observe's arguments, however they were passed
+        return accept_indices, tokens, target
+
     def timing(observe):
         def timed(policy, *a, **k):  # each step's kind, as its observe sees it (the step in flight)
             step = policy.step  # (parts ran, their ms, the verified width, ...) since 89f6306; else the step untimed
             if calib is not None:  # its time handed back to the policy's clock (forecast_calibration.py)
                 t0 = time.perf_counter()
-                args = list(a) + [k.get(n) for n in ("accept_indices", "tokens", "target")[len(a):]]
-                calib[running[0]].record(policy, step, *args[:3])
+                calib[running[0]].record(policy, step, *observed(*a, **k))
                 if getattr(policy, "last_t", None) is not None:
                     policy.last_t += time.perf_counter() - t0
             observe(policy, *a, **k)

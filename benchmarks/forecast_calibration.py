@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hydra_kernels.adaptive import _correct_nodes  # noqa: E402
+from hydra_kernels.adaptive import _correct_nodes, path_products  # noqa: E402
 
 MAX_DEPTH = 3  # depths past this one are counted with it
 
@@ -44,11 +44,9 @@ class ForecastCalibration:
         live = act.cpu().bool() if act is not None else torch.ones(B, dtype=torch.bool)
         rows = [b for b in range(B) if live[b]]
         rates = policy.calib.host_rates({b: keys[b].tolist() for b in rows})
-        P = torch.ones(B, T, dtype=torch.float64)
+        P = torch.ones(B, T, dtype=torch.float64)  # a padding node's P is not counted (below)
         for b in rows:
-            r = rates[b]
-            for j in range(1, T):  # tree order: a parent before its children; a padding node's P is not counted
-                P[b, j] = P[b, max(int(parents[b, j]), 0)] * min(max(r[j], 1e-6), 1.0)
+            P[b] = torch.tensor(path_products(parents[b].tolist(), rates[b]), dtype=torch.float64)
         if target is not None:  # greedy: every right node
             right = _correct_nodes(tokens.cpu(), target.cpu(), parents, depths, valid).double()
         else:  # sampled: the accepted path

@@ -703,9 +703,7 @@ class AdaptiveBudget:
             else:
                 ks.append(base + min(max(x, 0), SIGNALS - 1))
         r = self.calib.host_rates({b: ks}, run)[b]
-        P = [1.0]
-        for j in range(1, len(parents)):
-            P.append(P[parents[j]] * min(max(r[j], 1e-6), 1.0))
+        P = path_products(parents, r)
         order = sorted(range(len(P)), key=lambda j: -P[j])  # stable: a tie keeps the lower id (the parent) first
         return (order, ks, P), depth
 
@@ -974,6 +972,15 @@ def sibling_rank(parents: torch.Tensor) -> torch.Tensor:
     same = parents[:, :, None] == parents[:, None, :]  # [B, i, j]
     earlier = torch.ones(T, T, dtype=torch.bool, device=parents.device).tril(-1)
     return (same & earlier).sum(2)
+
+
+def path_products(parents: list[int], rates: list[float]) -> list[float]:
+    """P per node of one sequence's tree (host lists, a parent before its children): the product of the conditional
+    rates down its path, each clamped to [1e-6, 1], the root's 1. A padding node (parent -1) hangs off the root."""
+    P = [1.0]
+    for j in range(1, len(parents)):
+        P.append(P[max(parents[j], 0)] * min(max(rates[j], 1e-6), 1.0))
+    return P
 
 
 def _cut(prop: Proposal, parents: torch.Tensor, depths: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor,
