@@ -91,6 +91,24 @@ def test_bench_verify_step_runs(tmp_path):
         assert [(r["batch"], r["T"]) for r in rows] == [(1, 2)] and rows[0]["native_ms"] > 0
 
 
+def test_bench_attend_share_runs(tmp_path):
+    from hydra_kernels.model.plain_step import PLAIN_GREEDY_STEP
+    from hydra_kernels.model.packed_linear import packed_linear_available
+
+    if PLAIN_GREEDY_STEP is None or not packed_linear_available():
+        pytest.skip("no native plain step here (extension not built or no AVX-512)")
+    rows = _run_returning("bench_attend_share", ["--batch", "3", "--contexts", "40", "300", "--rounds", "1",
+                                                 "--calls", "1", "--out", str(tmp_path)])
+    assert [(r["batch"], r["context"]) for r in rows] == [(3, 40), (3, 300)]
+    for r in rows:
+        assert r["all_ms"] > 0 and r["one_finished_ms"] > 0 and r["none_ms"] > 0
+        assert 0 < r["attention_share_bytes"] < 1
+    assert rows[1]["attention_share_bytes"] > rows[0]["attention_share_bytes"]
+    assert len(_rows(tmp_path / "attend_share.csv")) == 2
+    with pytest.raises(SystemExit, match="at least 2"):
+        _run("bench_attend_share", ["--batch", "1"])
+
+
 def test_bench_checkouts_runs():
     """Two checkouts (here the same one twice) in fresh processes: equal tokens, speeds for both modes."""
     res = _run_returning("bench_checkouts", ["--a", str(ROOT), "--b", str(ROOT), "--rounds", "1", "--prompts", "1",

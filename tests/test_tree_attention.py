@@ -318,6 +318,12 @@ TILE_CASES = [  # seed, Hq, Hkv, D, node counts of the sequences' trees, seqlens
     (47, 9, 3, 64, [1], [300]),
     (48, 9, 3, 64, [1, 1, 1], [200, 90, 400]),
     (49, 4, 2, 288, [3, 2], [40, 7]),  # head_dim > 256: the portable row kernel (the path of a CPU without AVX-512)
+    # ragged batches, whose work the passes split over the threads by keys, not by sequences (balanced_spans): a long
+    # sequence beside an empty one (a finished sequence attends over no prefix) is cut into ranges for every thread;
+    # several short ones beside a long one; trees of other sizes
+    (50, 9, 3, 64, [1, 1], [2100, 0]),
+    (51, 9, 3, 64, [2, 1, 1, 3], [700, 3, 0, 45]),
+    (52, 8, 2, 64, [4, 2, 1], [0, 1500, 17]),
 ]
 
 
