@@ -75,8 +75,8 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
 
 def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision and process)
     """AdaptiveBudget of hydra_kernels/adaptive.py at git revision `rev`, loaded beside the current module (its
-    relative imports the current package's), its propose given only the arguments it takes (an older loop passed
-    fewer). A revision git cannot show is refused."""
+    relative imports the current package's), its constructor and propose given only the arguments they take (an older
+    loop passed fewer). A revision git cannot show is refused."""
     if rev not in _cache:
         root = Path(__file__).resolve().parents[1]
         try:
@@ -93,8 +93,12 @@ def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision
         sys.modules[name] = module
         exec(compile(shown.stdout, f"{rev}:hydra_kernels/adaptive.py", "exec"), module.__dict__)
         takes = len(inspect.signature(module.AdaptiveBudget.propose).parameters) - 1  # self excluded
+        keywords = inspect.signature(module.AdaptiveBudget.__init__).parameters
 
         class Budget(module.AdaptiveBudget):
+            def __init__(self, *a, **kw):  # the keywords budget.py passes that the revision takes
+                super().__init__(*a, **{k: v for k, v in kw.items() if k in keywords})
+
             def propose(self, *a):
                 return super().propose(*a[:takes])
 

@@ -50,31 +50,15 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hydra_kernels as hk  # noqa: E402
 from hydra_kernels import ops  # noqa: E402
+from hydra_kernels.attention_share import kv_bytes_per_token, weight_bytes_per_step  # noqa: E402
 from hydra_kernels.budget import whole_tree_budget  # noqa: E402
 from hydra_kernels.chat import chat_prompt_ids  # noqa: E402
 from hydra_kernels.generate import generate  # noqa: E402
-from hydra_kernels.model.packed_linear import Linear  # noqa: E402
 from hydra_kernels.ops.backend import kernel_mask, resolve, resolved_name  # noqa: E402
 from hydra_kernels.training.data import long_context_prompts, mtbench_questions  # noqa: E402
 
 VARIANTS = ("plain", "speculative (budget table)", "speculative (full tree)")
 ADAPTIVE = "speculative (adaptive)"
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of the weights one decode step reads: every projection's packed panels (the LM head's too)
-    or its weight where it has none, plus the norms; the embedding gathers one row per token (ignored)."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, Linear):
-            total += m.weight_bytes()
-    total += sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
-    return total
-
-
-def kv_bytes_per_token(model) -> int:
-    c = model.config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
 def attention_seconds(model, B: int, C: int, reps: int = 5, cycle_mib: int = 2048) -> float:

@@ -26,8 +26,11 @@ Per step, two decisions:
    same guess, are one event counted twice, which the combined drafter does not merge yet), and a batch (generate()'s
    fixed batch ends with its last sequence) moves its end by 1 + sum over depths d of prod over the active sequences
    of the P at depth d - g_b of each one's kept nodes (g_b: how far the sequence is ahead of the one furthest behind;
-   1 for d <= g_b): a draft only the sequences ahead accept moves nothing. T = 1 is a plain step. The padded
-   TreeBatch makes every sequence pay T rows, so each fills T (a node that is not worth its row costs nothing there).
+   1 for d <= g_b): a draft only the sequences ahead accept moves nothing, but for the part of a step that attends
+   to a sequence's own K/V, which the batch stops paying when that sequence finishes: each sequence's own expected
+   tokens count at that share (attention_share.py; most of a step at long context, little at short). T = 1 is a plain
+   step. The padded TreeBatch makes every sequence pay T rows, so each fills T (a node that is not worth its row costs
+   nothing there).
    Where the drafter knows its draft's shape before drafting (Drafter.outline: the n-gram lookups, a static
    tree), the same choice is made first on the host from that shape (the drafting cost its parts' recent
    mean): a draft it would cut to the root alone is not drafted, and the step is plain at once. A node whose
@@ -71,6 +74,7 @@ import time
 
 import torch
 
+from .attention_share import attention_shares
 from .drafters.protocol import CONFIDENCE_EDGES, PENDING_SIGNAL, Proposal
 from .tree import Tree, TreeBatch, sibling_ranks
 
@@ -477,8 +481,12 @@ class AdaptiveBudget:
     the step's host read. `cap`: most nodes a sequence verifies per step; a drafter whose proposals are not
     prunable (lookahead: its nodes have fixed roles) has a proposal verified whole or drafts nothing."""
 
-    def __init__(self, drafter, batch: int, cap: int, model, device: torch.device, *, clock=time.perf_counter):
+    def __init__(self, drafter, batch: int, cap: int, model, device: torch.device, *, clock=time.perf_counter,
+                 kv_per_weight: float = 0.0):
         self.parts = tuple(drafter.parts)
+        # one sequence's K/V bytes per committed token over a step's weight bytes (attention_share.py): what its
+        # attention's share of a step is at its context (bottleneck_expected's shares); 0: counted as none
+        self.kv_per_weight = kv_per_weight
         self.prunable = drafter.prunable_proposals
         self.cap, self.batch = cap, batch
         self.margin = MARGIN_BATCH_1 if batch == 1 else MARGIN
@@ -527,6 +535,8 @@ class AdaptiveBudget:
         alone (a plain step). active [B] (0: finished); emitted: the tokens each sequence has emitted (None: taken as
         level)."""
         t0 = self.clock()  # from here, what the parts cost: their setup, the outline, the check, the drafting
+        act_host = active.tolist()
+        shares = self._shares(seqlens, act_host)  # bottleneck_expected's
         drafter.set_parts(state, parts)
         for p, run in enumerate(parts):
             if run:
@@ -542,9 +552,8 @@ class AdaptiveBudget:
         host = None  # the outline's judgment (expected tokens per width, each sequence's nodes ranked), for the cut
         if shape is not None:
             drafting = sum(g.cost for g, r in zip(self.gates, parts) if r)  # what drafting it would cost
-            act_host = active.tolist()  # the check reads host values only: it runs every few steps (a trial)
-            lags = bottleneck_lags(emitted, act_host)
-            host = self._host_expected(shape, act_host, lags, drafting)
+            lags = bottleneck_lags(emitted, act_host)  # the check reads host values only: it runs every few steps
+            host = self._host_expected(shape, act_host, lags, drafting, shares)
             if host is None or self._best_width(host[0], host[1], drafting) == 1:
                 self.keep = [0 if r else k for k, r in zip(self.keep, parts)]  # as a draft cut to the root
                 # the gates judge it as the trial it replaces, at their parts' drafting cost (EPYC VM, 2026-11-28:
@@ -576,8 +585,8 @@ class AdaptiveBudget:
             if host[3]:  # the drafted nodes' classes, where the outline had them pending (none: sibling ranks)
                 sigs = prop.signal.tolist() if prop.signal is not None else [sibling_ranks(par) for par, _, _ in shape]
                 shape = [(par, grp, sig[:len(par)]) for (par, grp, _), sig in zip(shape, sigs)]
-                host = self._host_expected(shape, act_host, lags)
-            return self._host_cut(prop, shape, host, parts, part_ms, active, t1, lags)
+                host = self._host_expected(shape, act_host, lags, shares=shares)
+            return self._host_cut(prop, shape, host, parts, part_ms, active, t1, lags, shares)
         dev = tokens.device
         parents, depths, valid, mask = _per_sequence(tree, B, dev)
         groups = prop.groups if prop.groups is not None else torch.zeros(B, T0, dtype=torch.long, device=dev)
@@ -590,9 +599,9 @@ class AdaptiveBudget:
         order = torch.sort(P, dim=1, descending=True, stable=True).indices  # root first, parents before children
         act = active.to(P.dtype)
         batched = int((act > 0).sum()) > 1
-        lags = bottleneck_lags(emitted, active.tolist()) if batched else None
+        lags = bottleneck_lags(emitted, act_host) if batched else None
         if batched:  # [T0]: the batch's expected progress with each sequence's best w nodes
-            expected = bottleneck_expected_tensor(P, order, depths, act, lags)
+            expected = bottleneck_expected_tensor(P, order, depths, act, lags, shares)
         else:  # one sequence: its expected tokens
             expected = (P.gather(1, order).cumsum(1) * act[:, None]).sum(0).tolist()
         best = self._best_width(expected, T0, sum(part_ms))  # the drafting, paid already, by every width alike
@@ -624,10 +633,17 @@ class AdaptiveBudget:
                 flat = torch.arange(best, device=dev).expand(B, best)
                 without = [bottleneck_expected_tensor(
                     kept_P * (torch.bmm(mask, ((groups_kept == p) & drafted).float()[:, :, None])[:, :, 0] == 0),
-                    flat, depths_kept, act, lags)[-1] if run else None for p, run in enumerate(parts)]
+                    flat, depths_kept, act, lags, shares)[-1] if run else None for p, run in enumerate(parts)]
                 expect = _progress_shares(expect, expected[best - 1], without)
         self._charge(parts, part_ms, best, vp, act, t1, expect=expect)
         return out
+
+    def _shares(self, seqlens: torch.Tensor, active: list[int]) -> list[float] | None:
+        """bottleneck_expected's shares at this step: each active sequence's attention's share of a plain step, from
+        its committed length (None where counted as none)."""
+        if not self.kv_per_weight:
+            return None
+        return attention_shares(seqlens.tolist(), active, self.kv_per_weight)
 
     def _best_width(self, expected: list[float], T0: int, drafted: float) -> int:
         """The verified width w (nodes per sequence) maximising expected[w - 1] tokens per (drafted + a step
@@ -640,8 +656,8 @@ class AdaptiveBudget:
             best = 1
         return best
 
-    def _host_expected(self, shape, active: list[int], lags: list[int] | None = None, drafting: float | None = None
-                       ) -> tuple[list[float], int, dict, bool] | None:
+    def _host_expected(self, shape, active: list[int], lags: list[int] | None = None, drafting: float | None = None,
+                       shares: list[float] | None = None) -> tuple[list[float], int, dict, bool] | None:
         """propose()'s expected tokens per width, from Drafter.outline's host lists (parents, groups, signal
         per sequence) instead of the drafted proposal's tensors: the same keys and rates, P (a product down the
         path) equal up to rounding, each sequence's P sorted; active: the host's [B] (0: finished). A node whose
@@ -651,21 +667,24 @@ class AdaptiveBudget:
         is its gate's judgment), and the cut after drafting ranks the drafted classes (EPYC VM, 2026-11-29, 2k-token
         prompts, batch 1: taken at the most confident class, whose rate stayed the prior 0.4 where guesses that
         confident were rare, the check refused heads whose p in [0.45, 0.6) were accepted 0.83 of the time).
-        lags: bottleneck_lags' (None: none; one active sequence needs none). drafting: the check's drafting price (ms),
+        lags: bottleneck_lags' (None: none; one active sequence needs none); shares: bottleneck_expected's (None:
+        none). drafting: the check's drafting price (ms),
         given where a batched draft may be refused before every sequence is ranked (_ProgressBound): None is returned
         then, exactly where _best_width of the whole result would be 1.
         -> (expected [T0], T0, ranked: {active b: (its node ids by P, descending, ties to the lower id, so every
         prefix is a subtree; its keys, a pending node's its best class's; P per node)}, whether a node was pending)."""
         T0 = max(len(parents) for parents, _, _ in shape)
         live = [b for b, a in enumerate(active) if a]
-        if len(live) > 1 and any(len(shape[b][0]) == 1 and not (lags and lags[b]) for b in live):
+        if len(live) > 1 and not (shares and any(shares)) and any(
+                len(shape[b][0]) == 1 and not (lags and lags[b]) for b in live):
             # a sequence furthest behind drafts nothing: no width moves the batch's end (bottleneck_expected is 1 at
-            # every width), so the rates are not read (at batch 16 most checks: ~0.2 ms each)
+            # every width), so the rates are not read (at batch 16 most checks: ~0.2 ms each); with attention shares the
+            # others' own tokens still count: _ProgressBound refuses there once they are bounded below what pays
             return [1.0] * T0, T0, {}, False
         best, run = {}, {}  # pending nodes' (part, depth) base key -> its best class's key; the run's rates read
         bound = None
         if drafting is not None and len(live) > 1:
-            bound = _ProgressBound(shape, live, lags, self._least_paying(T0, drafting))
+            bound = _ProgressBound(shape, live, lags, self._least_paying(T0, drafting), shares)
             live = bound.order  # the sequences furthest behind first: they bound the progress most
         ranked, depths = {}, {}
         for b in live:
@@ -679,7 +698,8 @@ class AdaptiveBudget:
                 expected[w] += total
         if len(ranked) > 1:  # the batch's progress: the sequence furthest behind's (bottleneck_expected)
             expected = bottleneck_expected([([P[j] for j in order], [depths[b][j] for j in order],
-                                             lags[b] if lags else 0) for b, (order, _, P) in ranked.items()], T0)
+                                             lags[b] if lags else 0) for b, (order, _, P) in ranked.items()], T0,
+                                           [shares[b] for b in ranked] if shares else None)
         return expected, T0, ranked, bool(best)
 
     def _host_rank(self, b: int, seq_shape, best: dict, run: dict) -> tuple[tuple[list[int], list[int], list[float]],
@@ -719,7 +739,7 @@ class AdaptiveBudget:
         return min((self.margin * t / plain for t in times), default=math.inf)
 
     def _host_cut(self, prop: Proposal, shape, host, parts, part_ms: list[float], active: torch.Tensor,
-                  t1: float, lags: list[int] | None = None) -> Proposal | None:
+                  t1: float, lags: list[int] | None = None, shares: list[float] | None = None) -> Proposal | None:
         """propose()'s cut where the drafted tree is the outline's: the width from the check's expected tokens (the
         same keys and rates as the proposal's tensors would give, P equal up to rounding: the host multiplies in float64
         where the tensors sum float32 logs, so nodes whose P tie may rank either way: tests/test_adaptive.py), each active sequence's
@@ -766,14 +786,15 @@ class AdaptiveBudget:
                 for j in ids[1:]:
                     expect[shape[b][1][j]] += ranked[b][2][j]
         if len(ranked) > 1:  # each part's marginal progress: E[D] without its nodes and those under them
-            without = [self._host_progress_without(p, shape, kept, ranked, lags) if run else None
+            without = [self._host_progress_without(p, shape, kept, ranked, lags, shares) if run else None
                        for p, run in enumerate(parts)]
             expect = _progress_shares(expect, expected[best - 1], without)
         self._charge(parts, part_ms, best, (keys_t, depths, valid, parents, groups_t), act, t1, expect=expect)
         return out
 
     @staticmethod
-    def _host_progress_without(p: int, shape, kept: list[list[int]], ranked: dict, lags: list[int] | None) -> float:
+    def _host_progress_without(p: int, shape, kept: list[list[int]], ranked: dict, lags: list[int] | None,
+                               shares: list[float] | None = None) -> float:
         """E[D] of the host cut's kept nodes (kept[b]: node ids, root first, in tree order) with part p's nodes and
         every node under one of them left out (their P is conditional on those), over the active sequences."""
         seqs = []
@@ -788,7 +809,8 @@ class AdaptiveBudget:
                     masses.append(P[j])
                     depths.append(depth[j])
             seqs.append((masses, depths, lags[b] if lags else 0))
-        return bottleneck_expected(seqs, max(len(m) for m, _, _ in seqs))[-1]
+        return bottleneck_expected(seqs, max(len(m) for m, _, _ in seqs), [shares[b] for b in ranked] if shares else None
+                                   )[-1]
 
     def _charge(self, parts, part_ms: list[float], width: int, vp, act, t1: float, gate_ms=None,
                 n_seq: float | None = None, expect: list[float] | None = None) -> None:
@@ -1019,14 +1041,15 @@ def bottleneck_lags(emitted: list[int] | None, active: list[int]) -> list[int] |
     return [e - low if a else 0 for e, a in zip(emitted, active)]
 
 
-def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int) -> list[float]:
+def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int, shares: list[float] | None = None
+                        ) -> list[float]:
     """The batch's expected progress per verified width w = 1 .. T0, E[D](w), where each active sequence keeps its w
     best nodes. seqs: per active sequence (its nodes' P in rank order, root first; their depths in the same order;
     its lead g over the sequence furthest behind, bottleneck_lags).
 
     Why not the sum of the sequences' expected tokens: generate() decodes a fixed batch, which ends when its last
-    sequence does (a finished sequence's rows are still computed), so its tokens per second are B * N / (the last
-    one's finishing time). A draft that only the sequences ahead accept finishes nobody sooner: Xeon AMX VM,
+    sequence does (a finished sequence's rows still go through the weights; only its attention is skipped: `shares`
+    below), so its tokens per second are B * N / (the last one's finishing time). A draft that only the sequences ahead accept finishes nobody sooner: Xeon AMX VM,
     2026-11-30, batch 2, editing prompts, 64 tokens: one sequence copied its text through 6-node steps at 3.2x a
     plain step's time while the other accepted nothing: 62 steps for plain decoding's 64, 930 ms against 647.
     So a step is worth how far it moves the end: with r_b the tokens sequence b has left (the same cap for all, so
@@ -1038,7 +1061,40 @@ def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int)
     token); the sequences' acceptances are taken as independent. At one active sequence E[D] = 1 + the sum of its kept
     P (where no depth's sum passes 1): the single sequence's expected tokens, which a batch of one (propose) uses
     uncapped, as before. Under EOS a sequence's length is not its cap; a finished one leaves the product, and the
-    cap is the only length known beforehand."""
+    cap is the only length known beforehand.
+
+    shares (None: none): per sequence, a_b, the share of a plain step that attends to its K/V (attention_share.py), which
+    the batch stops paying once b has finished: its attention is skipped (speculative.py's `attend`), and at long context
+    it is most of the step (0.84 at batch 2, 8000 keys). With the step's time split as W + sum_b A_b over the active
+    sequences, the batch's remaining time is W * (its last sequence's finishing step) + sum_b A_b * (b's finishing step),
+    so a token b gains saves W's share only where it moves the end, and b's own A_b always. In a plain step's units:
+        E(w) = 1 + (1 - sum_b a_b) * (E[D](w) - 1) + sum_b a_b * (E_b(w) - 1),
+    E_b(w) - 1 = sum_d min(S_b(d), 1), b's own expected tokens (its lead does not matter: its attention ends when it
+    does). EPYC VM, 2026-12-01, batch 2, 8000-token prompts (question 20), 64 tokens, once a finished sequence's
+    attention was spread over both threads (csrc/tree_attention_cpu.cpp: a step with one finished 27 ms, both
+    attending 47): the budget table's fixed 2-node steps, 1.55 tokens a step, ran 1.18-1.26x plain; this policy without
+    shares 1.08x (7.4 drafted steps an answer), with them 1.16x (15.0)."""
+    out = _bottleneck_only(seqs, T0)
+    if shares is None or not any(shares):
+        return out
+    least = 1.0 - sum(shares)
+    own = [0.0] * T0  # sum_b a_b * (E_b(w) - 1)
+    for (P, dep, _), a in zip(seqs, shares):
+        if not a:
+            continue
+        S = [0.0] * (max(dep) + 1)
+        total = 0.0
+        for w in range(T0):
+            if w < len(P) and dep[w] > 0:
+                d = dep[w]
+                total += min(S[d] + P[w], 1.0) - min(S[d], 1.0)
+                S[d] += P[w]
+            own[w] += a * total
+    return [1.0 + least * (e - 1.0) + o for e, o in zip(out, own)]
+
+
+def _bottleneck_only(seqs: list[tuple[list[float], list[int], int]], T0: int) -> list[float]:
+    """bottleneck_expected's E[D](w) alone (no shares)."""
     # past depth g_b + (b's deepest node) sequence b's factor is 0, so every depth beyond the least of those adds
     # nothing: a sequence furthest behind with no draft makes every width's progress 1 at once (most checks at batch 16)
     top = min((g + max(dep) for _, dep, g in seqs), default=0)
@@ -1071,14 +1127,20 @@ class _ProgressBound:
     Why it bounds: E[D](w) = 1 + sum_d prod_b S_b(d - g_b) grows with w (more nodes, more P at their depths), so its
     value with every node kept bounds every width's; each factor S_b(d) is capped at 1 (bottleneck_expected: it is a
     probability), so a sequence not ranked yet multiplies by at most 1; and past g_b + (b's drafted nodes) b's factor
-    is 0, so depths beyond the least of those add nothing."""
+    is 0, so depths beyond the least of those add nothing. With shares (bottleneck_expected's a_b), each sequence's own
+    term a_b * sum_d min(S_b(d), 1) is at most a_b times its outline's depth before it is ranked, and exact after."""
 
-    def __init__(self, shape, live: list[int], lags: list[int] | None, least: float):
+    def __init__(self, shape, live: list[int], lags: list[int] | None, least: float, shares: list[float] | None = None):
         lag = {b: lags[b] if lags else 0 for b in live}
         self.order = sorted(live, key=lambda b: (lag[b], len(shape[b][0])))  # behind first, then the smaller drafts
         self.lag, self.least = lag, least
         self.top = min(lag[b] + len(shape[b][0]) - 1 for b in live)
         self.prod = [1.0] * (self.top + 1)  # [d]: the product over the sequences ranked so far (d = 1 .. top)
+        self.shares = shares if shares is not None and any(shares) else None
+        self.own = 0.0  # sum_b a_b * (b's own gain: exact once ranked, its outline's depth before)
+        if self.shares is not None:
+            self.bn = 1.0 - sum(self.shares[b] for b in live)
+            self.own = sum(self.shares[b] * _outline_depth(shape[b][0]) for b in live)
 
     def refuses(self, P: list[float], depth: list[int], b: int) -> bool:
         """Sequence b ranked (P and depth per node): is the bound now below the least progress that pays?"""
@@ -1089,13 +1151,32 @@ class _ProgressBound:
         g = self.lag[b]
         for d in range(g + 1, self.top + 1):
             self.prod[d] *= min(S[d - g], 1.0)
-        return 1.0 + sum(self.prod[1:]) < self.least
+        if self.shares is not None:  # b's own term, exact now: its outline's depth was counted before
+            own = [0.0] * (max(depth) + 1)
+            for p, d in zip(P, depth):
+                own[d] += p if d > 0 else 0.0
+            self.own += self.shares[b] * (sum(min(x, 1.0) for x in own[1:]) - max(depth))
+        return self.value() < self.least
+
+    def value(self) -> float:
+        """The bound on the batch's expected progress at every width, from the sequences ranked so far."""
+        if self.shares is None:
+            return 1.0 + sum(self.prod[1:])
+        return 1.0 + self.bn * sum(self.prod[1:]) + self.own
+
+
+def _outline_depth(parents: list[int]) -> int:
+    """The deepest node of a tree given by its parent list (root -1, parents before children)."""
+    depth = [0] * len(parents)
+    for j in range(1, len(parents)):
+        depth[j] = depth[parents[j]] + 1
+    return max(depth)
 
 
 def bottleneck_expected_tensor(P: torch.Tensor, order: torch.Tensor, depths: torch.Tensor, act: torch.Tensor,
-                               lags: list[int] | None) -> list[float]:
+                               lags: list[int] | None, shares: list[float] | None = None) -> list[float]:
     """bottleneck_expected from propose()'s tensors: P [B, T0] (0 off the tree), order [B, T0] (each sequence's nodes
-    by P, root first), depths [B, T0], act [B] (0: finished, its factor 1)."""
+    by P, root first), depths [B, T0], act [B] (0: finished, its factor 1), shares [B] (0 where finished) or None."""
     B, T0 = P.shape
     top = max(int(depths.max()), 1)
     d = torch.arange(1, top + 1, device=P.device)
@@ -1105,4 +1186,9 @@ def bottleneck_expected_tensor(P: torch.Tensor, order: torch.Tensor, depths: tor
     src = d[None, :] - g[:, None]  # [B, top]: the depth of b's own that depth d of the batch's progress needs
     Sg = S.gather(2, (src.clamp(min=1) - 1)[:, None, :].expand(B, T0, top))
     Sg = torch.where((src[:, None, :] >= 1) & (act[:, None, None] > 0), Sg.clamp(max=1.0), torch.ones_like(Sg))
-    return (1.0 + Sg.prod(0).sum(-1)).tolist()
+    gain = Sg.prod(0).sum(-1)  # [T0]: E[D] - 1
+    if shares is not None and any(shares):
+        a = torch.tensor(shares, dtype=P.dtype, device=P.device)
+        own = S.clamp(max=1.0).sum(-1)  # [B, T0]: each sequence's own expected tokens beyond its first
+        gain = (1.0 - a.sum()) * gain + (a[:, None] * own).sum(0)
+    return (1.0 + gain).tolist()

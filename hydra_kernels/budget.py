@@ -105,8 +105,9 @@ class StepBudget:
         if not self.adaptive:
             return None
         from .adaptive import AdaptiveBudget  # here, not at the top: adaptive imports the drafters, which import us
+        from .attention_share import kv_per_weight_byte
 
-        return AdaptiveBudget(drafter, batch, cap, model, device)
+        return AdaptiveBudget(drafter, batch, cap, model, device, kv_per_weight=kv_per_weight_byte(model))
 
     def nodes(self, batch: int, context: int) -> int:
         if self.pinned is not None:

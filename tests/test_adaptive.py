@@ -238,9 +238,12 @@ def test_the_policy_drafts_only_what_pays(rate, row_ms, batch, width):
         assert getattr(d, "skipped", 0) == (1 if outlined and width == 1 else 0)
 
 
-def _enumerated_progress(trees, lags, w):
+def _enumerated_progress(trees, lags, w, shares=None):
     """E[D] of a batch by enumeration: each sequence keeps its w best nodes (P, ties to the lower id); it emits a >= 1
-    tokens with P(a >= d + 1) = the kept P at depth d; D = r_max - max_b (r_b - a_b), r_b = r_max - its lead."""
+    tokens with P(a >= d + 1) = the kept P at depth d; D = r_max - max_b (r_b - a_b), r_b = r_max - its lead. With
+    shares a_b (each sequence's attention's share of a step): E[(1 - sum_b a_b) D + sum_b a_b a_b-tokens], the step's
+    saving in plain steps when the weights' share W moves with the end and each A_b with its own sequence."""
+    shares = shares or [0.0] * len(trees)
     outcomes = []
     for parents, P in trees:
         depth = [0] * len(parents)
@@ -254,8 +257,42 @@ def _enumerated_progress(trees, lags, w):
         outcomes.append([(a, s(a - 1) - s(a)) for a in range(1, max(S, default=0) + 2)])
     E = 0.0
     for combo in itertools.product(*outcomes):
-        E += math.prod(p for _, p in combo) * -max(-g - a for (a, _), g in zip(combo, lags))
+        D = -max(-g - a for (a, _), g in zip(combo, lags))
+        E += math.prod(p for _, p in combo) * ((1.0 - sum(shares)) * D + sum(x * a for (a, _), x in zip(combo, shares)))
     return E
+
+
+def _random_trees(rng, B):
+    """B random trees (parents, P), siblings' rates summing to at most 1 (disjoint events), often one with no draft."""
+    trees = []
+    for b in range(B):
+        n = 1 if b == B - 1 and rng.random() < 0.3 else rng.randint(1, 6)
+        parents = [-1] + [rng.randrange(j) for j in range(1, n)]
+        rate = [1.0] * n
+        for q in set(parents[1:]):
+            kids = [j for j in range(1, n) if parents[j] == q]
+            w = [rng.random() for _ in kids]
+            for j, x in zip(kids, w):
+                rate[j] = x / sum(w) * rng.uniform(0.3, 1.0)
+        P = [1.0]
+        for j in range(1, n):
+            P.append(P[parents[j]] * rate[j])
+        trees.append((parents, P))
+    return trees
+
+
+def _ranked(trees):
+    """bottleneck_expected's per-sequence lists (P and depth in rank order) and the tensor form's P / depths [B, T0]."""
+    B, T0 = len(trees), max(len(p) for p, _ in trees)
+    seqs, Pt, dt = [], torch.zeros(B, T0, dtype=torch.float64), torch.zeros(B, T0, dtype=torch.long)
+    for b, (parents, P) in enumerate(trees):
+        depth = [0] * len(parents)
+        for j in range(1, len(parents)):
+            depth[j] = depth[parents[j]] + 1
+        order = sorted(range(len(P)), key=lambda j: -P[j])
+        seqs.append(([P[j] for j in order], [depth[j] for j in order]))
+        Pt[b, :len(P)], dt[b, :len(P)] = torch.tensor(P, dtype=torch.float64), torch.tensor(depth)
+    return seqs, Pt, dt
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -266,31 +303,12 @@ def test_the_batchs_progress_is_what_moves_its_last_sequence(seed):
     rng = random.Random(seed)
     for _ in range(25):
         B = rng.randint(2, 4)
-        trees = []
-        for b in range(B):
-            n = 1 if b == B - 1 and rng.random() < 0.3 else rng.randint(1, 6)  # often one with no draft at all
-            parents = [-1] + [rng.randrange(j) for j in range(1, n)]
-            rate = [1.0] * n
-            for q in set(parents[1:]):
-                kids = [j for j in range(1, n) if parents[j] == q]
-                w = [rng.random() for _ in kids]
-                for j, x in zip(kids, w):
-                    rate[j] = x / sum(w) * rng.uniform(0.3, 1.0)
-            P = [1.0]
-            for j in range(1, n):
-                P.append(P[parents[j]] * rate[j])
-            trees.append((parents, P))
+        trees = _random_trees(rng, B)
         lead = [rng.choice([0, 0, 1, 3]) for _ in range(B)]
         lags = adaptive.bottleneck_lags(lead, [1] * B)
         T0 = max(len(p) for p, _ in trees)
-        seqs, Pt, dt = [], torch.zeros(B, T0, dtype=torch.float64), torch.zeros(B, T0, dtype=torch.long)
-        for b, ((parents, P), g) in enumerate(zip(trees, lags)):
-            depth = [0] * len(parents)
-            for j in range(1, len(parents)):
-                depth[j] = depth[parents[j]] + 1
-            order = sorted(range(len(P)), key=lambda j: -P[j])
-            seqs.append(([P[j] for j in order], [depth[j] for j in order], g))
-            Pt[b, :len(P)], dt[b, :len(P)] = torch.tensor(P, dtype=torch.float64), torch.tensor(depth)
+        seqs, Pt, dt = _ranked(trees)
+        seqs = [(P, dep, g) for (P, dep), g in zip(seqs, lags)]
         host = adaptive.bottleneck_expected(seqs, T0)
         order = torch.sort(Pt, dim=1, descending=True, stable=True).indices
         tensor = adaptive.bottleneck_expected_tensor(Pt, order, dt, torch.ones(B), lags)
@@ -306,6 +324,75 @@ def test_the_batchs_progress_is_what_moves_its_last_sequence(seed):
     assert adaptive.bottleneck_expected_tensor(P, order, d, torch.ones(2), [0, 5]) == pytest.approx([1.0, 1.8, 2.4])
     assert adaptive.bottleneck_expected([([1.0, 0.8, 0.6], [0, 1, 2], 0), ([1.0], [0], 5)], 3) == pytest.approx(
         [1.0, 1.8, 2.4])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_each_sequences_own_tokens_count_at_its_attention_share(seed):
+    """With shares a_b (attention_share.py: the part of a step that attends to sequence b, which the batch stops paying
+    when b finishes), bottleneck_expected (host and tensor forms) is E[(1 - sum a) D + sum_b a_b (b's tokens)] by
+    enumeration: random trees, 2-4 sequences, leads, random shares summing to at most 1, a finished sequence (share 0,
+    act 0), every width. A sequence ahead of the others, or the others with no draft, still moves its own share."""
+    rng = random.Random(100 + seed)
+    for _ in range(25):
+        B = rng.randint(2, 4)
+        trees = _random_trees(rng, B)
+        act = [1] * B
+        if B > 2 and rng.random() < 0.5:
+            act[rng.randrange(B)] = 0
+            trees = [t if a else ([-1], [1.0]) for t, a in zip(trees, act)]  # a finished sequence drafts nothing
+        lags = adaptive.bottleneck_lags([rng.choice([0, 0, 1, 3]) for _ in range(B)], act)
+        raw = [rng.random() * a for a in act]
+        shares = [x / (sum(raw) + rng.uniform(0.0, 1.0)) for x in raw]
+        T0 = max(len(p) for p, _ in trees)
+        seqs, Pt, dt = _ranked(trees)
+        live = [b for b in range(B) if act[b]]
+        host = adaptive.bottleneck_expected([(*seqs[b], lags[b]) for b in live], T0, [shares[b] for b in live])
+        order = torch.sort(Pt, dim=1, descending=True, stable=True).indices
+        tensor = adaptive.bottleneck_expected_tensor(Pt, order, dt, torch.tensor(act, dtype=torch.float64), lags,
+                                                     shares)
+        for w in range(1, T0 + 1):
+            want = _enumerated_progress([trees[b] for b in live], [lags[b] for b in live], w,
+                                        [shares[b] for b in live])
+            assert host[w - 1] == pytest.approx(want, rel=1e-12, abs=1e-12)
+            assert tensor[w - 1] == pytest.approx(want, rel=1e-12, abs=1e-12)
+    # level sequences, one with no draft: E[D] is 1, but the other's own tokens count at its share
+    seqs = [([1.0, 0.8, 0.6], [0, 1, 2], 0), ([1.0], [0], 0)]
+    assert adaptive.bottleneck_expected(seqs, 3) == [1.0, 1.0, 1.0]
+    assert adaptive.bottleneck_expected(seqs, 3, [0.4, 0.4]) == pytest.approx([1.0, 1.32, 1.56])
+
+
+def test_at_long_context_a_draft_the_end_alone_refuses_is_verified():
+    """Batch 2 level at 8000 tokens, a 4-node chain each accepted at 0.55 a node, a row 2.6 ms beside a 10 ms step
+    (a 2-node step 1.26x a plain one): by the end alone a width-2 step is worth 1 + 0.55^2 = 1.30 tokens for 12.6 ms,
+    1.03x a plain step's rate, under the margin, so the step is plain. With the K/V bytes of SmolLM2 (46080 a token
+    beside 96.6 MB of weights: each sequence's attention 0.442 of a step) it is worth
+    1 + 0.116 * 0.3025 + 0.884 * 0.55 = 1.52, 1.21x: width 2 (width 3: 1.80 for 15.2 ms, 1.18x). Host check and tensor
+    cut alike; at short context (150 tokens: shares 0.06) still plain."""
+    for d in (OneChainDrafter(), OutlinedChainDrafter()):
+        for ctx, want in ((8000, 2), (150, 1), (None, 1)):
+            p = learned_policy(0.55, 2.6, batch=2, drafter=d)
+            p.kv_per_weight = 46080 / 96.576768e6 if ctx else 0.0
+            out = p.propose(d, None, torch.zeros(2, dtype=torch.long), torch.tensor([ctx or 0] * 2),
+                            torch.ones(2, dtype=torch.long), (True,), [7, 7])
+            assert (1 if out is None else out.tree.num_nodes) == want, (type(d).__name__, ctx)
+
+
+def test_attention_shares_split_a_step_by_its_bytes(model):  # noqa: F811
+    """attention_share: a step's weight bytes are its linears' streamed bytes and the norms; a token's K/V bytes are
+    2 x layers x KV heads x head_dim x the dtype's size; each active sequence's share is its K/V over the weights plus
+    every active sequence's K/V (a finished one: 0), so the shares and the weights' share add up to 1."""
+    from hydra_kernels.attention_share import attention_shares, kv_bytes_per_token, kv_per_weight_byte, \
+        weight_bytes_per_step
+    c = model.config
+    assert kv_bytes_per_token(model) == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4  # fp32
+    W = weight_bytes_per_step(model)
+    assert W >= sum(p.numel() for n, p in model.named_parameters() if "layers" in n and "weight" in n) // 8
+    k = kv_per_weight_byte(model)
+    assert k == pytest.approx(kv_bytes_per_token(model) / W)
+    shares = attention_shares([100, 3000, 50], [1, 1, 0], k)
+    x = [100 * k, 3000 * k]
+    assert shares == pytest.approx([x[0] / (1 + sum(x)), x[1] / (1 + sum(x)), 0.0])
+    assert 1.0 - sum(shares) == pytest.approx(1.0 / (1.0 + sum(x)))
 
 
 @pytest.mark.parametrize("outlined", [False, True])
@@ -474,7 +561,7 @@ def test_a_part_earns_the_batchs_progress_its_nodes_make(outlined):
 def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     """The host pre-check (Drafter.outline -> _host_expected) computes the expected tokens per width that the
     drafted proposal's tensors give: random trees per sequence, two parts, signals and sibling ranks, random
-    learned rates per sequence, pending decay, a finished sequence."""
+    learned rates per sequence, pending decay, a finished sequence, with and without attention shares."""
     B = 4
     p = AdaptiveBudget(RandomTreeDrafter(0, B, True), B, 16, OneChainDrafter(), torch.device("cpu"),
                        clock=lambda: 0.0)
@@ -492,11 +579,13 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
     monkeypatch.setattr(AdaptiveBudget, "_best_width",
                         lambda self, e, T0, d: seen.append(list(e)) or best(self, e, T0, d))
     active = torch.tensor([1, 1, 0, 1])
+    seqlens = torch.tensor([300, 2000, 50, 900])
     stops = 0
-    for with_signal, emitted in itertools.product((True, False), (None, [9, 7, 0, 11], [5, 9, 2, 5])):
+    for with_signal, emitted, kv in itertools.product((True, False), (None, [9, 7, 0, 11], [5, 9, 2, 5]), (0.0, 1e-3)):
         seen.clear()
+        p.kv_per_weight = kv  # with attention shares: each sequence's own tokens count at its share (bottleneck_expected)
         d = RandomTreeDrafter(seed * 2 + with_signal, B, with_signal)
-        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True), emitted)
+        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), seqlens, active, (True, True), emitted)
         T0 = max(len(x) for x, _, _ in d.lists)
         if T0 == 1:  # nothing drafted anywhere: a plain step from the outline alone
             assert len(seen) == 1
@@ -506,11 +595,11 @@ def test_the_outline_judges_as_the_drafted_proposal(seed, monkeypatch):
         n_host = len(seen)
         assert n_host == (2 if max(seen[0]) > 1.0 else 1), "the pre-check must pass where rows are free"
         d.outline = lambda state, batch: None  # no outline: the drafted proposal's tensors are judged
-        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), None, active, (True, True), emitted)
+        copy.deepcopy(p).propose(d, None, torch.zeros(B, dtype=torch.long), seqlens, active, (True, True), emitted)
         assert len(seen) == n_host + 1  # the tensor path judged once
         assert seen[0] == pytest.approx(seen[-1], rel=1e-5, abs=1e-5)
         lags = adaptive.bottleneck_lags(emitted, active.tolist())
-        if any(len(d.lists[b][0]) == 1 and not (lags and lags[b]) for b in range(B) if active[b]):
+        if not kv and any(len(d.lists[b][0]) == 1 and not (lags and lags[b]) for b in range(B) if active[b]):
             # a sequence furthest behind drafts nothing: the check answers 1 at every width without reading rates
             expected, _, ranked, _ = p._host_expected(d.lists, active.tolist(), lags)
             assert expected == [1.0] * T0 and ranked == {}
@@ -524,8 +613,8 @@ def test_a_batched_check_stops_early_only_where_the_whole_check_refuses(seed, mo
     their nodes bound the batch's progress below what pays at any width (_ProgressBound, _least_paying): it refuses
     exactly where _best_width of the whole check gives 1, and otherwise returns the whole check's values. Random trees,
     two parts, signals with pending nodes, random learned rates per sequence, leads, a finished sequence, margins and
-    row prices from cheap to dear, batch 2 to 12; and at batch 8-12 with low rates some checks do stop before the last
-    sequence (the point: at batch 16 a check ranked all 16, ~0.27 ms)."""
+    row prices from cheap to dear, batch 2 to 12, with and without attention shares; and at batch 8-12 with low rates
+    some checks do stop before the last sequence (the point: at batch 16 a check ranked all 16, ~0.27 ms)."""
     rng = random.Random(seed)
     ranked_counts = []
     real_rank = AdaptiveBudget._host_rank
@@ -555,9 +644,13 @@ def test_a_batched_check_stops_early_only_where_the_whole_check_refuses(seed, mo
             active[rng.randrange(B)] = 0
         lags = adaptive.bottleneck_lags([rng.choice([0, 0, 1, 2, 4]) for _ in range(B)], active)
         drafting = rng.choice([0.0, 0.5, 2.0])
-        whole = p._host_expected(shape, active, lags)
+        shares = None
+        if case % 2:  # each sequence's own tokens counted at its attention's share (bottleneck_expected's shares)
+            raw = [rng.random() * a for a in active]
+            shares = [x / (sum(raw) + rng.uniform(0.05, 1.0)) for x in raw]
+        whole = p._host_expected(shape, active, lags, shares=shares)
         ranked_counts.clear()
-        got = p._host_expected(shape, active, lags, drafting)
+        got = p._host_expected(shape, active, lags, drafting, shares)
         if got is None:
             refused += 1
             assert p._best_width(whole[0], whole[1], drafting) == 1
@@ -570,7 +663,8 @@ def test_a_batched_check_stops_early_only_where_the_whole_check_refuses(seed, mo
 
 def test_the_progress_bound_bounds_every_width():
     """_ProgressBound after all sequences is at least bottleneck_expected's largest width, which caps each depth's
-    summed P at 1: siblings whose P sum past 1 (two guesses of 0.9 at depth 1) count 1 (a probability)."""
+    summed P at 1: siblings whose P sum past 1 (two guesses of 0.9 at depth 1) count 1 (a probability); with attention
+    shares too; and it only falls as sequences are ranked."""
     rng = random.Random(5)
     for _ in range(200):
         B = rng.randint(2, 5)
@@ -587,11 +681,16 @@ def test_the_progress_bound_bounds_every_width():
             Ps.append(P), deps.append(depth)
         lags = adaptive.bottleneck_lags([rng.choice([0, 1, 3]) for _ in range(B)], [1] * B)
         T0 = max(len(s) for s, _ in seqs)
-        exact = adaptive.bottleneck_expected([(P, dep, g) for (P, dep), g in zip(seqs, lags)], T0)
-        bound = adaptive._ProgressBound(shape, list(range(B)), lags, math.inf)
-        for b in bound.order:
-            assert bound.refuses(Ps[b], deps[b], b)  # least = inf: always below
-        assert 1.0 + sum(bound.prod[1:]) >= max(exact) - 1e-12
+        raw = [rng.random() for _ in range(B)]
+        for shares in (None, [x / (sum(raw) + rng.uniform(0.05, 1.0)) for x in raw]):
+            exact = adaptive.bottleneck_expected([(P, dep, g) for (P, dep), g in zip(seqs, lags)], T0, shares)
+            bound = adaptive._ProgressBound(shape, list(range(B)), lags, math.inf, shares)
+            values = [bound.value()]
+            for b in bound.order:
+                assert bound.refuses(Ps[b], deps[b], b)  # least = inf: always below
+                values.append(bound.value())
+            assert values == sorted(values, reverse=True)  # each ranked sequence tightens it
+            assert values[-1] >= max(exact) - 1e-12
     # the cap: two sure-looking siblings (0.9 each) beside a sequence at 0.5
     seqs = [([1.0, 0.9, 0.9], [0, 1, 1], 0), ([1.0, 0.5], [0, 1], 0)]
     assert adaptive.bottleneck_expected(seqs, 3) == pytest.approx([1.0, 1.45, 1.5])
