@@ -61,7 +61,8 @@ harness). What the policy changes is which random numbers a step consumes: a see
 but, unlike a pinned budget, not token-for-token reproducible (the measured times steer it).
 
 Host reads: the policy reads small device tensors (the expected tokens per width, the cut tree's depth and
-leaf count, each part's expected tokens and kept counts, the verified tree's depth): free on the CPU, where
+leaf count, each part's expected tokens and kept counts, the verified tree's depth, at batch >= 2 the committed
+lengths the attention shares come from): free on the CPU, where
 it is measured; on a GPU each is a sync the one-host-read loop does not have (generate() runs the adaptive
 budget in the eager loop there).
 """
