@@ -641,8 +641,8 @@ class AdaptiveBudget:
 
     def _shares(self, seqlens: torch.Tensor, active: list[int]) -> list[float] | None:
         """bottleneck_expected's shares at this step: each active sequence's attention's share of a plain step, from
-        its committed length (None where counted as none)."""
-        if not self.kv_per_weight:
+        its committed length (None where counted as none, and at batch 1, whose value is its one sequence's tokens)."""
+        if not self.kv_per_weight or self.batch == 1:
             return None
         return attention_shares(seqlens.tolist(), active, self.kv_per_weight)
 
