@@ -40,6 +40,8 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.batch < 2:
         sys.exit("--batch must be at least 2: one sequence finishes while another attends")
+    if min(args.contexts) < 1 or args.rounds < 1 or args.calls < 1:
+        sys.exit("--contexts, --rounds and --calls must be at least 1")
     torch.set_grad_enabled(False)
     model, _ = hk.load_model(device="cpu")
     backends = plan_backends("auto", model.device, packed_weights=model.has_packed_weights)

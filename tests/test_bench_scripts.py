@@ -107,6 +107,8 @@ def test_bench_attend_share_runs(tmp_path):
     assert len(_rows(tmp_path / "attend_share.csv")) == 2
     with pytest.raises(SystemExit, match="at least 2"):
         _run("bench_attend_share", ["--batch", "1"])
+    with pytest.raises(SystemExit, match="at least 1"):
+        _run("bench_attend_share", ["--contexts", "0", "100"])
 
 
 def test_bench_checkouts_runs():

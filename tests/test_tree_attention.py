@@ -335,8 +335,8 @@ def test_tree_attention_native_fp32_row_is_its_own_one_token_step(backend, seed,
     holding just its keys (prefix rows, then its ancestors-or-self, which end with itself), and each of
     its heads = that head alone over its KV head (1 query row per KV head: no rows grouped with it, so
     the grouping of a KV head's rows into score passes cannot leak into a row's result). Also the fp64
-    brute force to fp32 tolerance. Rows no query may read are NaN: cache rows past each sequence's tree
-    and a KV head beside the real ones (K/V are views of a [.., Hkv + 1, D] buffer)."""
+    brute force and ops/reference.py to fp32 tolerance. Rows no query may read are NaN: cache rows past each
+    sequence's tree and a KV head beside the real ones (K/V are views of a [.., Hkv + 1, D] buffer)."""
     ops = torch.ops.hydra_kernels
     gen = torch.Generator().manual_seed(seed)
     mask = random_tree_batch(gen, sizes)[1].mask
@@ -372,6 +372,9 @@ def test_tree_attention_native_fp32_row_is_its_own_one_token_step(backend, seed,
                                            Li, one, None)
                 assert torch.equal(alone[0, 0, 0], full[b, i, h]), f"sequence {b}, node {i}, head {h} alone"
     assert_close_rel(full, brute_force(q, k, v, sl, mask, D**-0.5), RTOL[torch.float32], "fp32 tiles")
+    clean = torch.nan_to_num(kv, nan=0.0)  # the rows no query reads, made finite for the reference's masked matmul
+    assert_close_rel(full, reference.tree_attention(q, clean[0, :, :, :Hkv], clean[1, :, :, :Hkv], sl, mask),
+                     RTOL[torch.float32], "fp32 tiles against the reference")
 
 
 # ---- inputs are checked by the public op ---------------------------------------------------------
