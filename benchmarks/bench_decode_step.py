@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hydra_kernels as hk  # noqa: E402
+from hydra_kernels.attention_share import kv_bytes_per_token  # noqa: E402
 from report import capture_graph, copy_bandwidth_gbs, print_table, time_us, write_results  # noqa: E402
 
 
@@ -128,12 +129,10 @@ def step_bytes(model, B: int, context: int, T: int) -> int:
     """The fewest bytes a step must move: every weight once (the LM head included; an untied embedding table
     not: a step gathers only B x T of its rows), the committed K/V (B x context rows, K and V, every layer)
     read once, and the T new K/V rows written."""
-    cfg = model.config
     emb = model.tok_embeddings.weight
     tied = model.output.weight is emb
     weights = sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
-    row = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.tensor([], dtype=model.dtype).element_size()
-    return weights + B * (context + T) * row
+    return weights + B * (context + T) * kv_bytes_per_token(model)
 
 
 def main(argv=None) -> list[dict]:

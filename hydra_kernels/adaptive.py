@@ -709,9 +709,7 @@ class AdaptiveBudget:
         per node): _host_expected's per sequence. best: the pending classes chosen so far; run: the run's rates read so
         far (Calibration.host_run_rates' cache); both shared by the sequences of one check."""
         parents, groups, signal = seq_shape
-        depth = [0] * len(parents)
-        for j in range(1, len(parents)):
-            depth[j] = depth[parents[j]] + 1
+        depth = node_depths(parents)
         ks = []
         for g, d, x in zip(groups, depth, signal):
             base = (g * MAX_DEPTH_KEY + min(max(d - 1, 0), MAX_DEPTH_KEY - 1)) * SIGNALS
@@ -1050,8 +1048,8 @@ def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int,
 
     Why not the sum of the sequences' expected tokens: generate() decodes a fixed batch, which ends when its last
     sequence does (a finished sequence's rows still go through the weights; only its attention is skipped: `shares`
-    below), so its tokens per second are B * N / (the last one's finishing time). A draft that only the sequences ahead accept finishes nobody sooner: Xeon AMX VM,
-    2026-11-30, batch 2, editing prompts, 64 tokens: one sequence copied its text through 6-node steps at 3.2x a
+    below), so its tokens per second are B * N / (the last one's finishing time). A draft that only the sequences ahead
+    accept finishes nobody sooner: Xeon AMX VM, 2026-11-30, batch 2, editing prompts, 64 tokens: one sequence copied its text through 6-node steps at 3.2x a
     plain step's time while the other accepted nothing: 62 steps for plain decoding's 64, 930 ms against 647.
     So a step is worth how far it moves the end: with r_b the tokens sequence b has left (the same cap for all, so
     r_max - r_b = g_b) and a_b >= 1 the tokens it emits this step,
@@ -1066,15 +1064,15 @@ def bottleneck_expected(seqs: list[tuple[list[float], list[int], int]], T0: int,
 
     shares (None: none): per sequence, a_b, the share of a plain step that attends to its K/V (attention_share.py), which
     the batch stops paying once b has finished: its attention is skipped (speculative.py's `attend`), and at long context
-    it is most of the step (0.84 at batch 2, 8000 keys). With the step's time split as W + sum_b A_b over the active
+    it is most of the step (0.88 at batch 2, 8000 keys). With the step's time split as W + sum_b A_b over the active
     sequences, the batch's remaining time is W * (its last sequence's finishing step) + sum_b A_b * (b's finishing step),
     so a token b gains saves W's share only where it moves the end, and b's own A_b always. In a plain step's units:
         E(w) = 1 + (1 - sum_b a_b) * (E[D](w) - 1) + sum_b a_b * (E_b(w) - 1),
     E_b(w) - 1 = sum_d min(S_b(d), 1), b's own expected tokens (its lead does not matter: its attention ends when it
     does). EPYC VM, 2026-12-01, batch 2, 8000-token prompts (question 20), 64 tokens, once a finished sequence's
     attention was spread over both threads (csrc/tree_attention_cpu.cpp: a step with one finished 27 ms, both
-    attending 47): the budget table's fixed 2-node steps, 1.55 tokens a step, ran 1.18-1.26x plain; this policy without
-    shares 1.08x (7.4 drafted steps an answer), with them 1.16x (15.0)."""
+    attending 47): the budget table's fixed 2-node steps, 1.55 tokens a step, ran 1.12-1.26x plain; this policy without
+    shares 1.00-1.08x, with them 1.03-1.16x (+1.4 to +8.2 points in each of three paired runs at 8000 keys)."""
     out = _bottleneck_only(seqs, T0)
     if shares is None or not any(shares):
         return out
@@ -1141,7 +1139,7 @@ class _ProgressBound:
         self.own = 0.0  # sum_b a_b * (b's own gain: exact once ranked, its outline's depth before)
         if self.shares is not None:
             self.bn = 1.0 - sum(self.shares[b] for b in live)
-            self.own = sum(self.shares[b] * _outline_depth(shape[b][0]) for b in live)
+            self.own = sum(self.shares[b] * max(node_depths(shape[b][0])) for b in live)
 
     def refuses(self, P: list[float], depth: list[int], b: int) -> bool:
         """Sequence b ranked (P and depth per node): is the bound now below the least progress that pays?"""
@@ -1166,12 +1164,12 @@ class _ProgressBound:
         return 1.0 + self.bn * sum(self.prod[1:]) + self.own
 
 
-def _outline_depth(parents: list[int]) -> int:
-    """The deepest node of a tree given by its parent list (root -1, parents before children)."""
+def node_depths(parents: list[int]) -> list[int]:
+    """Each node's depth in a tree given by its parent list (root -1 at 0, parents before children)."""
     depth = [0] * len(parents)
     for j in range(1, len(parents)):
         depth[j] = depth[parents[j]] + 1
-    return max(depth)
+    return depth
 
 
 def bottleneck_expected_tensor(P: torch.Tensor, order: torch.Tensor, depths: torch.Tensor, act: torch.Tensor,

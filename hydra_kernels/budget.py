@@ -107,7 +107,9 @@ class StepBudget:
         from .adaptive import AdaptiveBudget  # here, not at the top: adaptive imports the drafters, which import us
         from .attention_share import kv_per_weight_byte
 
-        return AdaptiveBudget(drafter, batch, cap, model, device, kv_per_weight=kv_per_weight_byte(model))
+        # the shares matter only to a batch (and walking the model's modules costs ~0.5 ms a call)
+        kv = kv_per_weight_byte(model) if batch > 1 else 0.0
+        return AdaptiveBudget(drafter, batch, cap, model, device, kv_per_weight=kv)
 
     def nodes(self, batch: int, context: int) -> int:
         if self.pinned is not None:
