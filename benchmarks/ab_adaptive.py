@@ -75,8 +75,8 @@ def prompt_groups(tok, args) -> list[list[list[int]]]:
 
 def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision and process)
     """AdaptiveBudget of hydra_kernels/adaptive.py at git revision `rev`, loaded beside the current module (its
-    relative imports the current package's), its constructor and propose given only the arguments they take (an older
-    loop passed fewer). A revision git cannot show is refused."""
+    relative imports the current package's), its constructor, plan and propose given only the arguments they take (an
+    older loop passed fewer). A revision git cannot show is refused."""
     if rev not in _cache:
         root = Path(__file__).resolve().parents[1]
         try:
@@ -93,6 +93,7 @@ def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision
         sys.modules[name] = module
         exec(compile(shown.stdout, f"{rev}:hydra_kernels/adaptive.py", "exec"), module.__dict__)
         takes = len(inspect.signature(module.AdaptiveBudget.propose).parameters) - 1  # self excluded
+        plan_takes = len(inspect.signature(module.AdaptiveBudget.plan).parameters) - 1
         keywords = inspect.signature(module.AdaptiveBudget.__init__).parameters
 
         class Budget(module.AdaptiveBudget):
@@ -101,6 +102,9 @@ def policy_at(rev: str, _cache: dict = {}):  # noqa: B006 (one load per revision
 
             def propose(self, *a):
                 return super().propose(*a[:takes])
+
+            def plan(self, *a):  # before 2026-12-01 plan took no step size
+                return super().plan(*a[:plan_takes])
 
         _cache[rev] = Budget
     return _cache[rev]

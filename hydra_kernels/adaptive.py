@@ -48,8 +48,9 @@ starts from what its part and signal earned at the other depths), so a prompt th
 one that does not earns none.
 
 Step costs are measured (`StepCosts`): each step's wall time (loop iteration to loop iteration, so
-host work counts; the step ends with the loop's one host read, so the time is the device's too) is fitted
-online as a + sum of the parts' drafting costs + c [T > 1] + b * (T - 1) by decayed ridge regression, the
+host work counts; the step ends with the loop's one host read, so the time is the device's too) less the parts'
+drafting costs is fitted online as size * (a + c [T > 1] + b * (T - 1)) by decayed ridge regression, size being the
+bytes a plain step reads over the weights' (attention_share.step_size: each attending sequence's K/V adds to it), the
 previous run's fit (same model, batch size, device, threads) its prior.
 
 Exactness: greedy acceptance emits the base model's tokens for any tree, so greedy output is plain
@@ -75,7 +76,7 @@ import time
 
 import torch
 
-from .attention_share import attention_shares
+from .attention_share import attention_shares, step_size
 from .drafters.protocol import CONFIDENCE_EDGES, PENDING_SIGNAL, Proposal
 from .tree import Tree, TreeBatch, sibling_ranks
 
@@ -280,6 +281,15 @@ class StepCosts:
     prediction plus 2 ms: a one-time cost (a first call's warm-up, a page fault) must not teach the policy that
     rows are dear for the rest of a run.
 
+    Per unit of the step's size (attention_share.step_size: a plain step's bytes over the weights' bytes, set by the
+    policy before each step): a, b, c are fitted on ms / size and predicted times size. Why: one fit per batch size
+    mixed steps of different sizes. EPYC VM, 2026-12-01, batch 2 over 8000 keys: a plain step took ~45 ms with both
+    sequences attending and ~26 with one finished, a node ~10 ms a sequence with both; fitted raw over an answer where
+    one finished early, the fit priced a 2-node step at 1.49x a plain one and a 3-node step at 2.2x (measured ~1.2x and
+    ~1.4x), so the policy refused the 2-node drafts the table's steps gained ~20% from, answer after answer. Per unit,
+    a plain step is 5.5-5.7 ms at every size measured there (100-8000 keys, one or both attending) and a node ~1.2 ms
+    at short context and at 8000 keys alike.
+
     Why c: a + b (T - 1) alone put the first node's surcharge into both a and b. EPYC VM, 2026-11-29, the shipped
     combined drafter at batch 1, medians of the loop's timed steps by width: MT-Bench 6.04 / 7.83 / 9.08 / 10.43 ms
     for T = 1-4 (the first node 1.8 ms, the next ones 1.3), fitted a = 6.91 (a plain step 14% dearer than measured),
@@ -306,6 +316,7 @@ class StepCosts:
         self.pull = [(1 - DECAY) * self.weight * s for s in self.PRIOR_SCALE]  # the prior's pull per coefficient a step
         self._reset(list(prior) + [0.0] * (3 - len(prior)) if prior is not None else [10.0, 10.0 * self.row_share, 0.0])
         self.plain_seen, self.wide_seen = 0, False
+        self.size = 1.0  # the step's size (attention_share.step_size): what the fit's per-unit costs are scaled by
 
     def _reset(self, prior: list[float]) -> None:
         """The fit back to its prior [a, b, c] (the ridge's normal equations A theta = r over theta = (a, b, c))."""
@@ -315,11 +326,11 @@ class StepCosts:
         self.coef, self.spec = prior[:2], prior[2]  # coef: [a, b]; spec: c
 
     def plain(self) -> float:
-        """A plain step (ms), as predict(1) gives it."""
-        return max(self.coef[0], 1e-3)
+        """A plain step (ms) at the current size, as predict(1) gives it."""
+        return max(self.coef[0], 1e-3) * self.size
 
     def predict(self, width: int) -> float:
-        """A step of `width` nodes: never cheaper than a plain step, nor than a narrower one (a fit from few widths
+        """A step of `width` nodes at the current size: never cheaper than a plain step, nor than a narrower one (a fit from few widths
         may give c < 0 or b < 0)."""
         return self.plain() + (self.rows(width - 1) if width > 1 else 0.0)
 
@@ -331,17 +342,19 @@ class StepCosts:
 
     def rows(self, nodes: float) -> float:
         """What `nodes` verified nodes per sequence (a part's mean: a fraction where it keeps some steps none) add to a
-        plain step: their rows, and the drafted step's surcharge c for up to one of them."""
-        return max(0.0, max(self.coef[1], 0.0) * nodes + self.spec * min(1.0, nodes))
+        plain step: their rows, and the drafted step's surcharge c for up to one of them (at the current size)."""
+        return max(0.0, max(self.coef[1], 0.0) * nodes + self.spec * min(1.0, nodes)) * self.size
 
     def observe(self, width: int, ms: float) -> None:
+        """A step of `width` nodes at the current size took `ms` (its drafting excluded)."""
+        ms /= self.size  # the fit's unit
         if not self.known and width == 1 and self.plain_seen < self.PLAIN_STEPS_TO_SCALE:
             self.plain_seen += 1
             if self.plain_seen == 1 or ms < self.prior[0]:  # the guess scaled to the fastest plain step yet
                 self._reset([ms, ms * self.row_share, 0.0])
                 return
         self.wide_seen = self.wide_seen or width > 1
-        ms = self.bounded(ms, self.predict(width))
+        ms = self.bounded(ms, self.predict(width) / self.size)
         # the normal equations decayed toward the prior (not toward zero), plus x x^T and x ms, x = (1, T - 1, [T > 1]);
         # written out, as _solve3 is: observe runs after every step, right after the native step on caches it left
         # cold. Xeon AMX VM, 2026-11-30: 2.8 us warm where the loops and list comprehensions took 10.8 (the same fit to
@@ -486,7 +499,8 @@ class AdaptiveBudget:
                  kv_per_weight: float = 0.0):
         self.parts = tuple(drafter.parts)
         # one sequence's K/V bytes per committed token over a step's weight bytes (attention_share.py): what its
-        # attention's share of a step is at its context (bottleneck_expected's shares); 0: counted as none
+        # attention's share of a step is at its context (bottleneck_expected's shares, at batch >= 2) and a step's size
+        # (StepCosts' unit); 0: counted as none (every step size 1)
         self.kv_per_weight = kv_per_weight
         self.prunable = drafter.prunable_proposals
         self.cap, self.batch = cap, batch
@@ -517,9 +531,13 @@ class AdaptiveBudget:
         """The loop starts: the first step's time counts from here."""
         self.last_t = self.clock()
 
-    def plan(self) -> tuple[bool, ...]:
-        """Which parts draft this step (all False: a plain step)."""
+    def plan(self, contexts: list[int] | None = None, done: list[bool] | None = None) -> tuple[bool, ...]:
+        """Which parts draft this step (all False: a plain step). contexts / done: each sequence's committed length and
+        whether it is done (host lists), which size the step (StepCosts: attention_share.step_size); None: size 1."""
         t0 = self.clock()
+        if contexts is not None and self.kv_per_weight:
+            self.costs.size = step_size(contexts, done if done is not None else [False] * len(contexts),
+                                        self.kv_per_weight)
         run = tuple(False for _ in self.parts) if self.first else tuple(g.due() for g in self.gates)
         self.host_s += self.clock() - t0
         return run

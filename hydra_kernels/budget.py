@@ -107,9 +107,7 @@ class StepBudget:
         from .adaptive import AdaptiveBudget  # here, not at the top: adaptive imports the drafters, which import us
         from .attention_share import kv_per_weight_byte
 
-        # the shares matter only to a batch (and walking the model's modules costs ~0.5 ms a call)
-        kv = kv_per_weight_byte(model) if batch > 1 else 0.0
-        return AdaptiveBudget(drafter, batch, cap, model, device, kv_per_weight=kv)
+        return AdaptiveBudget(drafter, batch, cap, model, device, kv_per_weight=kv_per_weight_byte(model))
 
     def nodes(self, batch: int, context: int) -> int:
         if self.pinned is not None:

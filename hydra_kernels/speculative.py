@@ -178,7 +178,7 @@ def speculative_loop(model, drafter, tree, cache, prefill_hidden, lengths, root,
         while not emitter.all_done:
             context = max(host_seqlens)  # host-side bound on every committed length
             if policy is not None:
-                parts = policy.plan()
+                parts = policy.plan(host_seqlens, emitter.done)  # the step's size: who attends, over how much
                 prop = None
                 if any(parts):  # the parts that pay draft; the policy keeps the nodes that pay (None: none)
                     emitted = [len(s) for s in emitter.sequences] if batch > 1 else None  # who holds the end back

@@ -1376,6 +1376,88 @@ def test_step_costs_tell_a_drafted_steps_surcharge_from_its_rows():
     assert c2.known and [c2.predict(w) for w in (1, 2, 4)] == pytest.approx([c.predict(w) for w in (1, 2, 4)])
 
 
+def test_step_costs_price_each_step_by_its_size():
+    """StepCosts fits ms / size (attention_share.step_size) and predicts times the current size: batch-2 steps over
+    8000 keys where one sequence finishes part-way (size 8.6 with both attending, 4.8 after; 5.6 ms a unit for a plain
+    step, 1.2 a node, 0.5 a drafted step's surcharge) are priced at either size within 3%, and a run at another context
+    (size 1.5) starts from the same per-unit fit. Fitted on the raw times instead (size left at 1, the fit before
+    2026-12-01), the mixed steps priced a 2-node step at both sizes well off what it took."""
+    truth = lambda w, u: u * (5.6 + (0.5 + 1.2 * (w - 1) if w > 1 else 0.0))  # noqa: E731
+    rng = random.Random(3)
+    mem, raw = {}, adaptive.StepCosts({}, "k", "cpu", 2)
+    c = adaptive.StepCosts(mem, "k", "cpu", 2)
+    for step in range(120):
+        u = 8.6 if step % 40 < 25 else 4.8  # a sequence finishes, the next answer starts level again
+        w = rng.choice([1, 1, 2, 3]) if step % 40 < 25 else rng.choice([1, 2])  # the tail drafts narrow
+        c.size = u
+        ms = truth(w, u) * rng.uniform(0.99, 1.01)
+        c.observe(w, ms)
+        raw.observe(w, ms)
+    for u in (8.6, 4.8):
+        c.size = u
+        assert [c.predict(w) for w in (1, 2, 3, 4)] == pytest.approx([truth(w, u) for w in (1, 2, 3, 4)], rel=0.03)
+        assert c.plain() == pytest.approx(truth(1, u), rel=0.03)
+        assert c.rows(1.0) == pytest.approx(truth(2, u) - truth(1, u), rel=0.05)
+    assert max(abs(raw.predict(2) / truth(2, u) - 1) for u in (8.6, 4.8)) > 0.1  # one raw line cannot price both
+    c.remember()
+    c2 = adaptive.StepCosts(mem, "k", "cpu", 2)
+    c2.size = 1.5
+    assert c2.known and [c2.predict(w) for w in (1, 2)] == pytest.approx([truth(1, 1.5), truth(2, 1.5)], rel=0.03)
+
+
+def test_the_policy_sizes_each_step_from_who_attends_over_how_much(model):  # noqa: F811
+    """AdaptiveBudget.plan(contexts, done) sets its cost fit's size to attention_share.step_size (1 + K/V per weight
+    byte x the committed lengths of the sequences not done); without them, or with no K/V price, size 1. generate()
+    passes the loop's host lengths and done flags at every step: at batch 2 with one answer ending at an EOS the size
+    drops once that sequence is done, and every step's size is step_size of the lengths plan saw.
+    kv_per_weight_byte is computed once per model."""
+    from hydra_kernels import attention_share
+    from hydra_kernels.attention_share import kv_per_weight_byte, step_size
+    assert step_size([100, 3000, 50], [False, False, True], 0.01) == pytest.approx(1.0 + 0.01 * 3100)
+    assert step_size([100], [True], 0.01) == 1.0
+    d, tree = make(model, "combined")
+    p = AdaptiveBudget(d, 2, 4, model, torch.device("cpu"), kv_per_weight=0.001)
+    p.plan([500, 700], [False, False])
+    assert p.costs.size == pytest.approx(2.2)
+    p.plan([500, 700], [False, True])
+    assert p.costs.size == pytest.approx(1.5)
+    p.plan()
+    assert p.costs.size == pytest.approx(1.5)  # no lengths given: the last size stands
+    q = AdaptiveBudget(d, 2, 4, model, torch.device("cpu"))
+    q.plan([500, 700], [False, False])
+    assert q.costs.size == 1.0  # no K/V price: every step size 1
+    model.__dict__.pop("_kv_per_weight_byte", None)
+    walks = []
+    weight_bytes = attention_share.weight_bytes_per_step
+    try:
+        attention_share.weight_bytes_per_step = lambda m: walks.append(1) or weight_bytes(m)
+        k = kv_per_weight_byte(model)
+        assert kv_per_weight_byte(model) == k and len(walks) == 1
+    finally:
+        attention_share.weight_bytes_per_step = weight_bytes
+    seen = []
+    plan = AdaptiveBudget.plan
+
+    def spy(self, contexts=None, done=None):
+        out = plan(self, contexts, done)
+        seen.append((list(contexts), list(done), self.costs.size))
+        return out
+
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    ref = generate(model, prompts, max_new_tokens=12, eos_token_id=[])
+    eos = ref.sequences[0][4]  # sequence 0 ends at its 5th token (or earlier, where that token came before)
+    AdaptiveBudget.plan = spy
+    try:
+        out = generate(model, prompts, drafter=d, tree=tree, budget="adaptive", max_new_tokens=12,
+                       eos_token_id=[eos])
+    finally:
+        AdaptiveBudget.plan = plan
+    assert out.sequences == generate(model, prompts, max_new_tokens=12, eos_token_id=[eos]).sequences
+    assert seen and all(u == pytest.approx(step_size(n, dn, k)) for n, dn, u in seen)
+    i = next(i for i, (_, dn, _) in enumerate(seen) if dn[0])  # the first step after sequence 0 is done
+    assert not seen[i][1][1] and seen[i][2] < seen[i - 1][2]
+
+
 def test_step_costs_fit_is_the_decayed_ridge_written_out():
     """StepCosts.observe's written-out update and _solve3 against their definition: the normal equations decayed toward
     the prior, A <- DECAY A + x x^T + (1 - DECAY) w diag(S), r <- DECAY r + (1 - DECAY) w S prior + x ms, x = (1, T - 1,
