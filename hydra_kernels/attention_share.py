@@ -29,12 +29,13 @@ def kv_bytes_per_token(model) -> int:
 
 
 def kv_per_weight_byte(model) -> float:
-    """One sequence's K/V bytes per committed token over the bytes of weights a step reads. Computed once per model
-    (kept on it): walking its modules took ~0.5 ms, once per generate() call before."""
-    cached = model.__dict__.get("_kv_per_weight_byte")
-    if cached is None:
-        cached = model.__dict__["_kv_per_weight_byte"] = kv_bytes_per_token(model) / max(weight_bytes_per_step(model), 1)
-    return cached
+    """One sequence's K/V bytes per committed token over the bytes of weights a step reads. Computed once per model and
+    dtype (kept on the model: walking its modules took ~0.5 ms, once per generate() call before; a model cast to
+    another dtype after is measured again)."""
+    cache = model.__dict__.setdefault("_kv_per_weight_byte", {})
+    if model.dtype not in cache:
+        cache[model.dtype] = kv_bytes_per_token(model) / max(weight_bytes_per_step(model), 1)
+    return cache[model.dtype]
 
 
 def attention_shares(contexts: list[int], active: list[int], kv_per_weight: float) -> list[float]:

@@ -1410,7 +1410,7 @@ def test_the_policy_sizes_each_step_from_who_attends_over_how_much(model):  # no
     byte x the committed lengths of the sequences not done); without them, or with no K/V price, size 1. generate()
     passes the loop's host lengths and done flags at every step: at batch 2 with one answer ending at an EOS the size
     drops once that sequence is done, and every step's size is step_size of the lengths plan saw.
-    kv_per_weight_byte is computed once per model."""
+    kv_per_weight_byte is computed once per model and dtype."""
     from hydra_kernels import attention_share
     from hydra_kernels.attention_share import kv_per_weight_byte, step_size
     assert step_size([100, 3000, 50], [False, False, True], 0.01) == pytest.approx(1.0 + 0.01 * 3100)
@@ -1433,6 +1433,9 @@ def test_the_policy_sizes_each_step_from_who_attends_over_how_much(model):  # no
         attention_share.weight_bytes_per_step = lambda m: walks.append(1) or weight_bytes(m)
         k = kv_per_weight_byte(model)
         assert kv_per_weight_byte(model) == k and len(walks) == 1
+        assert k == pytest.approx(attention_share.kv_bytes_per_token(model) / weight_bytes(model))
+        model.__dict__["_kv_per_weight_byte"] = {torch.bfloat16: 1.0}  # measured at another dtype: measured again
+        assert kv_per_weight_byte(model) == k and len(walks) == 2
     finally:
         attention_share.weight_bytes_per_step = weight_bytes
     seen = []
