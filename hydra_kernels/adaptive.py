@@ -285,10 +285,10 @@ class StepCosts:
     policy before each step): a, b, c are fitted on ms / size and predicted times size. Why: one fit per batch size
     mixed steps of different sizes. EPYC VM, 2026-12-01, batch 2 over 8000 keys: a plain step took ~45 ms with both
     sequences attending and ~26 with one finished, a node ~10 ms a sequence with both; fitted raw over an answer where
-    one finished early, the fit priced a 2-node step at 1.49x a plain one and a 3-node step at 2.2x (measured ~1.2x and
-    ~1.4x), so the policy refused the 2-node drafts the table's steps gained ~20% from, answer after answer. Per unit,
-    a plain step is 5.5-5.7 ms at every size measured there (100-8000 keys, one or both attending) and a node ~1.2 ms
-    at short context and at 8000 keys alike.
+    one finished early, the fit priced a 2-node step at 1.49x a plain one and a 3-node step at 2.2x (measured 1.2-1.3x
+    and 1.5-1.7x), so the policy refused the 2-node drafts the table's steps gained ~20% from, answer after answer.
+    Per unit, a plain step is 5.5-5.7 ms at every size measured there (100-8000 keys, one or both attending) and a node
+    ~1.2 ms at short context and at 8000 keys alike.
 
     Why c: a + b (T - 1) alone put the first node's surcharge into both a and b. EPYC VM, 2026-11-29, the shipped
     combined drafter at batch 1, medians of the loop's timed steps by width: MT-Bench 6.04 / 7.83 / 9.08 / 10.43 ms
@@ -330,8 +330,8 @@ class StepCosts:
         return max(self.coef[0], 1e-3) * self.size
 
     def predict(self, width: int) -> float:
-        """A step of `width` nodes at the current size: never cheaper than a plain step, nor than a narrower one (a fit from few widths
-        may give c < 0 or b < 0)."""
+        """A step of `width` nodes at the current size: never cheaper than a plain step, nor than a narrower one (a fit
+        from few widths may give c < 0 or b < 0)."""
         return self.plain() + (self.rows(width - 1) if width > 1 else 0.0)
 
     @staticmethod
@@ -533,7 +533,8 @@ class AdaptiveBudget:
 
     def plan(self, contexts: list[int] | None = None, done: list[bool] | None = None) -> tuple[bool, ...]:
         """Which parts draft this step (all False: a plain step). contexts / done: each sequence's committed length and
-        whether it is done (host lists), which size the step (StepCosts: attention_share.step_size); None: size 1."""
+        whether it is done (host lists), which size the step (StepCosts: attention_share.step_size); None: the size
+        stands (1 until lengths are given)."""
         t0 = self.clock()
         if contexts is not None and self.kv_per_weight:
             self.costs.size = step_size(contexts, done if done is not None else [False] * len(contexts),

@@ -42,9 +42,8 @@ def attention_shares(contexts: list[int], active: list[int], kv_per_weight: floa
     """Per sequence b, a_b = (its K/V bytes) / (the weights' bytes + every active sequence's K/V bytes): the share of a
     plain step of this batch that attends to b's K/V. A finished sequence (active 0) attends to nothing: 0. contexts:
     each sequence's committed length (host ints)."""
-    x = [kv_per_weight * n if a else 0.0 for n, a in zip(contexts, active)]
-    total = 1.0 + sum(x)
-    return [v / total for v in x]
+    total = step_size(contexts, [not a for a in active], kv_per_weight)
+    return [kv_per_weight * n / total if a else 0.0 for n, a in zip(contexts, active)]
 
 
 def step_size(contexts: list[int], done: list[bool], kv_per_weight: float) -> float:
